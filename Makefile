@@ -1,0 +1,28 @@
+# The two commands a user types: `make demo` and `make test`. Both install first when needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-v1
+BACKEND ?= $(or $(HP_BACKEND),torch)
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+# Idempotent: re-runs only when the project's dependency list changes.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.4,<=2.14.1"
+	$(PY) -m pip install -q "mindspore==2.10.0" "numpy<2"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: install
+	HP_BACKEND=$(BACKEND) $(PY) examples/train_mlp.py --nproc 2
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,22 @@
+"""hyper_parallel: FSDP2-style fully_shard for PyTorch and MindSpore.
+
+Importing this package loads no framework; the first call that needs one picks it with
+HP_BACKEND (see hyper_parallel.platform).
+"""
+
+from hyper_parallel.comm_stats import CommStats, comm_stats, track_comms
+from hyper_parallel.distributed import destroy_distributed, init_distributed
+from hyper_parallel.fully_shard import (
+    CPUOffloadPolicy, DeviceMesh, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+    init_device_mesh,
+)
+from hyper_parallel.full_state import gather_full_state_dict
+from hyper_parallel.platform import get_platform
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUOffloadPolicy", "CommStats", "DeviceMesh", "FSDPModule", "MixedPrecisionPolicy",
+    "OffloadPolicy", "comm_stats", "destroy_distributed", "fully_shard", "gather_full_state_dict",
+    "get_platform", "init_device_mesh", "init_distributed", "track_comms",
+]

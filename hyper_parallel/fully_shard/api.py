@@ -1,0 +1,216 @@
+"""``fully_shard`` and the FSDPModule methods a wrapped module gains.
+
+[Note: validate everything, then change anything]
+``fully_shard`` first computes and checks the whole plan (mesh, managed parameters, shard
+dims, ignored parameters, parameters already managed elsewhere) and only then replaces
+parameters, swaps the class and installs hooks, so a bad call leaves the module untouched.
+
+[Note: which parameters a unit manages]
+The parameters registered on the given modules and their submodules, minus those of
+submodules that are already units (apply fully_shard bottom-up, blocks first, then the
+root) and minus ``ignored_params``. A parameter shared by modules of two different units
+cannot be sharded by both: that is an error naming the fix (wrap their common ancestor).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable
+
+from hyper_parallel.fully_shard.param import FSDPParam
+from hyper_parallel.fully_shard.mesh import MeshInfo, as_device_mesh
+from hyper_parallel.fully_shard.param_group import FSDPParamGroup
+from hyper_parallel.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.fully_shard.state import STATE_ATTR, FSDPState
+from hyper_parallel.platform import get_platform
+
+_SHARDED_BY = "_hp_sharded_by"      # on a sharded parameter: the unit that owns it
+_REPLACED_BY = "_hp_replaced_by"    # on an original parameter a unit replaced
+
+
+class FSDPModule:
+    """Methods of a module after ``fully_shard`` (its class becomes ``FSDP<Class>``)."""
+
+    def unshard(self, async_op: bool = False):
+        """Gather this unit's full parameters now (they stay until the next forward uses
+        them). With ``async_op=True`` return a handle; ``wait()`` makes them the attributes."""
+        state = _state_of(self)
+        if not async_op:
+            state.unshard()
+            state.keep_until_next_forward()
+            return None
+        state.prefetch()
+        return _UnshardHandle(state)
+
+    def reshard(self) -> None:
+        """Free this unit's full parameters; the module sees its sharded parameters."""
+        _state_of(self).reshard()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free full parameters after forward (re-gather for backward) or keep them."""
+        for state in _states_under(self, recurse):
+            state.reshard_after_forward = bool(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, recurse: bool = True) -> None:
+        """Keep full parameters after backward (saves the next forward's all-gather when no
+        optimizer step happens in between, e.g. gradient accumulation)."""
+        for state in _states_under(self, recurse):
+            state.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, recurse: bool = True) -> None:
+        """Off: backward accumulates unsharded gradients locally, no communication; the next
+        backward with it on reduces the accumulated sum."""
+        for state in _states_under(self, recurse):
+            state.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        """Units whose all-gather starts when this unit's forward starts."""
+        _state_of(self).forward_prefetch = [_state_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        """Units re-gathered when this unit's backward starts."""
+        _state_of(self).backward_prefetch = [_state_of(m) for m in modules]
+
+
+class _UnshardHandle:
+    def __init__(self, state: FSDPState):
+        self._state = state
+
+    def wait(self) -> None:
+        self._state.unshard()
+        self._state.keep_until_next_forward()
+
+
+def _state_of(module: Any) -> FSDPState:
+    state = module.__dict__.get(STATE_ATTR)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not a fully_shard unit; call fully_shard on it first")
+    return state
+
+
+def _states_under(module: Any, recurse: bool) -> list:
+    if not recurse:
+        return [_state_of(module)]
+    states = []
+    for _, sub in get_platform().named_modules(module):
+        state = sub.__dict__.get(STATE_ATTR)
+        if state is not None and all(state is not s for s in states):
+            states.append(state)
+    return states
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_class(cls: type) -> type:
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
+def _resolve_dtype(platform, dtype):
+    return platform.dtype(dtype) if isinstance(dtype, str) else dtype
+
+
+def _validate_mesh(mesh) -> None:
+    if mesh.ndim > 2:
+        raise ValueError(f"fully_shard takes a 1-D mesh (FSDP) or a 2-D mesh (HSDP); got {mesh.ndim}-D "
+                         f"{mesh.shape}. Flatten the data-parallel dims into ('replicate', 'shard').")
+    if mesh.ndim == 2 and mesh.mesh_dim_names != ("replicate", "shard"):
+        raise ValueError(f"a 2-D fully_shard mesh must have mesh_dim_names ('replicate', 'shard'), "
+                         f"got {mesh.mesh_dim_names}; create it with init_device_mesh(device, (R, S), "
+                         f"mesh_dim_names=('replicate', 'shard'))")
+
+
+def _shard_dim(param, fqn: str, ndim: int, shard_placement_fn: Callable | None) -> int:
+    if ndim == 0:
+        raise ValueError(f"parameter {fqn!r} is 0-dimensional and cannot be sharded; "
+                         f"pass it in ignored_params")
+    chosen = shard_placement_fn(param) if shard_placement_fn is not None else None
+    dim = 0 if chosen is None else getattr(chosen, "dim", chosen)
+    if not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ValueError(f"shard_placement_fn returned {chosen!r} for parameter {fqn!r} of "
+                         f"{ndim} dims; return a dim in [{-ndim}, {ndim}) (or None for dim 0)")
+    return dim % ndim
+
+
+def _managed_params(platform, modules: list, ignored_ids: set) -> tuple[list, set]:
+    """[(fqn, param, slots)] for the unit, and the ids of every parameter seen."""
+    skip: set = set()
+    for root in modules:
+        for name, sub in platform.named_modules(root):
+            if sub is not root and STATE_ATTR in sub.__dict__:
+                skip.update(id(m) for _, m in platform.named_modules(sub))
+    by_id: dict = {}
+    seen: set = set()
+    for index, root in enumerate(modules):
+        prefix = f"[{index}]." if len(modules) > 1 else ""
+        for name, sub in platform.named_modules(root):
+            for attr, param in platform.direct_params(sub):
+                seen.add(id(param))
+                if id(sub) in skip or id(param) in ignored_ids:
+                    continue
+                fqn = prefix + (f"{name}.{attr}" if name else attr)
+                entry = by_id.setdefault(id(param), [fqn, param, []])
+                if all(m is not sub or a != attr for m, a in entry[2]):
+                    entry[2].append((sub, attr))
+    return [tuple(v) for v in by_id.values()], seen
+
+
+def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
+                shard_placement_fn: Callable | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(),
+                ignored_params: Iterable | None = None):
+    """Shard ``module``'s parameters over ``mesh`` (FSDP2 semantics); return ``module``.
+
+    ``module`` may be a list of modules forming one unit (one all-gather for all of them).
+    """
+    platform = get_platform()
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if STATE_ATTR in m.__dict__:
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "
+                             f"apply it once per module (use the FSDPModule setters to change settings)")
+    device_mesh = as_device_mesh(mesh)
+    _validate_mesh(device_mesh)
+    if isinstance(offload_policy, CPUOffloadPolicy) and platform.device_type() != "cpu":
+        raise NotImplementedError("CPUOffloadPolicy is not implemented on accelerators yet; "
+                                  "use OffloadPolicy() (on a CPU device it is not needed)")
+    ignored = list(ignored_params or [])
+    ignored_ids = {id(p) for p in ignored}
+    managed, seen = _managed_params(platform, modules, ignored_ids)
+    strangers = [p for p in ignored if id(p) not in seen]
+    if strangers:
+        raise ValueError(f"{len(strangers)} of ignored_params are not parameters of the module(s) "
+                         f"given to fully_shard (shapes {[platform.shape(p) for p in strangers]}); "
+                         f"pass only parameters registered on them")
+    plan = []
+    for fqn, param, slots in managed:
+        owner = getattr(param, _SHARDED_BY, None) or getattr(param, _REPLACED_BY, None)
+        if owner is not None:
+            raise ValueError(
+                f"parameter {fqn!r} is already managed by the fully_shard unit {owner}: either "
+                f"fully_shard was applied top-down (apply it to the blocks first, then the root) "
+                f"or the parameter is shared with modules of another unit (wrap only their "
+                f"common ancestor, so one unit owns it)")
+        plan.append((fqn, param, slots, _shard_dim(param, fqn, len(platform.shape(param)),
+                                                 shard_placement_fn)))
+
+    info = MeshInfo(device_mesh)
+    unit_name = "+".join(type(m).__name__ for m in modules)
+    fsdp_params = []
+    for fqn, param, slots, dim in plan:
+        fsdp_param = FSDPParam(platform, fqn, param, slots, dim, info)
+        object.__setattr__(param, _REPLACED_BY, unit_name)
+        object.__setattr__(fsdp_param.sharded_param, _SHARDED_BY, unit_name)
+        fsdp_params.append(fsdp_param)
+    group = None
+    if fsdp_params:
+        group = FSDPParamGroup(platform, fsdp_params, info,
+                               _resolve_dtype(platform, mp_policy.param_dtype),
+                               _resolve_dtype(platform, mp_policy.reduce_dtype))
+    state = FSDPState(platform, modules, group, reshard_after_forward, mp_policy)
+    for m in modules:
+        object.__setattr__(m, STATE_ATTR, state)
+        m.__class__ = _fsdp_class(type(m))
+        platform.register_forward_hooks(m, state.pre_forward, state.post_forward)
+    return module

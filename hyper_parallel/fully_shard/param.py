@@ -1,0 +1,96 @@
+"""One managed parameter: its shard layout and the per-parameter pieces of gather/scatter.
+
+[Note: shard layout]
+A parameter of shape ``S`` sharded on dim ``d`` over ``n`` ranks is seen with ``d`` moved to
+the front ("moved" shape ``M``). Its ``M[0]`` rows are split like ``torch.chunk``: every rank
+owns up to ``chunk_rows = ceil(M[0] / n)`` rows, rank ``r`` rows ``[r*chunk_rows, ...)``, so
+trailing ranks may own fewer rows or none. In communication buffers every rank's piece is
+padded to ``chunk_rows`` rows (``padded_numel`` elements), which makes all pieces equal and
+lets one flat all-gather / reduce-scatter serve the whole unit. The padding is always zero
+going in and is dropped coming out, so it never reaches a parameter or a gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hyper_parallel.fully_shard.mesh import MeshInfo
+from hyper_parallel.platform import Platform
+
+
+class FSDPParam:
+    """Shard one parameter on creation; then translate between its shard and the flat buffers."""
+
+    def __init__(self, platform: Platform, fqn: str, param: Any, slots: list, shard_dim: int,
+                 mesh_info: MeshInfo):
+        self.platform = platform
+        self.fqn = fqn
+        self.slots = slots  # [(module, attr_name)] where the parameter is registered
+        self.full_shape = platform.shape(param)
+        self.shard_dim = shard_dim
+        self.mesh_info = mesh_info
+        self.shard_size = shard_size = mesh_info.shard_size
+        moved = platform.shape(platform.movedim(param, shard_dim, 0))
+        self.rows, self.row_shape = moved[0], tuple(moved[1:])
+        self.row_numel = math.prod(self.row_shape)
+        self.chunk_rows = -(-self.rows // shard_size)
+        self.padded_numel = self.chunk_rows * self.row_numel
+        start = min(mesh_info.shard_rank * self.chunk_rows, self.rows)
+        self.local_rows = min(self.chunk_rows, self.rows - start)
+        self.orig_dtype = platform.dtype_of(param)
+        with platform.no_grad():
+            local = platform.narrow(platform.movedim(param, shard_dim, 0), 0, start, self.local_rows)
+            local = platform.contiguous(platform.movedim(local, 0, shard_dim))
+            self.sharded_param = platform.make_sharded_param(
+                param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim, shard_dim,
+                self.full_shape)
+        for module, name in slots:
+            platform.register_param(module, name, self.sharded_param)
+
+    # ---------------------------------------------------------------- unshard pieces
+    def padded_flat_shard(self, local: Any, dtype: Any) -> Any:
+        """This rank's piece of the all-gather input: the shard, padded, flat, in ``dtype``."""
+        p = self.platform
+        if self.local_rows == 0:
+            return p.zeros((self.padded_numel,), dtype)
+        moved = p.movedim(p.cast(local, dtype), self.shard_dim, 0)
+        missing = self.chunk_rows - self.local_rows
+        if missing:
+            moved = p.cat([moved, p.zeros((missing, *self.row_shape), dtype)], 0)
+        return p.reshape(moved, (self.padded_numel,))
+
+    def full_from_gathered(self, gathered: Any, offset: int) -> Any:
+        """The full parameter out of the all-gather output viewed as ``[shard_size, total]``."""
+        p = self.platform
+        columns = p.narrow(gathered, 1, offset, self.padded_numel)
+        rows = p.reshape(columns, (self.shard_size * self.chunk_rows, *self.row_shape))
+        full = p.movedim(p.narrow(rows, 0, 0, self.rows), 0, self.shard_dim)
+        return p.contiguous(full)
+
+    # ---------------------------------------------------------------- reduce pieces
+    def reduce_scatter_block(self, full_grad: Any, dtype: Any) -> Any:
+        """The gradient laid out as ``[shard_size, padded_numel]``: row r goes to rank r."""
+        p = self.platform
+        moved = p.movedim(p.cast(full_grad, dtype), self.shard_dim, 0)
+        missing = self.shard_size * self.chunk_rows - self.rows
+        if missing:
+            moved = p.cat([moved, p.zeros((missing, *self.row_shape), dtype)], 0)
+        return p.reshape(moved, (self.shard_size, self.padded_numel))
+
+    def sharded_grad_from(self, reduced: Any, offset: int) -> Any:
+        """This rank's gradient shard out of the flat reduce-scatter output."""
+        p = self.platform
+        piece = p.reshape(p.narrow(reduced, 0, offset, self.padded_numel),
+                          (self.chunk_rows, *self.row_shape))
+        local = p.movedim(p.narrow(piece, 0, 0, self.local_rows), 0, self.shard_dim)
+        return p.contiguous(p.cast(local, self.orig_dtype))
+
+    # ---------------------------------------------------------------- module attributes
+    def attach(self, full: Any) -> None:
+        for module, name in self.slots:
+            self.platform.attach_tensor(module, name, full)
+
+    def detach(self) -> None:
+        for module, name in self.slots:
+            self.platform.detach_tensor(module, name)

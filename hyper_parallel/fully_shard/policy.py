@@ -1,0 +1,45 @@
+"""User-facing policies: mixed precision and offload.
+
+Dtypes may be given as framework dtypes or as names ("bfloat16"); the core resolves names
+through the platform so a policy can be written once for both frameworks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of one unit's all-gather/compute, gradient reduction and outputs.
+
+    param_dtype: dtype the shards are cast to before the all-gather; the unit computes in it.
+    reduce_dtype: dtype gradients are reduced in; None means param_dtype (or, without
+        param_dtype, the gradient's own dtype). Reduced gradients are cast back to the
+        sharded parameter's dtype.
+    output_dtype: dtype floating-point outputs of the unit are cast to (None: unchanged).
+    cast_forward_inputs: cast floating-point inputs of the unit to param_dtype.
+    """
+
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    output_dtype: Any = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading: shards, gradients and optimizer state stay on the compute device."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep shards (and so gradients and optimizer state) in host memory.
+
+    Only meaningful when computing on an accelerator. On a CPU device the shards already
+    live in host memory and this policy changes nothing; on an accelerator hyper_parallel
+    does not implement it yet and ``fully_shard`` raises rather than ignore it.
+    """
+
+    pin_memory: bool = True

@@ -1,0 +1,225 @@
+"""The per-unit state machine: pre/post forward, pre/post backward, reshard.
+
+[Note: one unshard node per unit per iteration]
+A unit's full parameters are the outputs of one differentiable node (``Platform.
+differentiable_call``) whose inputs are the unit's local shards: forward gathers, backward
+reduces. The node is created at the unit's first forward of an iteration; a second call of
+the same module in that forward reuses its outputs (refilling them if they were freed), so
+autograd sums the gradients of every use and calls the backward once: tied parameters and
+modules called twice need no special casing, and no gradient is dropped or counted twice.
+
+[Note: freeing full parameters between forward and backward]
+Autograd keeps the full parameters alive (a Linear saves its weight). Where the platform can
+release a tensor's memory while autograd holds the object (torch), ``reshard_after_forward``
+releases it and a gradient hook on the unit's outputs re-gathers into the same tensors just
+before the unit's backward. Where it cannot (MindSpore), the full parameters stay alive
+until the unit's backward and no second all-gather is issued (docs/platforms.md).
+
+[Note: roots]
+The first unit whose forward runs becomes the root: it creates the IterationContext shared
+by every unit in its module tree, starts each iteration, and its final callback reshards
+everything after backward. The root never reshards after forward (its backward comes first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hyper_parallel.fully_shard.iteration import IterationContext
+
+STATE_ATTR = "_hp_state"
+_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+class FSDPState:
+    """State and hooks of one fully_shard unit (one module or a list of modules)."""
+
+    def __init__(self, platform: Any, modules: list, group: Any, reshard_after_forward: bool,
+                 mp_policy: Any):
+        self.platform = platform
+        self.modules = modules
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.param_dtype = group.param_dtype if group is not None else None
+        self.output_dtype = mp_policy.output_dtype
+        self.cast_forward_inputs = mp_policy.cast_forward_inputs
+        self.forward_prefetch: list = []
+        self.backward_prefetch: list = []
+        self.is_root: bool | None = None
+        self.iteration: IterationContext | None = None
+        self._full: list | None = None       # this iteration's full parameters
+        self._storage_live = False           # False while their memory is released
+        self._keep_full = False              # survive the next iteration start
+        self._forwards_done = 0              # modules of a list unit done this round
+        self._unsharded_grads: list | None = None  # accumulated while sync is off
+        self._floating = tuple(platform.dtype(n) for n in _FLOAT_NAMES)
+
+    # ---------------------------------------------------------------- lazy root init
+    def _lazy_init(self, root_module: Any) -> None:
+        states = []
+        for _, module in self.platform.named_modules(root_module):
+            state = module.__dict__.get(STATE_ATTR)
+            if state is not None and all(state is not s for s in states):
+                states.append(state)
+        context = IterationContext(self.platform, states)
+        for state in states:
+            state.is_root = state is self
+            state.iteration = context
+
+    # ---------------------------------------------------------------- forward hooks
+    def pre_forward(self, module: Any, args: tuple, kwargs: dict):
+        if self.is_root is None:
+            self._lazy_init(module)
+        if self.is_root:
+            self.iteration.begin_forward()
+        self.unshard()
+        for target in self.forward_prefetch:
+            target.prefetch()
+        if self.cast_forward_inputs and self.param_dtype is not None:
+            args, kwargs = self._cast_tree((args, kwargs), self.param_dtype)
+        return args, kwargs
+
+    def post_forward(self, module: Any, args: tuple, kwargs: dict, output: Any):
+        self._forwards_done += 1
+        if self._forwards_done >= len(self.modules):
+            self._forwards_done = 0
+            if not self.platform.is_grad_enabled():
+                self.reshard()
+            elif self.reshard_after_forward and not self.is_root:
+                self._reshard_after_forward(output)
+        if self.output_dtype is not None:
+            output = self._cast_tree(output, self.output_dtype)
+        return output
+
+    def begin_iteration(self) -> None:
+        self._forwards_done = 0
+        if self._keep_full:
+            self._keep_full = False
+        elif self._full is not None:
+            self.reshard()
+
+    # ---------------------------------------------------------------- unshard / reshard
+    def unshard(self) -> None:
+        """Make the full parameters the modules' attributes (gathering them if needed)."""
+        if self.group is None:
+            return
+        if self._full is None:
+            self._full = self.platform.differentiable_call(
+                self.group.local_shards(), self._gather_for_forward, self._post_backward)
+            self._storage_live = True
+        elif not self._storage_live:
+            self._refill()
+        for fsdp_param, full in zip(self.group.params, self._full):
+            fsdp_param.attach(full)
+
+    def prefetch(self) -> None:
+        """Start this unit's all-gather early, to overlap it with another unit's compute."""
+        if self.group is not None and self._full is None:
+            self.group.issue_gather(async_op=True)
+
+    def reshard(self) -> None:
+        """Free the full parameters; the modules see their sharded parameters again."""
+        self._keep_full = False
+        if self.group is None or self._full is None:
+            return
+        self._detach_and_release()
+        self._full = None
+
+    def keep_until_next_forward(self) -> None:
+        self._keep_full = True
+
+    def _gather_for_forward(self, local_shards: list) -> list:
+        # The shards arrive as the node's inputs for autograd's sake; the gather reads the
+        # same values (possibly already in flight from a prefetch or an async unshard).
+        return self.group.wait_gather()
+
+    def _refill(self) -> None:
+        with self.platform.no_grad():
+            self.group.wait_gather(into=self._full)
+        self._storage_live = True
+
+    def _detach_and_release(self) -> None:
+        for fsdp_param in self.group.params:
+            fsdp_param.detach()
+        if self.platform.can_release_storage and self._storage_live:
+            for full in self._full:
+                self.platform.release_storage(full)
+        self._storage_live = False
+
+    def _reshard_after_forward(self, output: Any) -> None:
+        if self.group is None or self._full is None or not self.platform.can_release_storage:
+            return
+        self._detach_and_release()
+        for tensor in self._tensors_in(output):
+            self.platform.register_grad_hook(tensor, self._pre_backward)
+
+    # ---------------------------------------------------------------- backward
+    def _pre_backward(self) -> None:
+        if self.iteration is not None:
+            self.iteration.ensure_final_callback()
+        if self._full is not None and not self._storage_live:
+            self._refill()
+            for fsdp_param, full in zip(self.group.params, self._full):
+                fsdp_param.attach(full)
+        for target in self.backward_prefetch:
+            target._pre_backward_prefetch()
+
+    def _pre_backward_prefetch(self) -> None:
+        if self._full is not None and not self._storage_live:
+            self._refill()
+
+    def _post_backward(self, full_grads: list) -> list:
+        """The unshard node's backward: reduce (or accumulate) and return shard gradients."""
+        if self.iteration is not None:
+            self.iteration.ensure_final_callback()
+        group = self.group
+        if self._unsharded_grads is not None:
+            full_grads = [self.platform.add(acc, self.platform.cast(g, self.platform.dtype_of(acc)))
+                          for acc, g in zip(self._unsharded_grads, full_grads)]
+            self._unsharded_grads = None
+        if self.requires_gradient_sync:
+            shard_grads = group.reduce_grads(full_grads)
+        else:
+            dtype = group.reduce_dtype or group.param_dtype
+            self._unsharded_grads = [self.platform.cast(g, dtype) if dtype is not None else g
+                                     for g in full_grads]
+            shard_grads = [None] * len(full_grads)
+        if self.reshard_after_backward:
+            self.reshard()
+        return shard_grads
+
+    def finish_backward(self) -> None:
+        """Root's final callback, for every unit: reshard what backward left unsharded."""
+        self._forwards_done = 0
+        if self._full is None:
+            return
+        if self.reshard_after_backward:
+            self.reshard()
+        else:
+            self.keep_until_next_forward()
+
+    # ---------------------------------------------------------------- pytrees
+    def _tensors_in(self, tree: Any):
+        if self.platform.is_tensor(tree):
+            yield tree
+        elif isinstance(tree, (tuple, list)):
+            for item in tree:
+                yield from self._tensors_in(item)
+        elif isinstance(tree, dict):
+            for item in tree.values():
+                yield from self._tensors_in(item)
+
+    def _cast_tree(self, tree: Any, dtype: Any):
+        if self.platform.is_tensor(tree):
+            if self.platform.dtype_of(tree) in self._floating:
+                return self.platform.cast(tree, dtype)
+            return tree
+        if isinstance(tree, tuple):
+            return tuple(self._cast_tree(item, dtype) for item in tree)
+        if isinstance(tree, list):
+            return [self._cast_tree(item, dtype) for item in tree]
+        if isinstance(tree, dict):
+            return {key: self._cast_tree(item, dtype) for key, item in tree.items()}
+        return tree

@@ -1,0 +1,296 @@
+"""The Platform interface: every primitive the backend-agnostic core may call.
+
+[Note: why an explicit interface]
+The core (``hyper_parallel/fully_shard``) is written once and never imports a framework.
+Everything it needs from PyTorch or MindSpore is one of the methods below. A platform holds
+no FSDP logic: it answers "gather this flat buffer", "make this differentiable", "write this
+tensor into that one", never "what should a unit do now".
+
+[Note: no aliasing, no in-place arithmetic]
+MindSpore on CPU silently ignores in-place arithmetic and its views do not write through
+(docs/platforms.md). The core therefore only uses functional tensor operations that return
+new tensors (``cat``, ``reshape``, ``narrow``, ``cast``, ``scale``, ``add``) plus three
+explicit writes: ``copy_into`` (a whole tensor into another of the same size),
+``release_storage``/``restore_storage`` (free and re-allocate a tensor's memory while
+autograd keeps a reference) and the collectives' output buffers. Reading a narrowed or
+reshaped tensor is always allowed; writing through one never is.
+
+[Note: composed collectives]
+Where a device lacks a collective, the platform composes it from what exists and records
+what went on the wire (``CommStats``). The core never knows.
+
+Shared plain-Python plumbing that is the same for every framework (attaching a computed
+tensor as a module attribute) is implemented here once.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Sequence
+
+from hyper_parallel.comm_stats import CommStats
+
+
+class Handle:
+    """A collective in flight. ``wait()`` blocks until its output buffer is valid."""
+
+    def __init__(self, native: Any = None, on_done: Callable[[], None] | None = None):
+        self._native = native
+        self._on_done = on_done
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._native is not None:
+            self._native.wait()
+        self._done = True
+        if self._on_done is not None:
+            self._on_done()
+
+
+class Platform(abc.ABC):
+    """One framework on one kind of device. Obtain it with ``get_platform()``."""
+
+    #: "torch" or "mindspore"
+    name: str = ""
+    #: True where ``release_storage`` really frees memory that autograd still references.
+    can_release_storage: bool = False
+
+    def __init__(self) -> None:
+        self.comm_stats = CommStats()
+
+    # ------------------------------------------------------------------ process groups
+    @abc.abstractmethod
+    def is_initialized(self) -> bool:
+        """Whether this process already joined the framework's default process group."""
+
+    @abc.abstractmethod
+    def init_process_group(self, rank: int, world_size: int, master_addr: str,
+                           master_port: int, timeout_s: float) -> None:
+        """Join the default group (gloo/NCCL on torch, mccl/HCCL on MindSpore)."""
+
+    @abc.abstractmethod
+    def destroy_process_group(self) -> None:
+        """Leave the default group (after a final barrier by the caller)."""
+
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """Global rank, 0 when not initialized."""
+
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """Global world size, 1 when not initialized."""
+
+    @abc.abstractmethod
+    def device_type(self) -> str:
+        """The device this process computes on: "cpu", "cuda" or "npu"."""
+
+    @abc.abstractmethod
+    def new_mesh_groups(self, device_type: str, mesh_shape: tuple, dim_names: tuple) -> tuple:
+        """Create the process groups of a mesh; return ``(groups_per_dim, native_mesh)``.
+
+        ``groups_per_dim[i]`` is this rank's group along dim ``i`` (every rank calls this,
+        in the same order). ``native_mesh`` is the framework's own mesh object, or None.
+        """
+
+    @abc.abstractmethod
+    def mesh_from_native(self, native_mesh: Any) -> tuple | None:
+        """For a framework mesh object, ``(mesh_shape, dim_names, groups_per_dim, device_type,
+        rank_grid)``; None if ``native_mesh`` is not one."""
+
+    @abc.abstractmethod
+    def group_rank(self, group: Any) -> int:
+        """This process's rank inside ``group``."""
+
+    @abc.abstractmethod
+    def group_size(self, group: Any) -> int:
+        """Number of ranks in ``group``."""
+
+    # ------------------------------------------------------------------ collectives
+    @abc.abstractmethod
+    def all_gather_into(self, output: Any, input: Any, group: Any, async_op: bool = False,
+                        dim: str = "") -> Handle:
+        """Gather every rank's 1-D ``input`` into the 1-D ``output`` (rank-major)."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, output: Any, input: Any, group: Any, async_op: bool = False,
+                       dim: str = "") -> Handle:
+        """SUM-reduce the 1-D ``input`` over ``group``; ``output`` gets this rank's chunk."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: Any, group: Any, op: str = "sum", async_op: bool = False,
+                   dim: str = "") -> Handle:
+        """Reduce ``tensor`` in place over ``group`` ("sum", "avg", "max", "min")."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: Any, src: int, group: Any = None, dim: str = "") -> None:
+        """Overwrite ``tensor`` with the one of global rank ``src``."""
+
+    @abc.abstractmethod
+    def barrier(self, group: Any = None) -> None:
+        """Block until every rank of ``group`` (default: world) arrives."""
+
+    def _record(self, op: str, wire: str, nbytes: int, dim: str) -> None:
+        self.comm_stats.record(op, wire, nbytes, dim)
+
+    # ------------------------------------------------------------------ tensors
+    @abc.abstractmethod
+    def dtype(self, name: str) -> Any:
+        """The framework dtype for "float32", "float16", "bfloat16", "float64", "int64"..."""
+
+    @abc.abstractmethod
+    def is_tensor(self, obj: Any) -> bool:
+        """Whether ``obj`` is a framework tensor (Parameters included)."""
+
+    @abc.abstractmethod
+    def shape(self, tensor: Any) -> tuple:
+        """Shape as a tuple of ints."""
+
+    @abc.abstractmethod
+    def dtype_of(self, tensor: Any) -> Any:
+        """The tensor's dtype."""
+
+    @abc.abstractmethod
+    def element_size(self, dtype: Any) -> int:
+        """Bytes per element of ``dtype``."""
+
+    @abc.abstractmethod
+    def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
+        """A new zero-filled tensor on the compute device."""
+
+    @abc.abstractmethod
+    def from_numpy(self, array: Any) -> Any:
+        """A new tensor on the compute device holding a copy of a numpy array."""
+
+    @abc.abstractmethod
+    def to_numpy(self, tensor: Any) -> Any:
+        """A numpy copy of a tensor's values (sharded parameters: the local shard)."""
+
+    @abc.abstractmethod
+    def cast(self, tensor: Any, dtype: Any) -> Any:
+        """``tensor`` in ``dtype`` (the same tensor when it already is)."""
+
+    @abc.abstractmethod
+    def reshape(self, tensor: Any, shape: Sequence[int]) -> Any:
+        """A reshaped tensor, valid for reading."""
+
+    @abc.abstractmethod
+    def movedim(self, tensor: Any, source: int, destination: int) -> Any:
+        """``tensor`` with dimension ``source`` moved to ``destination``, valid for reading."""
+
+    @abc.abstractmethod
+    def narrow(self, tensor: Any, dim: int, start: int, length: int) -> Any:
+        """Elements ``[start, start+length)`` of ``dim``, valid for reading."""
+
+    @abc.abstractmethod
+    def cat(self, tensors: Sequence[Any], dim: int = 0) -> Any:
+        """A new tensor concatenating ``tensors`` along ``dim``."""
+
+    @abc.abstractmethod
+    def contiguous(self, tensor: Any) -> Any:
+        """A tensor with its own dense memory (a copy when ``tensor`` is a strided read)."""
+
+    @abc.abstractmethod
+    def scale(self, tensor: Any, factor: float) -> Any:
+        """A new tensor ``tensor * factor``."""
+
+    @abc.abstractmethod
+    def add(self, a: Any, b: Any) -> Any:
+        """A new tensor ``a + b``."""
+
+    @abc.abstractmethod
+    def copy_into(self, dst: Any, src: Any) -> None:
+        """Write ``src`` (same shape and dtype) into ``dst`` in place, without disturbing
+        autograd's bookkeeping of ``dst``."""
+
+    @abc.abstractmethod
+    def release_storage(self, tensor: Any) -> None:
+        """Free the memory of ``tensor`` while keeping the object (autograd may hold it).
+        Only called where ``can_release_storage``."""
+
+    @abc.abstractmethod
+    def restore_storage(self, tensor: Any) -> None:
+        """Re-allocate the memory ``release_storage`` freed (contents undefined)."""
+
+    @abc.abstractmethod
+    def storage_bytes(self, tensor: Any) -> int:
+        """Bytes the tensor's storage holds now (0 once released)."""
+
+    @abc.abstractmethod
+    def no_grad(self):
+        """A context manager in which operations are not recorded for autograd."""
+
+    @abc.abstractmethod
+    def is_grad_enabled(self) -> bool:
+        """Whether operations run now are recorded for a later backward."""
+
+    # ------------------------------------------------------------------ parameters
+    @abc.abstractmethod
+    def named_modules(self, module: Any) -> list:
+        """``[(qualified_name, submodule), ...]`` including ``module`` itself as ""."""
+
+    @abc.abstractmethod
+    def direct_params(self, module: Any) -> list:
+        """``[(attr_name, parameter), ...]`` registered directly on ``module``."""
+
+    @abc.abstractmethod
+    def register_param(self, module: Any, attr_name: str, param: Any) -> None:
+        """Replace (or add) the parameter registered on ``module`` as ``attr_name``."""
+
+    @abc.abstractmethod
+    def param_requires_grad(self, param: Any) -> bool:
+        """Whether the optimizer trains ``param``."""
+
+    @abc.abstractmethod
+    def make_sharded_param(self, orig_param: Any, local_shard: Any, native_mesh: Any,
+                           shard_mesh_dim: int, shard_dim: int, full_shape: tuple) -> Any:
+        """A new parameter holding ``local_shard`` that replaces ``orig_param`` (same name,
+        same ``requires_grad``). On torch it is a DTensor over ``native_mesh`` sharded on
+        ``shard_dim`` along mesh dim ``shard_mesh_dim`` and replicated on the others."""
+
+    @abc.abstractmethod
+    def local_tensor(self, param: Any) -> Any:
+        """The differentiable local shard of a parameter made by ``make_sharded_param``."""
+
+    def attach_tensor(self, module: Any, attr_name: str, tensor: Any) -> None:
+        """Make ``module.<attr_name>`` read ``tensor`` while the registered parameter stays.
+
+        An instance attribute shadows a registered parameter in both frameworks' attribute
+        lookup, so the module computes with the full tensor while ``parameters()`` and the
+        optimizer keep seeing the sharded one.
+        """
+        object.__setattr__(module, attr_name, tensor)
+
+    def detach_tensor(self, module: Any, attr_name: str) -> None:
+        """Undo ``attach_tensor``: ``module.<attr_name>`` is the registered parameter again."""
+        module.__dict__.pop(attr_name, None)
+
+    # ------------------------------------------------------------------ autograd and hooks
+    @abc.abstractmethod
+    def differentiable_call(self, inputs: Sequence[Any], forward_fn: Callable,
+                            backward_fn: Callable) -> list:
+        """Run ``forward_fn(inputs) -> outputs`` (a list of tensors) so that autograd calls
+        ``backward_fn(output_grads) -> input_grads`` exactly once per backward, after the
+        gradients of *all* outputs (every use) have been summed."""
+
+    @abc.abstractmethod
+    def register_forward_hooks(self, module: Any, pre_hook: Callable, post_hook: Callable) -> list:
+        """Install ``pre_hook(module, args, kwargs) -> None | (args, kwargs)`` and
+        ``post_hook(module, args, kwargs, output) -> None | output``; return removable handles."""
+
+    @abc.abstractmethod
+    def register_grad_hook(self, tensor: Any, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the gradient of ``tensor`` is computed in backward."""
+
+    @abc.abstractmethod
+    def queue_backward_final_callback(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once after the current backward pass; only valid during backward."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a no-op on CPU)."""
+
+    @abc.abstractmethod
+    def memory_allocated(self) -> int | None:
+        """Bytes currently allocated on the device, or None when unknown."""

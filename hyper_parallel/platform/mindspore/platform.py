@@ -1,0 +1,294 @@
+"""MindSporePlatform: MindSpore 2.10 in PyNative mode, mccl on CPU, HCCL on Ascend.
+
+[Note: what MindSpore CPU lacks, and how each primitive copes]
+- No reduce-scatter kernel on CPU: ``reduce_scatter`` is an all-reduce (SUM) of the whole
+  input followed by taking this rank's chunk; the counter records the all-reduce that
+  went on the wire. On Ascend the native ``reduce_scatter_tensor`` is used.
+- No ``all_gather_into_tensor`` kernel on CPU: a list ``all_gather`` then a concatenation
+  copied into the output. On Ascend the native kernel is used.
+- In-place arithmetic and views do not write through: the only writes used are a
+  whole-tensor ``copy_`` and the collectives' own output buffers.
+- Tensor memory cannot be released while autograd holds it: ``can_release_storage`` is
+  False and the core keeps full parameters alive between forward and backward
+  (docs/platforms.md, "Memory").
+- No ``autograd.Function``: ``differentiable_call`` is a Cell with a custom ``bprop``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, mint, nn, ops
+from mindspore.communication import GlobalComm
+from mindspore.mint import distributed as msdist
+
+from hyper_parallel.platform.base import Handle, Platform
+
+SUPPORTED_MINOR = "2.10"
+
+_DTYPES = {
+    "float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16,
+    "float64": ms.float64, "int32": ms.int32, "int64": ms.int64,
+}
+_ITEM_SIZE = {ms.float32: 4, ms.float16: 2, ms.bfloat16: 2, ms.float64: 8, ms.int32: 4, ms.int64: 8}
+
+
+def _check_version() -> None:
+    if not ms.__version__.startswith(SUPPORTED_MINOR):
+        raise ImportError(
+            f"hyper_parallel supports mindspore {SUPPORTED_MINOR}.x, found {ms.__version__}; "
+            f"install it with: pip install 'mindspore=={SUPPORTED_MINOR}.*' 'numpy<2'")
+
+
+class _CoreDefinedCell(nn.Cell):
+    """A Cell whose construct and bprop are the core's forward_fn and backward_fn."""
+
+    def __init__(self, forward_fn, backward_fn):
+        super().__init__()
+        self._forward_fn = forward_fn
+        self._backward_fn = backward_fn
+
+    def construct(self, *inputs):
+        return tuple(self._forward_fn(list(inputs)))
+
+    def bprop(self, *args):
+        # args = (*inputs, out, dout); dout is a tuple for a tuple output.
+        dout = args[-1]
+        grads = dout if isinstance(dout, (tuple, list)) else (dout,)
+        return tuple(self._backward_fn(list(grads)))
+
+
+class MindSporePlatform(Platform):
+    name = "mindspore"
+    can_release_storage = False
+
+    def __init__(self) -> None:
+        _check_version()
+        super().__init__()
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+        self._device = ms.get_context("device_target")
+        self._store = None
+
+    @property
+    def _on_cpu(self) -> bool:
+        return self._device == "CPU"
+
+    # ------------------------------------------------------------------ process groups
+    def is_initialized(self) -> bool:
+        return bool(GlobalComm.INITED)
+
+    def init_process_group(self, rank, world_size, master_addr, master_port, timeout_s):
+        from mindspore.communication.management import _init_with_store
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = msdist.TCPStore(master_addr, master_port, world_size=world_size,
+                                      is_master=rank == 0, timeout=timeout)
+        backend = "mccl" if self._on_cpu else "hccl"
+        _init_with_store(backend=backend, timeout=timeout, world_size=world_size, rank=rank,
+                         store=self._store)
+
+    def destroy_process_group(self) -> None:
+        msdist.destroy_process_group()
+
+    def rank(self) -> int:
+        return msdist.get_rank() if self.is_initialized() else 0
+
+    def world_size(self) -> int:
+        return msdist.get_world_size() if self.is_initialized() else 1
+
+    def device_type(self) -> str:
+        return "cpu" if self._on_cpu else "npu"
+
+    def new_mesh_groups(self, device_type, mesh_shape, dim_names):
+        grid = np.arange(int(np.prod(mesh_shape))).reshape(mesh_shape)
+        me = self.rank()
+        groups = []
+        for dim in range(len(mesh_shape)):
+            lines = np.moveaxis(grid, dim, -1).reshape(-1, mesh_shape[dim])
+            mine = None
+            for line in lines:  # every rank creates every group, in the same order
+                ranks = [int(r) for r in line]
+                if len(ranks) == self.world_size():
+                    group = GlobalComm.WORLD_COMM_GROUP
+                else:
+                    group = msdist.new_group(ranks, backend="mccl" if self._on_cpu else "hccl")
+                if me in ranks:
+                    mine = group
+            groups.append(mine)
+        return groups, None
+
+    def mesh_from_native(self, native_mesh):
+        return None
+
+    def group_rank(self, group) -> int:
+        return msdist.get_rank(group)
+
+    def group_size(self, group) -> int:
+        return msdist.get_world_size(group)
+
+    # ------------------------------------------------------------------ collectives
+    def all_gather_into(self, output, input, group, async_op=False, dim=""):
+        nbytes = output.numel() * _ITEM_SIZE[output.dtype]
+        if not self._on_cpu:
+            self._record("all_gather", "all_gather", nbytes, dim)
+            return Handle(msdist.all_gather_into_tensor(output, input, group=group,
+                                                        async_op=async_op))
+        self._record("all_gather", "all_gather_list", nbytes, dim)
+        parts = [mint.zeros(input.shape, dtype=input.dtype) for _ in range(self.group_size(group))]
+        native = msdist.all_gather(parts, input, group=group, async_op=async_op)
+        handle = Handle(native, on_done=lambda: output.copy_(ops.cat(parts, 0)))
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def reduce_scatter(self, output, input, group, async_op=False, dim=""):
+        nbytes = input.numel() * _ITEM_SIZE[input.dtype]
+        if not self._on_cpu:
+            self._record("reduce_scatter", "reduce_scatter", nbytes, dim)
+            return Handle(msdist.reduce_scatter_tensor(output, input, group=group,
+                                                       async_op=async_op))
+        self._record("reduce_scatter", "all_reduce", nbytes, dim)
+        native = msdist.all_reduce(input, op="sum", group=group, async_op=async_op)
+        chunk = output.numel()
+        start = self.group_rank(group) * chunk
+
+        def keep_own_chunk():
+            output.copy_(input[start:start + chunk] + 0)
+
+        handle = Handle(native, on_done=keep_own_chunk)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def all_reduce(self, tensor, group, op="sum", async_op=False, dim=""):
+        self._record("all_reduce", "all_reduce", tensor.numel() * _ITEM_SIZE[tensor.dtype], dim)
+        return Handle(msdist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+
+    def broadcast(self, tensor, src, group=None, dim=""):
+        self._record("broadcast", "broadcast", tensor.numel() * _ITEM_SIZE[tensor.dtype], dim)
+        msdist.broadcast(tensor, src, group=group)
+
+    def barrier(self, group=None) -> None:
+        msdist.barrier(group=group)
+
+    # ------------------------------------------------------------------ tensors
+    def dtype(self, name):
+        try:
+            return _DTYPES[name]
+        except KeyError:
+            raise ValueError(f"unknown dtype name {name!r}; valid: {sorted(_DTYPES)}") from None
+
+    def is_tensor(self, obj) -> bool:
+        return isinstance(obj, Tensor)
+
+    def shape(self, tensor) -> tuple:
+        return tuple(tensor.shape)
+
+    def dtype_of(self, tensor):
+        return tensor.dtype
+
+    def element_size(self, dtype) -> int:
+        return _ITEM_SIZE[dtype]
+
+    def zeros(self, shape, dtype):
+        return mint.zeros(tuple(shape), dtype=dtype)
+
+    def from_numpy(self, array):
+        return Tensor(np.ascontiguousarray(array).copy())
+
+    def to_numpy(self, tensor):
+        return tensor.asnumpy().copy()
+
+    def cast(self, tensor, dtype):
+        return tensor if tensor.dtype == dtype else tensor.astype(dtype)
+
+    def reshape(self, tensor, shape):
+        return tensor.reshape(tuple(shape))
+
+    def movedim(self, tensor, source, destination):
+        return tensor if source == destination else ops.moveaxis(tensor, source, destination)
+
+    def narrow(self, tensor, dim, start, length):
+        return ops.narrow(tensor, dim, start, length)
+
+    def cat(self, tensors, dim=0):
+        tensors = list(tensors)
+        return ops.cat(tensors, dim) if len(tensors) > 1 else tensors[0] + 0
+
+    def contiguous(self, tensor):
+        return tensor.contiguous()
+
+    def scale(self, tensor, factor):
+        return tensor * factor
+
+    def add(self, a, b):
+        return a + b
+
+    def copy_into(self, dst, src) -> None:
+        dst.copy_(src)
+
+    def release_storage(self, tensor) -> None:
+        raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
+
+    def restore_storage(self, tensor) -> None:
+        raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
+
+    def storage_bytes(self, tensor) -> int:
+        return tensor.numel() * _ITEM_SIZE[tensor.dtype]
+
+    def no_grad(self):
+        return contextlib.nullcontext()
+
+    def is_grad_enabled(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ parameters
+    def named_modules(self, module):
+        return [(name, cell) for name, cell in module.cells_and_names()]
+
+    def direct_params(self, module):
+        return [(n, p) for n, p in module._params.items() if p is not None]
+
+    def register_param(self, module, attr_name, param) -> None:
+        module._params[attr_name] = param
+
+    def param_requires_grad(self, param) -> bool:
+        return param.requires_grad
+
+    def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
+                           shard_dim, full_shape):
+        # set_data cannot shrink a Parameter: autograd keeps its original shape.
+        return Parameter(local_shard + 0, name=orig_param.name,
+                         requires_grad=orig_param.requires_grad)
+
+    def local_tensor(self, param):
+        return param
+
+    # ------------------------------------------------------------------ autograd and hooks
+    def differentiable_call(self, inputs, forward_fn, backward_fn):
+        return list(_CoreDefinedCell(forward_fn, backward_fn)(*inputs))
+
+    def register_forward_hooks(self, module, pre_hook, post_hook):
+        return [
+            module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
+            module.register_forward_hook(post_hook, with_kwargs=True),
+        ]
+
+    def register_grad_hook(self, tensor, fn) -> None:
+        tensor.register_hook(lambda grad: fn())
+
+    def queue_backward_final_callback(self, fn) -> None:
+        from mindspore.common.api import _pynative_executor
+
+        _pynative_executor.queue_backward_final_callback(fn)
+
+    def synchronize(self) -> None:
+        if not self._on_cpu:
+            ms.runtime.synchronize()
+
+    def memory_allocated(self):
+        return None if self._on_cpu else ms.runtime.memory_allocated()

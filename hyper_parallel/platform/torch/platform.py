@@ -1,0 +1,250 @@
+"""TorchPlatform: PyTorch on CPU (gloo) or CUDA (NCCL).
+
+Every primitive is a direct call into torch; views are real on torch, so the "explicit
+write" primitives are zero-copy here. Sharded parameters are DTensors over the torch
+DeviceMesh behind our DeviceMesh, so torch tools written for FSDP2 parameters
+(``clip_grad_norm_``, distributed checkpoint, ``full_tensor()``) work on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.torch.unshard_function import run_differentiable
+
+MIN_TORCH = (2, 4)
+
+_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
+}
+
+# torch 2.13 renamed the flat collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+}
+
+
+def _check_version() -> None:
+    found = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if found < MIN_TORCH:
+        raise ImportError(
+            f"hyper_parallel needs torch >= {'.'.join(map(str, MIN_TORCH))}, found "
+            f"{torch.__version__}; upgrade with: pip install 'torch>=2.4'")
+
+
+class TorchPlatform(Platform):
+    name = "torch"
+    can_release_storage = True
+
+    def __init__(self) -> None:
+        _check_version()
+        super().__init__()
+
+    # ------------------------------------------------------------------ process groups
+    def is_initialized(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def init_process_group(self, rank, world_size, master_addr, master_port, timeout_s):
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        dist.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def destroy_process_group(self) -> None:
+        dist.destroy_process_group()
+
+    def rank(self) -> int:
+        return dist.get_rank() if self.is_initialized() else 0
+
+    def world_size(self) -> int:
+        return dist.get_world_size() if self.is_initialized() else 1
+
+    def device_type(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def new_mesh_groups(self, device_type, mesh_shape, dim_names):
+        native = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(dim_names))
+        return self.mesh_from_native(native)[2], native
+
+    def mesh_from_native(self, native_mesh):
+        if not isinstance(native_mesh, TorchDeviceMesh):
+            return None
+        names = native_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(native_mesh.ndim))
+        groups = [native_mesh.get_group(i) for i in range(native_mesh.ndim)]
+        return (tuple(native_mesh.mesh.shape), tuple(names), groups,
+                native_mesh.device_type, native_mesh.mesh.tolist())
+
+    def group_rank(self, group) -> int:
+        return dist.get_rank(group)
+
+    def group_size(self, group) -> int:
+        return dist.get_world_size(group)
+
+    # ------------------------------------------------------------------ collectives
+    def all_gather_into(self, output, input, group, async_op=False, dim=""):
+        self._record("all_gather", "all_gather", output.numel() * output.element_size(), dim)
+        work = _all_gather_flat(output, input, group=group, async_op=async_op)
+        return Handle(work)
+
+    def reduce_scatter(self, output, input, group, async_op=False, dim=""):
+        self._record("reduce_scatter", "reduce_scatter", input.numel() * input.element_size(), dim)
+        work = _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group,
+                                    async_op=async_op)
+        return Handle(work)
+
+    def all_reduce(self, tensor, group, op="sum", async_op=False, dim=""):
+        self._record("all_reduce", "all_reduce", tensor.numel() * tensor.element_size(), dim)
+        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
+        return Handle(work)
+
+    def broadcast(self, tensor, src, group=None, dim=""):
+        self._record("broadcast", "broadcast", tensor.numel() * tensor.element_size(), dim)
+        dist.broadcast(tensor, src, group=group)
+
+    def barrier(self, group=None) -> None:
+        dist.barrier(group=group)
+
+    # ------------------------------------------------------------------ tensors
+    def dtype(self, name):
+        try:
+            return _DTYPES[name]
+        except KeyError:
+            raise ValueError(f"unknown dtype name {name!r}; valid: {sorted(_DTYPES)}") from None
+
+    def is_tensor(self, obj) -> bool:
+        return isinstance(obj, torch.Tensor)
+
+    def shape(self, tensor) -> tuple:
+        return tuple(tensor.shape)
+
+    def dtype_of(self, tensor):
+        return tensor.dtype
+
+    def element_size(self, dtype) -> int:
+        return torch.empty((), dtype=dtype).element_size()
+
+    def zeros(self, shape, dtype):
+        return torch.zeros(tuple(shape), dtype=dtype, device=self.device_type())
+
+    def from_numpy(self, array):
+        return torch.from_numpy(array.copy()).to(self.device_type())
+
+    def to_numpy(self, tensor):
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        return tensor.detach().cpu().numpy().copy()
+
+    def cast(self, tensor, dtype):
+        return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+    def reshape(self, tensor, shape):
+        return tensor.reshape(tuple(shape))
+
+    def movedim(self, tensor, source, destination):
+        return tensor if source == destination else tensor.movedim(source, destination)
+
+    def narrow(self, tensor, dim, start, length):
+        return tensor.narrow(dim, start, length)
+
+    def cat(self, tensors, dim=0):
+        return torch.cat(list(tensors), dim=dim)
+
+    def contiguous(self, tensor):
+        return tensor.contiguous()
+
+    def scale(self, tensor, factor):
+        return tensor * factor
+
+    def add(self, a, b):
+        return a + b
+
+    def copy_into(self, dst, src) -> None:
+        # autograd saved ``dst`` for backward; refilling it with the same values is not
+        # the in-place modification the version counter guards against.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
+            dst.copy_(src)
+
+    def release_storage(self, tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    def restore_storage(self, tensor) -> None:
+        storage = tensor.untyped_storage()
+        needed = tensor.numel() * tensor.element_size()
+        if storage.size() != needed:
+            storage.resize_(needed)
+
+    def storage_bytes(self, tensor) -> int:
+        return tensor.untyped_storage().size()
+
+    def no_grad(self):
+        return torch.no_grad()
+
+    def is_grad_enabled(self) -> bool:
+        return torch.is_grad_enabled()
+
+    # ------------------------------------------------------------------ parameters
+    def named_modules(self, module):
+        return list(module.named_modules(remove_duplicate=False))
+
+    def direct_params(self, module):
+        return [(n, p) for n, p in module._parameters.items() if p is not None]
+
+    def register_param(self, module, attr_name, param) -> None:
+        module._parameters[attr_name] = param
+
+    def param_requires_grad(self, param) -> bool:
+        return param.requires_grad
+
+    def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
+                           shard_dim, full_shape):
+        placements = [Replicate()] * native_mesh.ndim
+        placements[shard_mesh_dim] = Shard(shard_dim)
+        stride = torch.empty(full_shape, device="meta").stride()
+        dtensor = DTensor.from_local(local_shard.detach().contiguous(), native_mesh, placements,
+                                     run_check=False, shape=torch.Size(full_shape), stride=stride)
+        return torch.nn.Parameter(dtensor, requires_grad=orig_param.requires_grad)
+
+    def local_tensor(self, param):
+        return param.to_local()
+
+    # ------------------------------------------------------------------ autograd and hooks
+    def differentiable_call(self, inputs, forward_fn, backward_fn):
+        return run_differentiable(inputs, forward_fn, backward_fn)
+
+    def register_forward_hooks(self, module, pre_hook, post_hook):
+        return [
+            module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
+            module.register_forward_hook(post_hook, with_kwargs=True),
+        ]
+
+    def register_grad_hook(self, tensor, fn) -> None:
+        if tensor.requires_grad:
+            tensor.register_hook(lambda grad: fn())
+
+    def queue_backward_final_callback(self, fn) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+    def synchronize(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def memory_allocated(self):
+        return torch.cuda.memory_allocated() if torch.cuda.is_available() else None

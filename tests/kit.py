@@ -1,0 +1,175 @@
+"""The few framework-specific pieces the shared suite needs: models, a loss, a train step.
+
+Each test is written once and asks ``get_kit()`` (chosen by HP_BACKEND) for the framework
+side. Models are built from numpy-seeded values, so the hyper_parallel model and its
+single-process reference start identical on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def get_kit():
+    backend = os.environ.get("HP_BACKEND", "torch").lower()
+    return TorchKit() if backend == "torch" else MindSporeKit()
+
+
+def init_values(shapes: list, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(s) * (1.0 / np.sqrt(s[-1] if len(s) > 1 else s[0]))).astype(np.float32)
+            for s in shapes]
+
+
+def make_batches(steps: int, batch: int, d_in: int, d_out: int, seed: int = 123) -> list:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((batch, d_in)).astype(np.float32),
+             rng.standard_normal((batch, d_out)).astype(np.float32)) for _ in range(steps)]
+
+
+class TorchKit:
+    name = "torch"
+
+    def __init__(self):
+        import torch
+        import torch.nn as nn
+
+        self.torch, self.nn = torch, nn
+
+        class Block(nn.Module):
+            def __init__(self, d_in, d_hidden, d_out):
+                super().__init__()
+                self.fc1, self.fc2 = nn.Linear(d_in, d_hidden), nn.Linear(d_hidden, d_out)
+
+            def forward(self, x):
+                return self.fc2(torch.relu(self.fc1(x)))
+
+        class Stack(nn.Module):
+            """blocks in sequence, then a head; ``twice`` calls the last block twice."""
+
+            def __init__(self, blocks, head, twice=False):
+                super().__init__()
+                self.blocks, self.head, self.twice = nn.ModuleList(blocks), head, twice
+
+            def forward(self, x):
+                for i, block in enumerate(self.blocks):
+                    x = block(x)
+                    if self.twice and i == len(self.blocks) - 1:
+                        x = block(torch.tanh(x))
+                return self.head(x)
+
+        self.Block, self.Stack = Block, Stack
+
+    def linear(self, d_in, d_out):
+        return self.nn.Linear(d_in, d_out)
+
+    def tie(self, module_a, module_b):
+        module_b.weight = module_a.weight
+
+    def params(self, model):
+        return list(model.parameters())
+
+    def load(self, model, seed):
+        with self.torch.no_grad():
+            params = list(model.parameters())
+            for p, v in zip(params, init_values([tuple(p.shape) for p in params], seed)):
+                p.copy_(self.torch.from_numpy(v))
+
+    def optimizer(self, params, lr=1e-2):
+        return self.torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+    def train_step(self, model, opt, x, y, micro_batches=1, sync_fn=None):
+        """One optimizer step over ``micro_batches`` slices of (x, y); returns the mean loss."""
+        total = 0.0
+        xs, ys = np.array_split(x, micro_batches), np.array_split(y, micro_batches)
+        for i, (mx, my) in enumerate(zip(xs, ys)):
+            if sync_fn is not None:
+                sync_fn(i == micro_batches - 1)
+            out = model(self.torch.from_numpy(mx))
+            loss = ((out.float() - self.torch.from_numpy(my)) ** 2).mean() / micro_batches
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        return total
+
+    def to_numpy(self, t):
+        return t.detach().float().numpy().copy()
+
+
+class MindSporeKit:
+    name = "mindspore"
+
+    def __init__(self):
+        import mindspore as ms
+        from mindspore import nn, ops
+
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        self.ms, self.nn, self.ops = ms, nn, ops
+
+        class Block(nn.Cell):
+            def __init__(self, d_in, d_hidden, d_out):
+                super().__init__()
+                self.fc1, self.fc2 = nn.Dense(d_in, d_hidden), nn.Dense(d_hidden, d_out)
+
+            def construct(self, x):
+                return self.fc2(ops.relu(self.fc1(x)))
+
+        class Stack(nn.Cell):
+            def __init__(self, blocks, head, twice=False):
+                super().__init__()
+                self.blocks, self.head, self.twice = nn.CellList(blocks), head, twice
+
+            def construct(self, x):
+                for i, block in enumerate(self.blocks):
+                    x = block(x)
+                    if self.twice and i == len(self.blocks) - 1:
+                        x = block(ops.tanh(x))
+                return self.head(x)
+
+        self.Block, self.Stack = Block, Stack
+
+    def linear(self, d_in, d_out):
+        return self.nn.Dense(d_in, d_out)
+
+    def tie(self, module_a, module_b):
+        module_b.weight = module_a.weight
+
+    def params(self, model):
+        return list(model.trainable_params())
+
+    def load(self, model, seed):
+        params = list(model.trainable_params())
+        for p, v in zip(params, init_values([tuple(p.shape) for p in params], seed)):
+            p.set_data(self.ms.Tensor(v))
+
+    def optimizer(self, params, lr=1e-2):
+        from mindspore.experimental.optim import AdamW
+
+        return AdamW(params, lr=lr, weight_decay=0.01)
+
+    def train_step(self, model, opt, x, y, micro_batches=1, sync_fn=None):
+        """One optimizer step: value_and_grad per micro-batch, summed grads, one update."""
+        ms, ops = self.ms, self.ops
+        params = list(opt.parameters) if hasattr(opt, "parameters") else self.params(model)
+
+        def forward(mx, my):
+            out = model(mx)
+            return ((out.astype(ms.float32) - my) ** 2).mean() / micro_batches
+
+        grad_fn = ms.value_and_grad(forward, None, params)
+        total, grads = 0.0, None
+        xs, ys = np.array_split(x, micro_batches), np.array_split(y, micro_batches)
+        for i, (mx, my) in enumerate(zip(xs, ys)):
+            if sync_fn is not None:
+                sync_fn(i == micro_batches - 1)
+            loss, g = grad_fn(ms.Tensor(mx), ms.Tensor(my))
+            grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
+            total += float(loss.asnumpy())
+        opt(grads)
+        return total
+
+    def to_numpy(self, t):
+        return t.astype(self.ms.float32).asnumpy().copy()

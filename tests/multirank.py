@@ -1,0 +1,104 @@
+"""Multi-process test harness: run one function on N real ranks and collect the results.
+
+Design note
+-----------
+Distributed code is only tested honestly on real processes joined in a real process group, so
+every multi-rank test of the suite goes through ``run_ranks``.  It reuses the launcher's pieces
+(``hyper_parallel.launch``) and differs from ``hp-run`` only in plumbing suited to pytest:
+
+* the call travels through files in a private temp dir: ``args.pkl`` in, ``result.<rank>.pkl``
+  or ``error.<rank>.txt`` out (written by tests/_rank_entry.py), so a target is any importable
+  ``"module:function"`` and results are compared in the test process;
+* rank output goes to ``rank<r>.log`` files rather than pipes, so nothing can block and no relay
+  threads are needed;
+* a failing rank ends all others at once (a peer blocked in a collective would otherwise wait
+  for the timeout), and the RankFailure raised carries that rank's traceback and log tail.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hyper_parallel.launch import RankProcesses, find_free_port, rank_environment
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_TAIL_LINES = 40
+
+
+class RankFailure(AssertionError):
+    """A rank failed or the run timed out; an AssertionError so pytest reports a test failure."""
+
+
+def run_ranks(target: str, world_size: int, backend: str, *args, timeout_s: float = 240,
+              env: dict | None = None) -> list:
+    """Run function `target` ("package.module:function", importable from the repo root) on
+    `world_size` real processes with HP_BACKEND=backend; return the list of per-rank return
+    values (index = rank).
+
+    ``env`` adds to (or overrides) the inherited environment of every rank.  Raises RankFailure
+    when a rank fails or ``timeout_s`` passes; no rank outlives the call either way.
+    """
+    with tempfile.TemporaryDirectory(prefix="hp-ranks-") as tmp:
+        workdir = Path(tmp)
+        with open(workdir / "args.pkl", "wb") as file:
+            pickle.dump({"target": target, "args": args}, file)
+        command = [sys.executable, "-m", "tests._rank_entry", str(workdir)]
+        logs = [open(workdir / f"rank{rank}.log", "wb") for rank in range(world_size)]
+        ranks = None
+        try:
+            ranks = RankProcesses([command] * world_size, _rank_envs(world_size, backend, env),
+                                  cwd=REPO_ROOT, stdout=logs,
+                                  stderr=[subprocess.STDOUT] * world_size)
+            try:
+                failed = ranks.wait(timeout_s)
+            except TimeoutError:
+                ended = ranks.terminate()
+                tails = "".join(_log_section(workdir, rank) for rank in range(world_size))
+                raise RankFailure(f"{target} timed out after {timeout_s:g} s on {world_size} "
+                                  f"ranks; ended ranks {ended}{tails}") from None
+            if failed is not None:
+                code = ranks.procs[failed].returncode
+                ended = ranks.terminate()
+                raise RankFailure(f"{target}: rank {failed} failed with exit code {code}; "
+                                  f"ended ranks {ended}{_error_section(workdir, failed)}"
+                                  f"{_log_section(workdir, failed)}")
+        finally:
+            if ranks is not None:
+                ranks.terminate()
+            for log in logs:
+                log.close()
+        return [_load_result(workdir, rank) for rank in range(world_size)]
+
+
+def _rank_envs(world_size: int, backend: str, extra: dict | None) -> list[dict[str, str]]:
+    """Environments of all ranks; the repo root leads PYTHONPATH so targets import from it."""
+    base = {**os.environ, **(extra or {})}
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH")) if p)
+    port = find_free_port()
+    return [rank_environment(rank, rank, world_size, world_size, "127.0.0.1", port, backend, base)
+            for rank in range(world_size)]
+
+
+def _error_section(workdir: Path, rank: int) -> str:
+    path = workdir / f"error.{rank}.txt"
+    text = path.read_text(errors="replace") if path.exists() else "(rank wrote no traceback)\n"
+    return f"\n--- traceback of rank {rank} ---\n{text}"
+
+
+def _log_section(workdir: Path, rank: int) -> str:
+    lines = (workdir / f"rank{rank}.log").read_text(errors="replace").splitlines()[-_TAIL_LINES:]
+    return f"\n--- last {len(lines)} log lines of rank {rank} ---\n" + "\n".join(lines)
+
+
+def _load_result(workdir: Path, rank: int):
+    path = workdir / f"result.{rank}.pkl"
+    if not path.exists():
+        raise RankFailure(f"rank {rank} exited 0 without writing a result"
+                          f"{_log_section(workdir, rank)}")
+    with open(path, "rb") as file:
+        return pickle.load(file)

@@ -1,0 +1,109 @@
+"""Rank-side scenarios of the parity suite, written once for both frameworks.
+
+Every scenario trains a model with hyper_parallel on this rank's slice of each global
+batch and, in the same process, a single-process reference (same initial values, no
+fully_shard) on the whole global batch. It returns plain Python/numpy results; the tests
+(test_parity.py) compare them. ``run_many`` runs several scenarios in one launch so the
+suite pays the process start-up once per (backend, world size).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import hyper_parallel as hp
+from tests.kit import get_kit, make_batches
+
+STEPS = 5
+GLOBAL_BATCH = 8
+D_IN, D_OUT = 37, 5
+
+
+def _build(kit, name):
+    """(model, wrap) for a scenario; wrap(model) applies fully_shard and returns options."""
+    if name in ("tied", "twice"):
+        blocks = [kit.Block(D_IN, 24, 16), kit.Block(16, 16, 16)]
+        model = kit.Stack(blocks, kit.linear(16, D_OUT), twice=name == "twice")
+        if name == "tied":
+            kit.tie(blocks[1].fc1, blocks[1].fc2)
+        return model
+    blocks = [kit.Block(D_IN, 53, 29), kit.Block(29, 41, 23)]
+    return kit.Stack(blocks, kit.linear(23, D_OUT))
+
+
+def _wrap(kit, model, name):
+    platform = hp.get_platform()
+    if name in ("nested", "twice"):
+        for block in model.blocks:
+            hp.fully_shard(block)
+        hp.fully_shard(model)
+    elif name == "nested_keep":
+        for block in model.blocks:
+            hp.fully_shard(block, reshard_after_forward=False)
+        hp.fully_shard(model, reshard_after_forward=False)
+    elif name == "list_unit":
+        hp.fully_shard([model.blocks[0], model.blocks[1]])
+        hp.fully_shard(model)
+    elif name == "tied":
+        hp.fully_shard(model.blocks[0])
+        hp.fully_shard(model)
+    elif name == "ignored":
+        head_bias = model.head.bias
+        head_bias.requires_grad = False
+        for block in model.blocks:
+            hp.fully_shard(block)
+        hp.fully_shard(model, ignored_params=[head_bias])
+    elif name == "shard_dim1":
+        pick = lambda p: 1 if len(platform.shape(p)) == 2 else 0  # noqa: E731
+        for block in model.blocks:
+            hp.fully_shard(block, shard_placement_fn=pick)
+        hp.fully_shard(model, shard_placement_fn=pick)
+    else:
+        raise ValueError(name)
+
+
+def _freeze_like(kit, ref, name):
+    if name == "ignored":
+        ref.head.bias.requires_grad = False
+
+
+def run_scenario(name: str, seed: int = 0) -> dict:
+    kit = get_kit()
+    platform = hp.get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    model, ref = _build(kit, name), _build(kit, name)
+    kit.load(model, seed)
+    kit.load(ref, seed)
+    _freeze_like(kit, ref, name)
+    _wrap(kit, model, name)
+    opt = kit.optimizer([p for p in kit.params(model) if p.requires_grad])
+    ref_opt = kit.optimizer([p for p in kit.params(ref) if p.requires_grad])
+    losses, ref_losses = [], []
+    for step, (x, y) in enumerate(make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=seed + 7)):
+        local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+        with hp.track_comms() as comms:
+            losses.append(kit.train_step(model, opt, x[local], y[local]))
+        ref_losses.append(kit.train_step(ref, ref_opt, x, y))
+    full = hp.gather_full_state_dict(model)
+    ref_full = {k: kit.to_numpy(v) for k, v in _named(kit, ref).items()}
+    return {
+        "losses": losses, "ref_losses": ref_losses,
+        "param_diff": max(float(np.abs(full[k] - ref_full[k]).max()) for k in ref_full),
+        "names_match": sorted(full) == sorted(ref_full),
+        "last_step_comms": {op: e["calls"] for op, e in comms.summary().items()},
+        "wire": {op: e["wire"] for op, e in comms.summary().items()},
+        "can_release": platform.can_release_storage,
+    }
+
+
+def _named(kit, model):
+    platform = hp.get_platform()
+    out = {}
+    for name, sub in platform.named_modules(model):
+        for attr, p in platform.direct_params(sub):
+            out.setdefault(f"{name}.{attr}" if name else attr, p)
+    return out
+
+
+def run_many(names: list) -> dict:
+    return {name: run_scenario(name) for name in names}
