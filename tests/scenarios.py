@@ -107,3 +107,87 @@ def _named(kit, model):
 
 def run_many(names: list) -> dict:
     return {name: run_scenario(name) for name in names}
+
+
+def run_two_models() -> dict:
+    """Two models wrapped independently, trained step by step in turn, each against its
+    own reference: their roots, queues and callbacks must never mix."""
+    kit = get_kit()
+    platform = hp.get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    pairs = []
+    for seed in (1, 2):
+        model, ref = _build(kit, "nested"), _build(kit, "nested")
+        kit.load(model, seed)
+        kit.load(ref, seed)
+        _wrap(kit, model, "nested")
+        pairs.append((model, kit.optimizer(kit.params(model)), ref, kit.optimizer(kit.params(ref))))
+    out = {"losses": [[], []], "ref_losses": [[], []]}
+    local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    for x, y in make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=3):
+        for i, (model, opt, ref, ref_opt) in enumerate(pairs):
+            out["losses"][i].append(kit.train_step(model, opt, x[local], y[local]))
+            out["ref_losses"][i].append(kit.train_step(ref, ref_opt, x, y))
+    diffs = []
+    for model, _, ref, _ in pairs:
+        full = hp.gather_full_state_dict(model)
+        diffs.append(max(float(np.abs(full[k] - kit.to_numpy(v)).max()) for k, v in _named(kit, ref).items()))
+    out["param_diff"] = max(diffs)
+    return out
+
+
+def run_memory() -> dict:
+    """Bytes held by each block unit's full parameters at the end of the root's forward
+    (blocks resharded after forward, or kept); the step's loss must still match."""
+    kit = get_kit()
+    platform = hp.get_platform()
+    out = {}
+    for keep in (False, True):
+        model, ref = _build(kit, "nested"), _build(kit, "nested")
+        kit.load(model, 0)
+        kit.load(ref, 0)
+        for block in model.blocks:
+            hp.fully_shard(block, reshard_after_forward=not keep)
+        hp.fully_shard(model)
+        held = []
+
+        def record(module, args, kwargs, output):  # runs after every block's post-forward
+            held.append([sum(platform.storage_bytes(t) for t in b.__dict__["_hp_state"]._full)
+                         for b in model.blocks])
+
+        platform.register_forward_hooks(model, lambda m, a, k: None, record)
+        x, y = make_batches(1, GLOBAL_BATCH, D_IN, D_OUT)[0]
+        rank, world = platform.rank(), platform.world_size()
+        local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+        loss = kit.train_step(model, kit.optimizer(kit.params(model)), x[local], y[local])
+        ref_loss = kit.train_step(ref, kit.optimizer(kit.params(ref)), x, y)
+        out["keep" if keep else "reshard"] = {"held": held[0], "loss": loss, "ref_loss": ref_loss}
+    return out
+
+
+def run_fsdp2_compare() -> dict:
+    """torch only: hyper_parallel and torch's own fully_shard on the same model and data."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    kit = get_kit()
+    platform = hp.get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    ours, theirs = _build(kit, "nested"), _build(kit, "nested")
+    kit.load(ours, 0)
+    kit.load(theirs, 0)
+    _wrap(kit, ours, "nested")
+    for block in theirs.blocks:
+        torch_fully_shard(block)
+    torch_fully_shard(theirs)
+    opt, their_opt = kit.optimizer(kit.params(ours)), kit.optimizer(kit.params(theirs))
+    local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    losses, their_losses = [], []
+    for x, y in make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT):
+        losses.append(kit.train_step(ours, opt, x[local], y[local]))
+        their_losses.append(kit.train_step(theirs, their_opt, x[local], y[local]))
+    full = hp.gather_full_state_dict(ours)
+    their_full = {k: v.full_tensor().detach().numpy() for k, v in theirs.state_dict().items()}
+    return {"losses": losses, "their_losses": their_losses,
+            "param_diff": max(float(np.abs(full[k] - their_full[k]).max()) for k in their_full),
+            "local_shapes_match": all(tuple(a.to_local().shape) == tuple(b.to_local().shape)
+                                      for a, b in zip(ours.parameters(), theirs.parameters()))}

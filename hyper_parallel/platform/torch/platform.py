@@ -186,9 +186,10 @@ class TorchPlatform(Platform):
             storage.resize_(0)
 
     def restore_storage(self, tensor) -> None:
+        # Several full parameters may be views of one buffer: size it for the furthest.
         storage = tensor.untyped_storage()
-        needed = tensor.numel() * tensor.element_size()
-        if storage.size() != needed:
+        needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+        if storage.size() < needed:
             storage.resize_(needed)
 
     def storage_bytes(self, tensor) -> int:
