@@ -7,7 +7,12 @@ owns up to ``chunk_rows = ceil(M[0] / n)`` rows, rank ``r`` rows ``[r*chunk_rows
 trailing ranks may own fewer rows or none. In communication buffers every rank's piece is
 padded to ``chunk_rows`` rows (``padded_numel`` elements), which makes all pieces equal and
 lets one flat all-gather / reduce-scatter serve the whole unit. The padding is always zero
-going in and is dropped coming out, so it never reaches a parameter or a gradient.
+going in and is dropped coming out, so it never reaches a gradient a user reads.
+
+Where the platform ``pads_local_shards`` (MindSpore: its optimizers reject empty
+parameters, and a trailing rank may own no rows), the sharded parameter itself keeps the
+padding rows: they start at zero, receive zero gradients and so stay zero under the usual
+optimizers (weight decay of zero is zero); gathering drops them.
 """
 
 from __future__ import annotations
@@ -38,9 +43,13 @@ class FSDPParam:
         self.padded_numel = self.chunk_rows * self.row_numel
         start = min(mesh_info.shard_rank * self.chunk_rows, self.rows)
         self.local_rows = min(self.chunk_rows, self.rows - start)
+        self.stored_rows = self.chunk_rows if platform.pads_local_shards else self.local_rows
         self.orig_dtype = platform.dtype_of(param)
         with platform.no_grad():
             local = platform.narrow(platform.movedim(param, shard_dim, 0), 0, start, self.local_rows)
+            if self.stored_rows > self.local_rows:
+                padding = (self.stored_rows - self.local_rows, *self.row_shape)
+                local = platform.cat([local, platform.zeros(padding, self.orig_dtype)], 0)
             local = platform.contiguous(platform.movedim(local, 0, shard_dim))
             self.sharded_param = platform.make_sharded_param(
                 param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim, shard_dim,
@@ -52,10 +61,10 @@ class FSDPParam:
     def padded_flat_shard(self, local: Any, dtype: Any) -> Any:
         """This rank's piece of the all-gather input: the shard, padded, flat, in ``dtype``."""
         p = self.platform
-        if self.local_rows == 0:
+        if self.stored_rows == 0:
             return p.zeros((self.padded_numel,), dtype)
         moved = p.movedim(p.cast(local, dtype), self.shard_dim, 0)
-        missing = self.chunk_rows - self.local_rows
+        missing = self.chunk_rows - self.stored_rows
         if missing:
             moved = p.cat([moved, p.zeros((missing, *self.row_shape), dtype)], 0)
         return p.reshape(moved, (self.padded_numel,))
@@ -83,7 +92,7 @@ class FSDPParam:
         p = self.platform
         piece = p.reshape(p.narrow(reduced, 0, offset, self.padded_numel),
                           (self.chunk_rows, *self.row_shape))
-        local = p.movedim(p.narrow(piece, 0, 0, self.local_rows), 0, self.shard_dim)
+        local = p.movedim(p.narrow(piece, 0, 0, self.stored_rows), 0, self.shard_dim)
         return p.contiguous(p.cast(local, self.orig_dtype))
 
     # ---------------------------------------------------------------- module attributes

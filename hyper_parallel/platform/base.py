@@ -56,6 +56,8 @@ class Platform(abc.ABC):
     name: str = ""
     #: True where ``release_storage`` really frees memory that autograd still references.
     can_release_storage: bool = False
+    #: True where a sharded parameter must keep its padding rows (never be empty).
+    pads_local_shards: bool = False
 
     def __init__(self) -> None:
         self.comm_stats = CommStats()

@@ -64,6 +64,7 @@ class _CoreDefinedCell(nn.Cell):
 class MindSporePlatform(Platform):
     name = "mindspore"
     can_release_storage = False
+    pads_local_shards = True  # its optimizers cannot create state for an empty parameter
 
     def __init__(self) -> None:
         _check_version()
@@ -213,6 +214,10 @@ class MindSporePlatform(Platform):
         return tensor if source == destination else ops.moveaxis(tensor, source, destination)
 
     def narrow(self, tensor, dim, start, length):
+        if length == 0:  # ops.narrow rejects start == size even for an empty slice
+            shape = list(tensor.shape)
+            shape[dim] = 0
+            return mint.zeros(tuple(shape), dtype=tensor.dtype)
         return ops.narrow(tensor, dim, start, length)
 
     def cat(self, tensors, dim=0):

@@ -1,0 +1,120 @@
+"""Platform conformance suite: every platform passes the same checks (tests/platform/conformance.py).
+
+Design note
+-----------
+A launch costs seconds (MindSpore's start-up most of all), so each (backend, world size) is
+launched once: the 2-rank launch runs the single-process checks and the collective checks,
+the 4-rank launch the collective checks and the 2-D mesh ones. The per-rank results are
+cached for the module and one test per check reads them, so a failure names its check and
+shows the failing rank's traceback. A launch that fails as a whole (a hang, a crash) fails
+every test that reads it, each with the launcher's report.
+
+``KNOWN_BUGS`` marks a (backend, check) as a strict xfail while a platform bug is open: the
+test starts failing loudly (XPASS) the day the bug is fixed, so the entry gets removed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.multirank import run_ranks
+from tests.platform import conformance as C
+
+BACKENDS = ["torch", "mindspore"]
+WORLD_SIZES = [2, 4]
+LAUNCH_TIMEOUT_S = 150
+TEST_TIMEOUT_S = LAUNCH_TIMEOUT_S + 30  # the first test of a launch pays for it
+
+KNOWN_BUGS = {
+    ("mindspore", "no_grad_stops_gradient"):
+        "MindSporePlatform.no_grad returns contextlib.nullcontext(): operations inside are "
+        "still recorded and gradients flow through them (mindspore.common.api._no_grad exists)",
+    ("mindspore", "is_grad_enabled_reflects_no_grad"):
+        "MindSporePlatform.is_grad_enabled always returns True, also inside platform.no_grad() "
+        "(mindspore.common.api._pynative_executor.enable_grad() tells the real state)",
+}
+
+_LAUNCHES: dict = {}
+
+
+def _installed(backend: str) -> bool:
+    return importlib.util.find_spec(backend) is not None
+
+
+def _launch(backend: str, world_size: int) -> list:
+    """Per-rank results of the one launch of (backend, world_size), cached for the module."""
+    key = (backend, world_size)
+    if key not in _LAUNCHES:
+        names = (C.local_check_names() if world_size == 2 else []) + \
+            C.collective_check_names(world_size)
+        try:
+            _LAUNCHES[key] = run_ranks("tests.platform.conformance:run_checks", world_size,
+                                       backend, names, timeout_s=LAUNCH_TIMEOUT_S)
+        except AssertionError as failure:  # RankFailure: the launch as a whole failed
+            _LAUNCHES[key] = f"the {backend} launch on {world_size} ranks failed:\n{failure}"
+    return _LAUNCHES[key]
+
+
+def _assert_check(backend: str, world_size: int, check: str) -> None:
+    if not _installed(backend):
+        pytest.skip(f"{backend} is not installed")
+    per_rank = _launch(backend, world_size)
+    if isinstance(per_rank, str):
+        pytest.fail(per_rank, pytrace=False)
+    failures, skips = [], set()
+    for rank, results in enumerate(per_rank):
+        result = results[check]
+        if result["status"] == "fail":
+            failures.append(f"--- rank {rank} of {world_size} ---\n{result['detail']}")
+        elif result["status"] == "skip":
+            skips.add(result["detail"])
+    if failures:
+        pytest.fail(f"{backend}: check {check!r} failed\n" + "\n".join(failures), pytrace=False)
+    if skips:
+        pytest.skip("; ".join(sorted(skips)))
+
+
+def _params(checks, world_sizes=(None,)):
+    out = []
+    for backend in BACKENDS:
+        for world_size in world_sizes:
+            for check in (checks(world_size) if world_size else checks()):
+                marks = []
+                if (backend, check) in KNOWN_BUGS:
+                    marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[backend, check]))
+                ident = f"{backend}-{check}" if world_size is None else \
+                    f"{backend}-w{world_size}-{check}"
+                out.append(pytest.param(backend, world_size, check, id=ident, marks=marks))
+    return out
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("backend, world_size, check", _params(C.local_check_names))
+def test_local(backend, world_size, check):
+    """Single-process tensor, module and autograd behaviour (run in the 2-rank launch)."""
+    _assert_check(backend, 2, check)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.parametrize("backend, world_size, check",
+                         _params(C.collective_check_names, WORLD_SIZES))
+def test_collective(backend, world_size, check):
+    """Collectives, groups, meshes and CommStats on real ranks."""
+    _assert_check(backend, world_size, check)
+
+
+def test_every_platform_method_is_checked():
+    """A new Platform method needs a conformance check: each public method must be called
+    somewhere in conformance.py (init/destroy_process_group: by the harness of every launch)."""
+    import inspect
+
+    from hyper_parallel.platform.base import Platform
+
+    source = inspect.getsource(C)
+    by_harness = {"init_process_group", "destroy_process_group"}
+    methods = {name for name, _ in inspect.getmembers(Platform, inspect.isfunction)
+               if not name.startswith("_")}
+    missing = sorted(m for m in methods - by_harness if f".{m}(" not in source)
+    assert not missing, f"Platform methods without a conformance check: {missing}"
