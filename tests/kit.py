@@ -65,6 +65,12 @@ class TorchKit:
     def linear(self, d_in, d_out):
         return self.nn.Linear(d_in, d_out)
 
+    def activation(self):
+        return self.nn.ReLU()
+
+    def tensor(self, array):
+        return self.torch.from_numpy(array)
+
     def tie(self, module_a, module_b):
         module_b.weight = module_a.weight
 
@@ -133,6 +139,12 @@ class MindSporeKit:
 
     def linear(self, d_in, d_out):
         return self.nn.Dense(d_in, d_out)
+
+    def activation(self):
+        return self.nn.ReLU()
+
+    def tensor(self, array):
+        return self.ms.Tensor(array)
 
     def tie(self, module_a, module_b):
         module_b.weight = module_a.weight

@@ -1,0 +1,57 @@
+"""Bad input: a clear error naming the problem and the fix, and nothing half-changed."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from hyper_parallel.platform import resolve_backend_name
+from tests.multirank import run_ranks
+
+BACKENDS = ["torch", "mindspore"]
+
+
+@functools.lru_cache(maxsize=None)
+def _checks(backend):
+    return run_ranks("tests.bad_input:run_checks", 2, backend, timeout_s=200)[0]
+
+
+@pytest.mark.parametrize("value", ["jax", "", "tensorflow "])
+def test_unknown_backend_names_the_valid_values(monkeypatch, value):
+    monkeypatch.setenv("HP_BACKEND", value or "nope")
+    with pytest.raises(ValueError, match="valid values: torch, mindspore"):
+        resolve_backend_name()
+
+
+def test_backend_name_is_case_insensitive(monkeypatch):
+    monkeypatch.setenv("HP_BACKEND", "  TorCH ")
+    assert resolve_backend_name() == "torch"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("check, error_type, message", [
+    ("mesh_size", "ValueError", "holds 3 ranks but the world has 2"),
+    ("mesh_dup_names", "ValueError", "has duplicates"),
+    ("mesh_3d", "ValueError", "1-D mesh (FSDP) or a 2-D mesh (HSDP)"),
+    ("mesh_2d_unnamed", "ValueError", "mesh_dim_names ('replicate', 'shard')"),
+    ("shard_dim_out_of_range", "ValueError", "return a dim in [-2, 2)"),
+    ("ignored_not_in_module", "ValueError", "are not parameters of the module"),
+    ("twice", "ValueError", "already applied"),
+    ("top_down", "ValueError", "apply it to the blocks first"),
+    ("tied_across_units", "ValueError", "common ancestor"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_is_rejected_cleanly(backend, check, error_type, message):
+    found_type, found_message, untouched = _checks(backend)[check]
+    assert found_type == error_type, found_message
+    assert message in found_message
+    assert untouched, "the module was changed by a call that failed"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_module_without_parameters_is_a_no_op_unit(backend):
+    is_unit, values = _checks(backend)["no_params"]
+    assert is_unit
+    assert values == [[0.0, 2.0]]
