@@ -15,12 +15,14 @@ cannot be sharded by both: that is an error naming the fix (wrap their common an
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Iterable
 
 from hyper_parallel.fully_shard.param import FSDPParam
 from hyper_parallel.fully_shard.mesh import MeshInfo, as_device_mesh
 from hyper_parallel.fully_shard.param_group import FSDPParamGroup
 from hyper_parallel.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.fully_shard.reduce_op import normalize_reduce_op, validate_factor
 from hyper_parallel.fully_shard.state import STATE_ATTR, FSDPState
 from hyper_parallel.platform import get_platform
 
@@ -63,6 +65,43 @@ class FSDPModule:
         for state in _states_under(self, recurse):
             state.requires_gradient_sync = bool(requires_gradient_sync)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, recurse: bool = True) -> None:
+        """HSDP: off, each backward still reduce-scatters but defers the replicate all-reduce;
+        the next backward with it on all-reduces the deferred sum once."""
+        for state in _states_under(self, recurse):
+            state.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Off: the coming backward does not wait for its gradient reductions at its end;
+        they finish at the next last backward or when the next forward starts."""
+        for state in _states_under(self, True):
+            state.is_last_backward = bool(is_last_backward)
+
+    def set_reduce_op_type(self, reduce_op: str, recurse: bool = True) -> None:
+        """"avg" (default: divide by the data-parallel size) or "sum" (no division)."""
+        op = normalize_reduce_op(reduce_op)
+        for state in _states_under(self, recurse):
+            state.reduce_op = op
+
+    def set_gradient_divide_factor(self, factor: float, recurse: bool = True) -> None:
+        """Divide summed gradients by ``factor`` instead of the data-parallel size."""
+        value = validate_factor(factor, "gradient divide factor")
+        for state in _states_under(self, recurse):
+            state.divide_factor = value
+
+    def set_gradient_scaling_factor(self, factor, recurse: bool = True) -> None:
+        """Multiply every gradient by ``factor`` exactly once, before its first collective
+        (float, int or one-element tensor)."""
+        value = validate_factor(_as_scalar(factor), "gradient scaling factor")
+        for state in _states_under(self, recurse):
+            state.scaling_factor = value
+
+    def set_force_sum_reduction_for_comms(self, force_sum: bool, recurse: bool = True) -> None:
+        """On: collectives sum the raw gradients and all division happens after (no fp16
+        pre-divide). Collectives always use SUM in hyper_parallel (reduce_op.py)."""
+        for state in _states_under(self, recurse):
+            state.force_sum_reduction = bool(force_sum)
+
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
         """Units whose all-gather starts when this unit's forward starts."""
         _state_of(self).forward_prefetch = [_state_of(m) for m in modules]
@@ -79,6 +118,16 @@ class _UnshardHandle:
     def wait(self) -> None:
         self._state.unshard()
         self._state.keep_until_next_forward()
+
+
+def _as_scalar(value):
+    platform = get_platform()
+    if platform.is_tensor(value):
+        shape = platform.shape(value)
+        if math.prod(shape) != 1:
+            raise ValueError(f"gradient scaling factor must be a one-element tensor, got shape {shape}")
+        return float(platform.to_numpy(value).reshape(-1)[0])
+    return value
 
 
 def _state_of(module: Any) -> FSDPState:
@@ -157,10 +206,13 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
                 shard_placement_fn: Callable | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: Iterable | None = None):
+                ignored_params: Iterable | None = None, shard_threshold_bytes: int = 0):
     """Shard ``module``'s parameters over ``mesh`` (FSDP2 semantics); return ``module``.
 
     ``module`` may be a list of modules forming one unit (one all-gather for all of them).
+    A parameter of fewer than ``shard_threshold_bytes`` bytes is not sharded: every rank
+    keeps it whole and its gradient is all-reduced over the data-parallel group (default
+    0: shard everything, as FSDP2).
     """
     platform = get_platform()
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -175,6 +227,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
     if isinstance(offload_policy, CPUOffloadPolicy) and platform.device_type() != "cpu":
         raise NotImplementedError("CPUOffloadPolicy is not implemented on accelerators yet; "
                                   "use OffloadPolicy() (on a CPU device it is not needed)")
+    if not isinstance(shard_threshold_bytes, int) or shard_threshold_bytes < 0:
+        raise ValueError(f"shard_threshold_bytes must be an int >= 0, got {shard_threshold_bytes!r}")
     ignored = list(ignored_params or [])
     ignored_ids = {id(p) for p in ignored}
     managed, seen = _managed_params(platform, modules, ignored_ids)
@@ -199,7 +253,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
     unit_name = "+".join(type(m).__name__ for m in modules)
     fsdp_params = []
     for fqn, param, slots, dim in plan:
-        fsdp_param = FSDPParam(platform, fqn, param, slots, dim, info)
+        nbytes = math.prod(platform.shape(param)) * platform.element_size(platform.dtype_of(param))
+        fsdp_param = FSDPParam(platform, fqn, param, slots, dim, info,
+                               is_sharded=nbytes >= shard_threshold_bytes)
         object.__setattr__(param, _REPLACED_BY, unit_name)
         object.__setattr__(fsdp_param.sharded_param, _SHARDED_BY, unit_name)
         fsdp_params.append(fsdp_param)
@@ -208,7 +264,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
         group = FSDPParamGroup(platform, fsdp_params, info,
                                _resolve_dtype(platform, mp_policy.param_dtype),
                                _resolve_dtype(platform, mp_policy.reduce_dtype))
-    state = FSDPState(platform, modules, group, reshard_after_forward, mp_policy)
+    state = FSDPState(platform, unit_name, modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         object.__setattr__(m, STATE_ATTR, state)
         m.__class__ = _fsdp_class(type(m))

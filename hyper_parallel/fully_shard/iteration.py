@@ -3,25 +3,46 @@
 [Note: why not globals]
 Every unit under one root points to the same IterationContext, created by the root at its
 first forward. Two models wrapped independently have two roots and two contexts, so their
-pending work, flags and final callbacks can never mix. Nothing here is class-level.
+pending collectives, flags and final callbacks never mix. Nothing here is class-level.
+
+[Note: the overlap pipeline]
+Unit N's reduce-scatter is issued (async) in its post-backward and becomes
+``pending_reduce_scatter``. When unit N-1's post-backward issues its own, unit N's is
+waited and its all-reduce issued (async) into ``pending_all_reduce``. At the end of
+backward (the root's final callback) everything left is drained, before the optimizer can
+see a gradient. ``HP_SYNC_COLLECTIVES=1`` in the environment (read when the root
+initializes) runs every collective synchronously instead, for debugging.
+
+With ``set_is_last_backward(False)`` the final callback leaves the queues alone; they are
+drained by the next final callback of a last backward, or when the root's next forward
+starts, whichever comes first.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
+
+logger = logging.getLogger("hyper_parallel.fully_shard")
 
 
 class IterationContext:
-    """All units of one root, in pre-order (root first), and the end-of-backward callback."""
+    """All units of one root, in pre-order (root first), and their collectives in flight."""
 
     def __init__(self, platform: Any, states: list):
         self.platform = platform
         self.states = states
+        self.root = states[0]
+        self.sync_collectives = os.environ.get("HP_SYNC_COLLECTIVES", "0") not in ("", "0")
+        self.pending_reduce_scatter = None   # (UnitReduction, requires_all_reduce)
+        self.pending_all_reduce: list = []
         self._final_callback_queued = False
 
     def begin_forward(self) -> None:
-        """The root's forward starts a new iteration: drop full parameters left from the
-        last one (unless kept on purpose, by an explicit unshard or reshard_after_backward=False)."""
+        """The root's forward starts a new iteration: finish reductions still in flight and
+        drop full parameters left from the last one (unless kept on purpose)."""
+        self.drain()
         for state in self.states:
             state.begin_iteration()
 
@@ -31,9 +52,41 @@ class IterationContext:
             self._final_callback_queued = True
             self.platform.queue_backward_final_callback(self.finish_backward)
 
+    def enqueue(self, reduction: Any, requires_all_reduce: bool) -> None:
+        """A unit's reduce-scatter was issued: advance the one issued before it."""
+        if self.sync_collectives:
+            reduction.finish_reduce_scatter()
+            reduction.start_all_reduce(requires_all_reduce)
+            reduction.finish()
+            return
+        self._advance()
+        self.pending_reduce_scatter = (reduction, requires_all_reduce)
+
+    def _advance(self) -> None:
+        if self.pending_reduce_scatter is not None:
+            reduction, requires_all_reduce = self.pending_reduce_scatter
+            self.pending_reduce_scatter = None
+            reduction.finish_reduce_scatter()
+            reduction.start_all_reduce(requires_all_reduce)
+            self.pending_all_reduce.append(reduction)
+
+    def drain(self) -> None:
+        """Wait every collective in flight and deliver every gradient."""
+        self._advance()
+        pending, self.pending_all_reduce = self.pending_all_reduce, []
+        for reduction in pending:
+            reduction.finish()
+
+    def has_pending(self) -> bool:
+        return self.pending_reduce_scatter is not None or bool(self.pending_all_reduce)
+
     def finish_backward(self) -> None:
-        """After the whole backward: every unit reshards (units whose backward never ran
-        included), so the optimizer and the next forward see sharded parameters."""
+        """After the whole backward: drain (on a last backward) and reshard every unit
+        (units whose backward never ran included)."""
         self._final_callback_queued = False
+        if self.root.is_last_backward:
+            self.drain()
+        else:
+            logger.debug("backward ended with is_last_backward=False: reductions left in flight")
         for state in self.states:
             state.finish_backward()

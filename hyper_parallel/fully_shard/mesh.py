@@ -111,3 +111,12 @@ class MeshInfo:
     @property
     def data_parallel_size(self) -> int:
         return self.shard_size * self.replicate_size
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The group of all data-parallel ranks (the mesh covers the world: None = world)."""
+        if self.replicate_size == 1:
+            return self.shard_group
+        if self.shard_size == 1:
+            return self.replicate_group
+        return None

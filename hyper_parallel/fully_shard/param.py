@@ -28,20 +28,23 @@ class FSDPParam:
     """Shard one parameter on creation; then translate between its shard and the flat buffers."""
 
     def __init__(self, platform: Platform, fqn: str, param: Any, slots: list, shard_dim: int,
-                 mesh_info: MeshInfo):
+                 mesh_info: MeshInfo, is_sharded: bool = True):
         self.platform = platform
         self.fqn = fqn
         self.slots = slots  # [(module, attr_name)] where the parameter is registered
         self.full_shape = platform.shape(param)
         self.shard_dim = shard_dim
         self.mesh_info = mesh_info
-        self.shard_size = shard_size = mesh_info.shard_size
+        # An unsharded (small) parameter is laid out as one shard of the whole tensor.
+        self.is_sharded = is_sharded
+        self.shard_size = shard_size = mesh_info.shard_size if is_sharded else 1
+        shard_rank = mesh_info.shard_rank if is_sharded else 0
         moved = platform.shape(platform.movedim(param, shard_dim, 0))
         self.rows, self.row_shape = moved[0], tuple(moved[1:])
         self.row_numel = math.prod(self.row_shape)
         self.chunk_rows = -(-self.rows // shard_size)
         self.padded_numel = self.chunk_rows * self.row_numel
-        start = min(mesh_info.shard_rank * self.chunk_rows, self.rows)
+        start = min(shard_rank * self.chunk_rows, self.rows)
         self.local_rows = min(self.chunk_rows, self.rows - start)
         self.stored_rows = self.chunk_rows if platform.pads_local_shards else self.local_rows
         self.orig_dtype = platform.dtype_of(param)
@@ -52,8 +55,8 @@ class FSDPParam:
                 local = platform.cat([local, platform.zeros(padding, self.orig_dtype)], 0)
             local = platform.contiguous(platform.movedim(local, 0, shard_dim))
             self.sharded_param = platform.make_sharded_param(
-                param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim, shard_dim,
-                self.full_shape)
+                param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim,
+                shard_dim if is_sharded else None, self.full_shape)
         for module, name in slots:
             platform.register_param(module, name, self.sharded_param)
 
@@ -76,6 +79,12 @@ class FSDPParam:
         rows = p.reshape(columns, (self.shard_size * self.chunk_rows, *self.row_shape))
         full = p.movedim(p.narrow(rows, 0, 0, self.rows), 0, self.shard_dim)
         return p.contiguous(full)
+
+    def full_from_local(self, local: Any, dtype: Any) -> Any:
+        """An unsharded parameter's full tensor: a private copy of the local one in ``dtype``."""
+        p = self.platform
+        cast = p.cast(local, dtype)
+        return cast if cast is not local else p.clone(local)
 
     # ---------------------------------------------------------------- reduce pieces
     def reduce_scatter_block(self, full_grad: Any, dtype: Any) -> Any:

@@ -20,12 +20,17 @@ class MixedPrecisionPolicy:
         sharded parameter's dtype.
     output_dtype: dtype floating-point outputs of the unit are cast to (None: unchanged).
     cast_forward_inputs: cast floating-point inputs of the unit to param_dtype.
+    apply_grad_on_fp32_main_grad: deliver reduced gradients by accumulating them, in
+        float32, into a ``main_grad`` attribute of each sharded parameter instead of its
+        gradient (Megatron-style optimizers read ``main_grad``; the user zeroes it by
+        setting it to None, or to zeros, after the optimizer step).
     """
 
     param_dtype: Any = None
     reduce_dtype: Any = None
     output_dtype: Any = None
     cast_forward_inputs: bool = True
+    apply_grad_on_fp32_main_grad: bool = False
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,14 @@ everything after backward. The root never reshards after forward (its backward c
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from hyper_parallel.fully_shard.iteration import IterationContext
+from hyper_parallel.fully_shard.reduce_op import plan_reduction, resolve_reduce_dtype
+from hyper_parallel.fully_shard.reduction import UnitReduction
+
+logger = logging.getLogger("hyper_parallel.fully_shard")
 
 STATE_ATTR = "_hp_state"
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
@@ -34,14 +39,22 @@ _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 class FSDPState:
     """State and hooks of one fully_shard unit (one module or a list of modules)."""
 
-    def __init__(self, platform: Any, modules: list, group: Any, reshard_after_forward: bool,
-                 mp_policy: Any):
+    def __init__(self, platform: Any, name: str, modules: list, group: Any,
+                 reshard_after_forward: bool, mp_policy: Any):
         self.platform = platform
+        self.name = name
         self.modules = modules
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.is_last_backward = True
+        self.reduce_op = "avg"
+        self.divide_factor: float | None = None
+        self.scaling_factor = 1.0
+        self.force_sum_reduction = False
+        self.to_main_grad = mp_policy.apply_grad_on_fp32_main_grad
         self.param_dtype = group.param_dtype if group is not None else None
         self.output_dtype = mp_policy.output_dtype
         self.cast_forward_inputs = mp_policy.cast_forward_inputs
@@ -106,6 +119,7 @@ class FSDPState:
         if self.group is None:
             return
         if self._full is None:
+            logger.debug("%s: unshard (all-gather)", self.name)
             self._full = self.platform.differentiable_call(
                 self.group.local_shards(), self._gather_for_forward, self._post_backward)
             self._storage_live = True
@@ -136,6 +150,7 @@ class FSDPState:
         return self.group.wait_gather()
 
     def _refill(self) -> None:
+        logger.debug("%s: re-gather full parameters for backward", self.name)
         with self.platform.no_grad():
             self.group.wait_gather(into=self._full)
         self._storage_live = True
@@ -171,24 +186,33 @@ class FSDPState:
             self._refill()
 
     def _post_backward(self, full_grads: list) -> list:
-        """The unshard node's backward: reduce (or accumulate) and return shard gradients."""
-        if self.iteration is not None:
-            self.iteration.ensure_final_callback()
-        group = self.group
+        """The unshard node's backward: start the reduction (or accumulate locally) and
+        return what autograd should see for the shards (see reduction.py)."""
+        self.iteration.ensure_final_callback()
+        p, group = self.platform, self.group
+        dtype = resolve_reduce_dtype(group.reduce_dtype, group.param_dtype, p.dtype_of(full_grads[0]))
+        full_grads = [p.cast(g, dtype) for g in full_grads]
         if self._unsharded_grads is not None:
-            full_grads = [self.platform.add(acc, self.platform.cast(g, self.platform.dtype_of(acc)))
-                          for acc, g in zip(self._unsharded_grads, full_grads)]
+            full_grads = [p.add(acc, g) for acc, g in zip(self._unsharded_grads, full_grads)]
             self._unsharded_grads = None
-        if self.requires_gradient_sync:
-            shard_grads = group.reduce_grads(full_grads)
+        if not self.requires_gradient_sync:
+            logger.debug("%s: gradient sync off, accumulating unsharded gradients", self.name)
+            self._unsharded_grads = full_grads
+            result = [None] * len(full_grads)
         else:
-            dtype = group.reduce_dtype or group.param_dtype
-            self._unsharded_grads = [self.platform.cast(g, dtype) if dtype is not None else g
-                                     for g in full_grads]
-            shard_grads = [None] * len(full_grads)
+            plan = plan_reduction(group.mesh_info.data_parallel_size, reduce_op=self.reduce_op,
+                                  custom_divide_factor=self.divide_factor,
+                                  scaling_factor=self.scaling_factor,
+                                  reduce_in_fp16=dtype == p.dtype("float16"),
+                                  force_sum=self.force_sum_reduction)
+            result = [p.grad_placeholder(fp.sharded_param) for fp in group.params]
+            reduction = UnitReduction(self.name, group, full_grads, dtype, plan, result,
+                                      self.to_main_grad,
+                                      async_op=not self.iteration.sync_collectives)
+            self.iteration.enqueue(reduction, self.requires_all_reduce)
         if self.reshard_after_backward:
             self.reshard()
-        return shard_grads
+        return result
 
     def finish_backward(self) -> None:
         """Root's final callback, for every unit: reshard what backward left unsharded."""

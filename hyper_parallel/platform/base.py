@@ -194,6 +194,10 @@ class Platform(abc.ABC):
         """A tensor with its own dense memory (a copy when ``tensor`` is a strided read)."""
 
     @abc.abstractmethod
+    def clone(self, tensor: Any) -> Any:
+        """A new tensor with the same values and its own memory."""
+
+    @abc.abstractmethod
     def scale(self, tensor: Any, factor: float) -> Any:
         """A new tensor ``tensor * factor``."""
 
@@ -249,11 +253,24 @@ class Platform(abc.ABC):
                            shard_mesh_dim: int, shard_dim: int, full_shape: tuple) -> Any:
         """A new parameter holding ``local_shard`` that replaces ``orig_param`` (same name,
         same ``requires_grad``). On torch it is a DTensor over ``native_mesh`` sharded on
-        ``shard_dim`` along mesh dim ``shard_mesh_dim`` and replicated on the others."""
+        ``shard_dim`` along mesh dim ``shard_mesh_dim`` and replicated on the others
+        (replicated everywhere when ``shard_dim`` is None)."""
 
     @abc.abstractmethod
     def local_tensor(self, param: Any) -> Any:
         """The differentiable local shard of a parameter made by ``make_sharded_param``."""
+
+    @abc.abstractmethod
+    def grad_placeholder(self, param: Any) -> Any:
+        """What backward returns for ``param`` while its reduced gradient is still on the
+        wire: a zero tensor that ``write_grad`` fills later where gradients are returned to
+        the user (MindSpore ``value_and_grad``), None where they accumulate on ``.grad``."""
+
+    @abc.abstractmethod
+    def write_grad(self, param: Any, placeholder: Any, local_grad: Any, to_main_grad: bool) -> None:
+        """Deliver a reduced gradient shard: accumulate it into ``param.grad`` (torch) or
+        fill ``placeholder`` (MindSpore); with ``to_main_grad`` accumulate it in float32 into
+        ``param.main_grad`` instead and leave the gradient untouched."""
 
     def attach_tensor(self, module: Any, attr_name: str, tensor: Any) -> None:
         """Make ``module.<attr_name>`` read ``tensor`` while the registered parameter stays.

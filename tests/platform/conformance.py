@@ -192,12 +192,15 @@ class _MindSporeSide:
         grad_fn = ms.value_and_grad(lambda *xs: fn(list(xs)), grad_position=position,
                                     weights=params or None)
         loss, grads = grad_fn(*inputs)
+
+        def as_tuple(g):  # one position or one weight comes back as a bare tensor
+            return (g,) if isinstance(g, ms.Tensor) else tuple(g)
         if inputs and params:
-            input_grads, param_grads = grads
+            input_grads, param_grads = as_tuple(grads[0]), as_tuple(grads[1])
         elif inputs:
-            input_grads, param_grads = grads, ()
+            input_grads, param_grads = as_tuple(grads), ()
         else:
-            input_grads, param_grads = (), grads
+            input_grads, param_grads = (), as_tuple(grads)
         platform = hp.get_platform()
         as_np = [None if g is None else platform.to_numpy(g) for g in (*input_grads, *param_grads)]
         return float(loss.asnumpy()), as_np[:len(inputs)], as_np[len(inputs):]
@@ -542,6 +545,28 @@ def check_contiguous(ctx):
 
 
 @local_check
+def check_clone(ctx):
+    p = ctx.p
+    base = _arange(3, 4)
+    t = p.from_numpy(base)
+    for how, source, expected in (("a dense tensor", t, base),
+                                  ("narrow at offset 0", p.narrow(t, 0, 0, 2), base[0:2]),
+                                  ("narrow at an offset", p.narrow(t, 0, 1, 2), base[1:3]),
+                                  ("movedim", p.movedim(t, 0, 1), base.T)):
+        copy = p.clone(source)
+        _check(p.dtype_of(copy) == p.dtype_of(source), f"clone of {how}: dtype {p.dtype_of(copy)}")
+        _same(_values(ctx, copy), expected, f"clone of {how}: values")
+        p.copy_into(copy, p.from_numpy(np.full(expected.shape, -1, np.float32)))
+        _same(_values(ctx, t), base, f"clone of {how} must own its memory: writing the clone "
+              "changed the original")
+    copy = p.clone(t)
+    p.copy_into(t, p.from_numpy(np.zeros((3, 4), np.float32)))
+    _same(_values(ctx, copy), base, "writing the original changed its clone")
+    half = p.cast(p.from_numpy(base), p.dtype("float16"))
+    _check(p.dtype_of(p.clone(half)) == p.dtype("float16"), "clone of float16 changed the dtype")
+
+
+@local_check
 def check_scale(ctx):
     p = ctx.p
     base = np.array([1.0, -2.0, 0.5, 4.0], np.float32)
@@ -594,18 +619,40 @@ def check_copy_into(ctx):
         _same(p.to_numpy(src), src_np, f"copy_into {name}{shape} changed src")
         p.copy_into(src, p.from_numpy(np.zeros(shape, name)))
         _same(p.to_numpy(dst), src_np, f"copy_into {name}{shape} made dst alias src")
-    base = _arange(10)
-    src = p.from_numpy(base)
-    for start in (0, 4):
-        dst = p.zeros((4,), p.dtype("float32"))
-        p.copy_into(dst, p.narrow(src, 0, start, 4))
-        _same(_values(ctx, dst), base[start:start + 4], f"copy_into from narrow(0, {start}, 4)")
-    dst = p.zeros((3, 2), p.dtype("float32"))
-    p.copy_into(dst, p.contiguous(p.movedim(p.from_numpy(_arange(2, 3)), 0, 1)))
-    _same(_values(ctx, dst), _arange(2, 3).T, "copy_into from a movedim result")
     param = ctx.side.new_param(np.zeros(3, np.float32), "conf_copy_into")
     p.copy_into(param, _f32(ctx, [7, 8, 9]))
     _same(_values(ctx, param), np.array([7, 8, 9], np.float32), "copy_into a Parameter")
+
+
+@local_check
+def check_copy_into_from_view(ctx):
+    """``src`` may be any read: a narrow (at offset 0 or not), a movedim, their contiguous()."""
+    p = ctx.p
+    base = _arange(10)
+    src = p.from_numpy(base)
+    failures = []
+    for start in (4, 0):
+        for how, make in (("narrow", lambda: p.narrow(src, 0, start, 4)),
+                          ("contiguous(narrow)", lambda: p.contiguous(p.narrow(src, 0, start, 4)))):
+            dst = p.zeros((4,), p.dtype("float32"))
+            try:
+                p.copy_into(dst, make())
+                _same(_values(ctx, dst), base[start:start + 4], "")
+            except Exception as error:  # noqa: BLE001 - collect every failing form
+                failures.append(f"copy_into(dst, {how}(src of 10, dim 0, start {start}, "
+                                f"length 4)): {type(error).__name__}: "
+                                f"{str(error).strip().splitlines()[0]}")
+    for how, make in (("movedim", lambda m: p.movedim(m, 0, 1)),
+                      ("contiguous(movedim)", lambda m: p.contiguous(p.movedim(m, 0, 1)))):
+        dst = p.zeros((3, 2), p.dtype("float32"))
+        try:
+            p.copy_into(dst, make(p.from_numpy(_arange(2, 3))))
+            _same(_values(ctx, dst), _arange(2, 3).T, "")
+        except Exception as error:  # noqa: BLE001
+            failures.append(f"copy_into(dst, {how}): {type(error).__name__}: "
+                            f"{str(error).strip().splitlines()[0]}")
+    _check(not failures, "copy_into from a read of another tensor failed:\n  "
+           + "\n  ".join(failures))
 
 
 @local_check
@@ -623,15 +670,57 @@ def check_release_restore_storage(ctx):
     p = ctx.p
     if not p.can_release_storage:
         raise Skip(f"{p.name}: can_release_storage is False")
+    for how, t in (("zeros", p.zeros((3, 4), p.dtype("float32"))),
+                   ("add", p.add(p.zeros((3, 4), p.dtype("float32")), p.zeros((3, 4), p.dtype("float32")))),
+                   ("cat", p.cat([p.zeros((1, 4), p.dtype("float32")), p.zeros((2, 4), p.dtype("float32"))]))):
+        p.release_storage(t)
+        _check(p.storage_bytes(t) == 0, f"{how}: after release_storage, storage_bytes "
+               f"{p.storage_bytes(t)}")
+        _check(p.shape(t) == (3, 4), f"{how}: release_storage changed the shape to {p.shape(t)}")
+        p.release_storage(t)  # releasing twice is harmless
+        p.restore_storage(t)
+        _check(p.storage_bytes(t) == 48, f"{how}: after restore_storage, storage_bytes "
+               f"{p.storage_bytes(t)}")
+        p.restore_storage(t)  # restoring twice is harmless
+        _check(p.storage_bytes(t) == 48, f"{how}: after a second restore, storage_bytes "
+               f"{p.storage_bytes(t)}")
+        p.copy_into(t, p.from_numpy(_arange(3, 4, start=5)))
+        _same(_values(ctx, t), _arange(3, 4, start=5), f"{how}: values after restore + copy_into")
+
+
+@local_check
+def check_release_restore_shared_buffer(ctx):
+    """Full parameters may be reads of one gathered buffer at different offsets: releasing
+    and restoring each, then refilling each, gives every one its values."""
+    p = ctx.p
+    if not p.can_release_storage:
+        raise Skip(f"{p.name}: can_release_storage is False")
+    buffer = p.zeros((10,), p.dtype("float32"))
+    first = p.contiguous(p.narrow(buffer, 0, 0, 4))
+    second = p.contiguous(p.reshape(p.narrow(buffer, 0, 4, 6), (2, 3)))
+    for t in (first, second):
+        p.release_storage(t)
+    _check(p.storage_bytes(first) == 0 and p.storage_bytes(second) == 0,
+           "release_storage of reads of one buffer did not free it")
+    for t in (first, second):
+        p.restore_storage(t)
+    p.copy_into(first, p.from_numpy(_arange(4, start=1)))
+    p.copy_into(second, p.from_numpy(_arange(2, 3, start=-6)))
+    _same(_values(ctx, first), _arange(4, start=1), "first read after restore + copy_into")
+    _same(_values(ctx, second), _arange(2, 3, start=-6), "second read (at offset 4) after "
+          "restore + copy_into")
+
+
+@local_check
+def check_release_storage_of_from_numpy(ctx):
+    """Every tensor the platform makes can be released, from_numpy's too."""
+    p = ctx.p
+    if not p.can_release_storage:
+        raise Skip(f"{p.name}: can_release_storage is False")
     t = p.from_numpy(_arange(3, 4))
     p.release_storage(t)
     _check(p.storage_bytes(t) == 0, f"after release_storage: storage_bytes {p.storage_bytes(t)}")
-    _check(p.shape(t) == (3, 4), f"release_storage changed the shape to {p.shape(t)}")
-    p.release_storage(t)  # releasing twice is harmless
     p.restore_storage(t)
-    _check(p.storage_bytes(t) == 48, f"after restore_storage: storage_bytes {p.storage_bytes(t)}")
-    p.restore_storage(t)  # restoring twice is harmless
-    _check(p.storage_bytes(t) == 48, f"after a second restore: storage_bytes {p.storage_bytes(t)}")
     p.copy_into(t, p.from_numpy(_arange(3, 4, start=5)))
     _same(_values(ctx, t), _arange(3, 4, start=5), "values after restore + copy_into")
 
@@ -955,6 +1044,34 @@ def check_differentiable_call_single(ctx):
 
 
 @local_check
+def check_differentiable_call_params(ctx):
+    """Parameters as inputs (the core passes the local shards): their gradients are what
+    backward_fn returned for them."""
+    p = ctx.p
+    a = ctx.side.new_param(_arange(2, 2), "conf.dc.a")
+    b = ctx.side.new_param(_arange(3, start=1), "conf.dc.b")
+    seen = []
+
+    def forward_fn(inputs):
+        return [p.scale(inputs[0], 1.0), p.scale(inputs[1], 1.0)]
+
+    def backward_fn(grads):
+        seen.append([_values(ctx, g) for g in grads])
+        return [p.scale(grads[0], 10.0), p.scale(grads[1], -1.0)]
+
+    wa, wb = _arange(2, 2, start=1), np.array([2, 0, -1], np.float32)
+
+    def loss_fn(_):
+        out_a, out_b = p.differentiable_call([a, b], forward_fn, backward_fn)
+        return ctx.side.weighted_sum(out_a, wa) + ctx.side.weighted_sum(out_b, wb)
+
+    _, _, (ga, gb) = ctx.side.backward(loss_fn, [], [a, b])
+    _check(len(seen) == 1, f"backward_fn ran {len(seen)} times")
+    _same(ga, 10 * wa, "gradient of parameter input a", tol=1e-6)
+    _same(gb, -wb, "gradient of parameter input b", tol=1e-6)
+
+
+@local_check
 def check_differentiable_call_none_grad(ctx):
     """backward_fn may return None for an input (the core's no-sync micro-batches): that
     input then gets no gradient (None or zeros), the others theirs."""
@@ -1065,6 +1182,28 @@ def check_mesh_1d_groups(ctx):
 
 
 @collective_check()
+def check_new_mesh_groups(ctx):
+    """Direct call (hp.init_device_mesh wraps it): one group per dim; a size-1 dim too."""
+    p, w = ctx.p, ctx.world
+    device = p.device_type()
+    made = {shape: p.new_mesh_groups(device, shape, names)
+            for shape, names in (((w,), ("a",)), ((1, w), ("one", "all")))}
+    probe = _f32(ctx, [1.0])
+    p.all_reduce(probe, made[(1, w)][0][1])  # the size-w dim of the (1, w) mesh
+    for shape, (groups, native) in made.items():
+        _check(len(groups) == len(shape), f"new_mesh_groups{shape}: {len(groups)} groups")
+        sizes = [p.group_size(g) for g in groups]
+        _check(sizes == list(shape), f"new_mesh_groups{shape}: group sizes {sizes}")
+        if native is not None:
+            described = p.mesh_from_native(native)
+            _check(described is not None and tuple(described[0]) == shape,
+                   f"mesh_from_native(new_mesh_groups{shape} native) = {described}")
+    _check(p.group_rank(made[(w,)][0][0]) == ctx.rank, "group_rank in the 1-D mesh group")
+    _check(p.group_rank(made[(1, w)][0][0]) == 0, "group_rank in a size-1 dim group")
+    _same(_values(ctx, probe), [float(w)], "all_reduce on the size-w dim of a (1, w) mesh")
+
+
+@collective_check()
 def check_all_gather_into(ctx):
     p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
     mine = (np.arange(n, dtype=np.float32) + 1) * (r + 1) + 10 * r  # different on every rank
@@ -1093,12 +1232,14 @@ def check_all_gather_into_async(ctx):
 def check_all_gather_into_view_input(ctx):
     """The input may be a narrowed/reshaped read of a bigger tensor."""
     p, w, r = ctx.p, ctx.world, ctx.rank
-    big = _arange(2, 4, start=100 * r)  # this rank's input is row 1
-    out = p.zeros((w * 4,), p.dtype("float32"))
-    p.all_gather_into(out, p.reshape(p.narrow(p.from_numpy(big), 0, 1, 1), (4,)),
-                      ctx.mesh1.get_group(0))
-    expected = np.concatenate([_arange(2, 4, start=100 * k)[1] for k in range(w)])
-    _same(_values(ctx, out), expected, "all_gather_into of a narrow(.., 1, 1) input")
+    big = p.from_numpy(_arange(3, 4, start=100 * r))
+    outs = {row: p.zeros((w * 4,), p.dtype("float32")) for row in (1, 0)}
+    for row, out in outs.items():
+        p.all_gather_into(out, p.reshape(p.narrow(big, 0, row, 1), (4,)), ctx.mesh1.get_group(0))
+    for row, out in outs.items():
+        expected = np.concatenate([_arange(3, 4, start=100 * k)[row] for k in range(w)])
+        _same(_values(ctx, out), expected, f"all_gather_into of row {row} (a narrow) of a "
+              "(3, 4) tensor")
 
 
 @collective_check()
@@ -1132,14 +1273,30 @@ def check_reduce_scatter_view_input(ctx):
     """The core passes reshape(cat(..)) as input; a narrowed read must work as well."""
     p, w, r = ctx.p, ctx.world, ctx.rank
     k = _arange(w, 2)
-    out_a, out_b = p.zeros((2,), p.dtype("float32")), p.zeros((2,), p.dtype("float32"))
-    p.reduce_scatter(out_a, p.reshape(p.from_numpy(k + r), (2 * w,)), ctx.mesh1.get_group(0))
-    padded = np.concatenate([np.full(3, 99, np.float32), (k + r).reshape(-1)])
-    p.reduce_scatter(out_b, p.narrow(p.from_numpy(padded), 0, 3, 2 * w), ctx.mesh1.get_group(0))
-    total = (k * w + w * (w - 1) / 2).reshape(-1)
-    _same(_values(ctx, out_a), total[2 * r:2 * r + 2], "reduce_scatter of a reshaped input")
-    _same(_values(ctx, out_b), total[2 * r:2 * r + 2],
-          "reduce_scatter of a narrow(.., 3, 2W) input")
+    group = ctx.mesh1.get_group(0)
+    outs = [p.zeros((2,), p.dtype("float32")) for _ in range(3)]
+    p.reduce_scatter(outs[0], p.reshape(p.from_numpy(k + r), (2 * w,)), group)
+    padded = np.concatenate([np.full(3, 99, np.float32), (k + r).reshape(-1),
+                             np.full(3, 99, np.float32)])
+    p.reduce_scatter(outs[1], p.narrow(p.from_numpy(padded), 0, 3, 2 * w), group)
+    p.reduce_scatter(outs[2], p.narrow(p.from_numpy(padded[3:]), 0, 0, 2 * w), group)
+    total = (k * w + w * (w - 1) / 2).reshape(-1)[2 * r:2 * r + 2]
+    failures = [what for what, out in zip(
+        ("a reshaped input", "narrow(buffer of 2W+6, 0, 3, 2W)", "narrow(buffer of 2W+3, 0, 0, 2W)"),
+        outs) if not np.array_equal(_values(ctx, out), total)]
+    _check(not failures, f"reduce_scatter is wrong for: {failures} (rank {r} expected {total}, "
+           f"got {[_values(ctx, o).tolist() for o in outs]})")
+
+
+@collective_check()
+def check_reduce_scatter_leaves_input(ctx):
+    """Only the output buffer is written (Platform's note: the collectives' output buffers
+    are the only writes besides copy_into and release/restore)."""
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    mine = _arange(2 * w, start=r)
+    source = p.from_numpy(mine)
+    p.reduce_scatter(p.zeros((2,), p.dtype("float32")), source, ctx.mesh1.get_group(0))
+    _same(_values(ctx, source), mine, "reduce_scatter changed its input")
 
 
 @collective_check()
@@ -1289,6 +1446,11 @@ def check_make_sharded_param(ctx):
             _same(_values(ctx, local), local_np, f"local_tensor values (shard_dim {shard_dim})")
             _same(p.to_numpy(param), local_np, f"to_numpy(sharded param) is the local shard "
                   f"(shard_dim {shard_dim})")
+    replicated = p.make_sharded_param(ctx.side.new_param(np.zeros((2, 3), np.float32), "conf.rep"),
+                                      p.from_numpy(_arange(2, 3)), mesh.native, 0, None, (2, 3))
+    _check(p.shape(p.local_tensor(replicated)) == (2, 3),
+           f"shard_dim=None: local_tensor shape {p.shape(p.local_tensor(replicated))}")
+    _same(p.to_numpy(replicated), _arange(2, 3), "shard_dim=None (replicated): to_numpy")
     param = p.make_sharded_param(ctx.side.new_param(np.zeros((2 * w, 3), np.float32), "conf.g"),
                                  p.from_numpy(full[2 * r:2 * r + 2]), mesh.native, 0, 0,
                                  (2 * w, 3))
@@ -1296,6 +1458,85 @@ def check_make_sharded_param(ctx):
     _, _, (grad,) = ctx.side.backward(
         lambda _: ctx.side.weighted_sum(p.local_tensor(param), weights), [], [param])
     _same(grad, weights, "gradient of the sharded param through local_tensor", tol=1e-6)
+
+
+def _sharded(ctx, name, requires_grad=True):
+    """A (2W, 3) parameter sharded on dim 0 over the 1-D mesh; this rank holds 2 rows."""
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    orig = ctx.side.new_param(np.zeros((2 * w, 3), np.float32), name, requires_grad=requires_grad)
+    return p.make_sharded_param(orig, p.from_numpy(_arange(2 * w, 3)[2 * r:2 * r + 2]),
+                                ctx.mesh1.native, 0, 0, (2 * w, 3))
+
+
+def _delivered(ctx, param, placeholder):
+    """The gradient the user sees after write_grad: the placeholder where the platform
+    returns one (MindSpore value_and_grad), else the parameter's accumulated ``.grad``."""
+    if placeholder is not None:
+        return _values(ctx, placeholder)
+    return None if param.grad is None else ctx.p.to_numpy(param.grad)
+
+
+@collective_check()
+def check_grad_placeholder_write_grad(ctx):
+    p = ctx.p
+    g1, g2 = _arange(2, 3, start=1), _arange(2, 3, start=-3) * 0.5
+    param = _sharded(ctx, "conf.wg")
+    placeholder = p.grad_placeholder(param)
+    if placeholder is not None:
+        _check(p.shape(placeholder) == (2, 3) and p.dtype_of(placeholder) == p.dtype_of(param),
+               f"grad_placeholder: shape {p.shape(placeholder)} dtype {p.dtype_of(placeholder)}, "
+               "expected the local shard's")
+        _same(_values(ctx, placeholder), np.zeros((2, 3), np.float32), "grad_placeholder is zero")
+    p.write_grad(param, placeholder, p.from_numpy(g1), False)
+    _same(_delivered(ctx, param, placeholder), g1, "gradient after one write_grad")
+    if placeholder is None:
+        p.write_grad(param, placeholder, p.from_numpy(g2), False)
+        _same(_delivered(ctx, param, placeholder), g1 + g2, "a second write_grad accumulates "
+              "into .grad", tol=1e-6)
+        expected_grad = g1 + g2
+    else:
+        expected_grad = g1
+    main = _sharded(ctx, "conf.main")
+    main_placeholder = p.grad_placeholder(main)
+    low = p.cast(p.from_numpy(g1), p.dtype("float16"))
+    p.write_grad(main, main_placeholder, low, True)
+    p.write_grad(main, main_placeholder, p.cast(p.from_numpy(g2), p.dtype("float16")), True)
+    main_grad = getattr(main, "main_grad", None)
+    _check(main_grad is not None, "write_grad(to_main_grad=True) set no param.main_grad")
+    _check(p.to_numpy(main_grad).dtype == np.float32,
+           f"main_grad holds {p.to_numpy(main_grad).dtype}, expected float32")
+    _same(p.to_numpy(main_grad), g1 + g2, "main_grad accumulates both writes in float32",
+          tol=1e-6)
+    untouched = _delivered(ctx, main, main_placeholder)
+    _check(untouched is None or not np.any(untouched),
+           f"write_grad(to_main_grad=True) touched the gradient: {untouched}")
+    _same(_delivered(ctx, param, placeholder), expected_grad, "the first param is unaffected",
+          tol=1e-6)
+
+
+@collective_check()
+def check_write_grad_after_backward(ctx):
+    """The core's late fill: backward returns grad_placeholder(param) for the shard and a
+    final callback write_grad()s the reduced gradient; the user then sees that gradient."""
+    p = ctx.p
+    param = _sharded(ctx, "conf.late")
+    reduced = _arange(2, 3, start=10 * ctx.rank) * 0.25
+
+    def forward_fn(inputs):
+        return [p.scale(inputs[0], 2.0)]
+
+    def backward_fn(grads):
+        placeholder = p.grad_placeholder(param)
+        p.queue_backward_final_callback(
+            lambda: p.write_grad(param, placeholder, p.from_numpy(reduced), False))
+        return [placeholder]
+
+    def loss_fn(_):
+        out = p.differentiable_call([p.local_tensor(param)], forward_fn, backward_fn)[0]
+        return ctx.side.weighted_sum(out, np.ones((2, 3), np.float32))
+
+    _, _, (grad,) = ctx.side.backward(loss_fn, [], [param])
+    _same(grad, reduced, "gradient the framework reports after the late write_grad")
 
 
 @collective_check()

@@ -56,9 +56,11 @@ class _CoreDefinedCell(nn.Cell):
 
     def bprop(self, *args):
         # args = (*inputs, out, dout); dout is a tuple for a tuple output.
-        dout = args[-1]
+        inputs, dout = args[:-2], args[-1]
         grads = dout if isinstance(dout, (tuple, list)) else (dout,)
-        return tuple(self._backward_fn(list(grads)))
+        # A bprop must return a tensor per input: "no gradient" is zeros here.
+        return tuple(mint.zeros(x.shape, dtype=x.dtype) if g is None else g
+                     for x, g in zip(inputs, self._backward_fn(list(grads))))
 
 
 class MindSporePlatform(Platform):
@@ -227,6 +229,9 @@ class MindSporePlatform(Platform):
     def contiguous(self, tensor):
         return tensor.contiguous()
 
+    def clone(self, tensor):
+        return tensor + 0  # Tensor.clone has no CPU kernel
+
     def scale(self, tensor, factor):
         return tensor * factor
 
@@ -234,7 +239,8 @@ class MindSporePlatform(Platform):
         return a + b
 
     def copy_into(self, dst, src) -> None:
-        dst.copy_(src)
+        # copy_ from a view of a larger tensor launches a wrong kernel on CPU: snapshot first.
+        dst.copy_(src + 0)
 
     def release_storage(self, tensor) -> None:
         raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
@@ -272,6 +278,17 @@ class MindSporePlatform(Platform):
 
     def local_tensor(self, param):
         return param
+
+    def grad_placeholder(self, param):
+        return mint.zeros(param.shape, dtype=param.dtype)
+
+    def write_grad(self, param, placeholder, local_grad, to_main_grad) -> None:
+        if to_main_grad:
+            local_grad = local_grad.astype(ms.float32)
+            existing = getattr(param, "main_grad", None)
+            param.main_grad = local_grad if existing is None else existing + local_grad
+        else:
+            self.copy_into(placeholder, local_grad)  # value_and_grad returned this very tensor
 
     # ------------------------------------------------------------------ autograd and hooks
     def differentiable_call(self, inputs, forward_fn, backward_fn):

@@ -168,6 +168,9 @@ class TorchPlatform(Platform):
     def contiguous(self, tensor):
         return tensor.contiguous()
 
+    def clone(self, tensor):
+        return tensor.clone()
+
     def scale(self, tensor, factor):
         return tensor * factor
 
@@ -217,7 +220,8 @@ class TorchPlatform(Platform):
     def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
                            shard_dim, full_shape):
         placements = [Replicate()] * native_mesh.ndim
-        placements[shard_mesh_dim] = Shard(shard_dim)
+        if shard_dim is not None:
+            placements[shard_mesh_dim] = Shard(shard_dim)
         stride = torch.empty(full_shape, device="meta").stride()
         dtensor = DTensor.from_local(local_shard.detach().contiguous(), native_mesh, placements,
                                      run_check=False, shape=torch.Size(full_shape), stride=stride)
@@ -226,9 +230,22 @@ class TorchPlatform(Platform):
     def local_tensor(self, param):
         return param.to_local()
 
+    def grad_placeholder(self, param):
+        return None
+
+    def write_grad(self, param, placeholder, local_grad, to_main_grad) -> None:
+        if to_main_grad:
+            local_grad = local_grad.to(torch.float32)
+        grad = DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+        attr = "main_grad" if to_main_grad else "grad"
+        existing = getattr(param, attr, None)
+        setattr(param, attr, grad if existing is None else existing + grad)
+
     # ------------------------------------------------------------------ autograd and hooks
     def differentiable_call(self, inputs, forward_fn, backward_fn):
         return run_differentiable(inputs, forward_fn, backward_fn)
+
 
     def register_forward_hooks(self, module, pre_hook, post_hook):
         return [

@@ -1,0 +1,96 @@
+"""One unit's gradients on their way from full to sharded, in three stages.
+
+[Note: the stages and who drives them]
+1. ``UnitReduction(...)`` (the unit's post-backward): scale once (``pre_scale``), lay the
+   gradients out flat, issue the reduce-scatter over the shard group (async).
+2. ``finish_reduce_scatter`` + ``start_all_reduce`` (driven by the IterationContext when the
+   next unit's post-backward runs, or at the end of backward): wait the reduce-scatter,
+   apply ``post_scale``, then either issue the bucket's all-reduce over the replicate
+   group (async) or defer the bucket (``set_requires_all_reduce(False)``).
+3. ``finish`` (end of backward): wait the all-reduces and deliver each gradient shard
+   through ``Platform.write_grad`` (torch: accumulate into ``.grad``; MindSpore: fill the
+   tensor that ``value_and_grad`` returned for it), or into ``main_grad``.
+Running every collective synchronously goes through the same three stages, so both modes
+produce bitwise-identical gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hyper_parallel.fully_shard.param_group import FSDPParamGroup, Leg
+from hyper_parallel.fully_shard.reduce_op import ReducePlan
+
+logger = logging.getLogger("hyper_parallel.fully_shard")
+
+
+class _LegInFlight:
+    def __init__(self, leg: Leg, buffer: Any, handle: Any):
+        self.leg = leg
+        self.buffer = buffer
+        self.handle = handle
+        self.deferred = False
+
+
+class UnitReduction:
+    """Reduce one unit's full gradients for one backward."""
+
+    def __init__(self, name: str, group: FSDPParamGroup, full_grads: list, dtype: Any,
+                 plan: ReducePlan, placeholders: list, to_main_grad: bool, async_op: bool):
+        self.name = name
+        self.group = group
+        self.plan = plan
+        self.placeholders = placeholders
+        self.to_main_grad = to_main_grad
+        self.async_op = async_op
+        p = group.platform
+        by_param = {id(fp): g for fp, g in zip(group.params, full_grads)}
+        self.legs = []
+        for leg in (group.sharded, group.small):
+            if not leg.params:
+                continue
+            flat = group.flat_gradients(leg, by_param, dtype)
+            if plan.pre_scale != 1.0:
+                flat = p.scale(flat, plan.pre_scale)
+            handle = None
+            if leg is group.sharded and group.mesh_info.shard_size > 1:
+                out = p.zeros((leg.total_numel,), dtype)
+                handle = p.reduce_scatter(out, flat, group.mesh_info.shard_group,
+                                          async_op=async_op, dim="shard")
+                flat = out
+            self.legs.append(_LegInFlight(leg, flat, handle))
+        logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")
+
+    def finish_reduce_scatter(self) -> None:
+        p = self.group.platform
+        for leg in self.legs:
+            if leg.handle is not None:
+                leg.handle.wait()
+                leg.handle = None
+            if self.plan.post_scale != 1.0:
+                leg.buffer = p.scale(leg.buffer, self.plan.post_scale)
+
+    def start_all_reduce(self, requires_all_reduce: bool) -> None:
+        replicated = self.group.mesh_info.replicate_size > 1
+        for leg in self.legs:
+            if replicated and not requires_all_reduce:
+                leg.leg.bucket.defer(leg.buffer)
+                leg.deferred = True
+                continue
+            leg.buffer, leg.handle = leg.leg.bucket.issue(leg.buffer, self.async_op)
+        logger.debug("%s: all-reduce %s", self.name,
+                     "deferred" if replicated and not requires_all_reduce else "issued")
+
+    def finish(self) -> None:
+        p = self.group.platform
+        by_param = {id(fp): ph for fp, ph in zip(self.group.params, self.placeholders)}
+        for leg in self.legs:
+            if leg.handle is not None:
+                leg.handle.wait()
+            if leg.deferred:
+                continue
+            for fp, grad in zip(leg.leg.params, self.group.sharded_gradients(leg.leg, leg.buffer)):
+                if p.param_requires_grad(fp.sharded_param):
+                    p.write_grad(fp.sharded_param, by_param[id(fp)], grad, self.to_main_grad)
+        logger.debug("%s: gradients written", self.name)
