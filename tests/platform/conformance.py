@@ -20,7 +20,7 @@ Two kinds of checks:
 - ``LOCAL_CHECKS``: one process's tensor, module and autograd behaviour (no collective);
   they run in the 2-rank launch, on both ranks.
 - ``COLLECTIVE_CHECKS``: collectives, groups, meshes, CommStats; they run at every world size
-  listed for them. Each issues all its collectives before asserting anything, so a failed
+  listed for them. Each issues all its collectives before asserting on values, so a failed
   assertion on one rank never leaves a peer waiting in a collective.
 
 [Note: what "right" means for CommStats]
@@ -239,7 +239,7 @@ class Ctx:
 
 
 LOCAL_CHECKS: dict = {}
-COLLECTIVE_CHECKS: dict = {}  # name -> (function, world sizes it runs at, or None for all)
+COLLECTIVE_CHECKS: dict = {}  # name -> (function, applies(world_size) -> bool)
 
 
 def local_check(fn):
@@ -763,7 +763,7 @@ def check_no_grad_and_is_grad_enabled(ctx):
     p = ctx.p
     enabled = p.is_grad_enabled()
     _check(isinstance(enabled, bool), f"is_grad_enabled returned {type(enabled).__name__}")
-    with p.no_grad() as _:
+    with p.no_grad():
         inside = p.is_grad_enabled()
         out = p.scale(p.from_numpy(_arange(3)), 2.0)
     _check(isinstance(inside, bool), f"is_grad_enabled in no_grad returned {type(inside).__name__}")
@@ -1152,10 +1152,10 @@ def _only(window, op, wire, dim, nbytes, what):
 @collective_check()
 def check_process_group(ctx):
     p = ctx.p
-    _check(p.is_initialized() is True, "is_initialized() is not True inside a launch")
-    _check(0 <= ctx.rank < ctx.world, f"rank() {ctx.rank} outside world_size() {ctx.world}")
     ranks = p.zeros((ctx.world,), p.dtype("float32"))
     p.all_gather_into(ranks, _f32(ctx, [ctx.rank]), ctx.mesh1.get_group(0))
+    _check(p.is_initialized() is True, "is_initialized() is not True inside a launch")
+    _check(0 <= ctx.rank < ctx.world, f"rank() {ctx.rank} outside world_size() {ctx.world}")
     _same(_values(ctx, ranks), np.arange(ctx.world, dtype=np.float32),
           "every rank reports a distinct rank()")
     _check(p.device_type() in ("cpu", "cuda", "npu"), f"device_type() = {p.device_type()!r}")
