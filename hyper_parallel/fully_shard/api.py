@@ -237,6 +237,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
         raise ValueError(f"{len(strangers)} of ignored_params are not parameters of the module(s) "
                          f"given to fully_shard (shapes {[platform.shape(p) for p in strangers]}); "
                          f"pass only parameters registered on them")
+    param_dtype = _resolve_dtype(platform, mp_policy.param_dtype)
+    reduce_dtype = _resolve_dtype(platform, mp_policy.reduce_dtype)
+    _resolve_dtype(platform, mp_policy.output_dtype)
     plan = []
     for fqn, param, slots in managed:
         owner = getattr(param, _SHARDED_BY, None) or getattr(param, _REPLACED_BY, None)
@@ -261,9 +264,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
         fsdp_params.append(fsdp_param)
     group = None
     if fsdp_params:
-        group = FSDPParamGroup(platform, fsdp_params, info,
-                               _resolve_dtype(platform, mp_policy.param_dtype),
-                               _resolve_dtype(platform, mp_policy.reduce_dtype))
+        group = FSDPParamGroup(platform, fsdp_params, info, param_dtype, reduce_dtype)
     state = FSDPState(platform, unit_name, modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         object.__setattr__(m, STATE_ATTR, state)

@@ -78,6 +78,14 @@ class FSDPParamGroup:
                                        dim="shard")
             self._pending_gather = (out, handle)
 
+    def discard_gather(self) -> None:
+        """Drop an all-gather nobody consumed (its values may be stale by the next use)."""
+        if self._pending_gather is not None:
+            _, handle = self._pending_gather
+            self._pending_gather = None
+            if handle is not None:
+                handle.wait()
+
     def wait_gather(self, into: list | None = None) -> list:
         """Finish the all-gather; return new full tensors (in ``params`` order) or refill
         the tensors of ``into`` in place."""

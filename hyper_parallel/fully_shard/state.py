@@ -56,7 +56,8 @@ class FSDPState:
         self.force_sum_reduction = False
         self.to_main_grad = mp_policy.apply_grad_on_fp32_main_grad
         self.param_dtype = group.param_dtype if group is not None else None
-        self.output_dtype = mp_policy.output_dtype
+        self.output_dtype = (platform.dtype(mp_policy.output_dtype)
+                             if isinstance(mp_policy.output_dtype, str) else mp_policy.output_dtype)
         self.cast_forward_inputs = mp_policy.cast_forward_inputs
         self.forward_prefetch: list = []
         self.backward_prefetch: list = []
@@ -65,6 +66,7 @@ class FSDPState:
         self._full: list | None = None       # this iteration's full parameters
         self._storage_live = False           # False while their memory is released
         self._keep_full = False              # survive the next iteration start
+        self._node_spent = False             # _full came from a node backward already ran
         self._forwards_done = 0              # modules of a list unit done this round
         self._unsharded_grads: list | None = None  # accumulated while sync is off
         self._floating = tuple(platform.dtype(n) for n in _FLOAT_NAMES)
@@ -110,7 +112,7 @@ class FSDPState:
         self._forwards_done = 0
         if self._keep_full:
             self._keep_full = False
-        elif self._full is not None:
+        else:
             self.reshard()
 
     # ---------------------------------------------------------------- unshard / reshard
@@ -123,6 +125,14 @@ class FSDPState:
             self._full = self.platform.differentiable_call(
                 self.group.local_shards(), self._gather_for_forward, self._post_backward)
             self._storage_live = True
+        elif self._node_spent:
+            # kept after the last backward (reshard_after_backward=False): no all-gather,
+            # but a new node, so this iteration's gradients get their own backward
+            kept = self._full
+            self._full = self.platform.differentiable_call(
+                self.group.local_shards(), lambda _: [self.platform.alias(t) for t in kept],
+                self._post_backward)
+            self._node_spent = False
         elif not self._storage_live:
             self._refill()
         for fsdp_param, full in zip(self.group.params, self._full):
@@ -136,7 +146,11 @@ class FSDPState:
     def reshard(self) -> None:
         """Free the full parameters; the modules see their sharded parameters again."""
         self._keep_full = False
-        if self.group is None or self._full is None:
+        self._node_spent = False
+        if self.group is None:
+            return
+        self.group.discard_gather()
+        if self._full is None:
             return
         self._detach_and_release()
         self._full = None
@@ -183,7 +197,7 @@ class FSDPState:
 
     def _pre_backward_prefetch(self) -> None:
         if self._full is not None and not self._storage_live:
-            self._refill()
+            self.group.issue_gather(async_op=True)  # its own pre-backward waits for it
 
     def _post_backward(self, full_grads: list) -> list:
         """The unshard node's backward: start the reduction (or accumulate locally) and
@@ -223,6 +237,7 @@ class FSDPState:
             self.reshard()
         else:
             self.keep_until_next_forward()
+            self._node_spent = True
 
     # ---------------------------------------------------------------- pytrees
     def _tensors_in(self, tree: Any):

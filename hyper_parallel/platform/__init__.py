@@ -2,7 +2,8 @@
 
 HP_BACKEND selects it ("torch" or "mindspore", case-insensitive). When it is unset the
 installed framework is used; when both are installed, torch wins (it is the reference
-framework of our API and the cheaper import). The choice is made once per process.
+framework of our API and the cheaper import). One Platform is created per backend name
+and cached; set HP_BACKEND before the first call and leave it.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _platform_for(name: str) -> Platform:
 
 
 def get_platform() -> Platform:
-    """The Platform of this process, chosen by HP_BACKEND on first use and then fixed."""
+    """The cached Platform of the backend HP_BACKEND names (or the installed one)."""
     return _platform_for(resolve_backend_name())
 
 

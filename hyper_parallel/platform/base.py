@@ -194,6 +194,11 @@ class Platform(abc.ABC):
         """A tensor with its own dense memory (a copy when ``tensor`` is a strided read)."""
 
     @abc.abstractmethod
+    def alias(self, tensor: Any) -> Any:
+        """The same memory as ``tensor`` under a new tensor object, so a new autograd node
+        can output it (full parameters kept from an earlier iteration)."""
+
+    @abc.abstractmethod
     def clone(self, tensor: Any) -> Any:
         """A new tensor with the same values and its own memory."""
 

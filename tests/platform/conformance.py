@@ -567,6 +567,19 @@ def check_clone(ctx):
 
 
 @local_check
+def check_alias(ctx):
+    """alias: same values and memory under a new object, usable as a new node's output."""
+    p = ctx.p
+    base = _arange(3, 4)
+    t = p.from_numpy(base)
+    alias = p.alias(t)
+    _same(_values(ctx, alias), base, "alias: values")
+    _check(p.shape(alias) == (3, 4), f"alias: shape {p.shape(alias)}")
+    p.copy_into(t, p.from_numpy(np.zeros((3, 4), np.float32)))
+    _same(_values(ctx, alias), np.zeros((3, 4), np.float32), "alias must share the original's memory")
+
+
+@local_check
 def check_scale(ctx):
     p = ctx.p
     base = np.array([1.0, -2.0, 0.5, 4.0], np.float32)

@@ -35,24 +35,7 @@ WORLD_SIZES = [2, 4]
 LAUNCH_TIMEOUT_S = 150
 TEST_TIMEOUT_S = LAUNCH_TIMEOUT_S + 30  # the first test of a launch pays for it
 
-KNOWN_BUGS = {
-    ("mindspore", "no_grad_stops_gradient"):
-        "MindSporePlatform.no_grad returns contextlib.nullcontext(): operations inside are "
-        "still recorded and gradients flow through them (mindspore.common.api._no_grad exists)",
-    ("mindspore", "is_grad_enabled_reflects_no_grad"):
-        "MindSporePlatform.is_grad_enabled always returns True, also inside platform.no_grad() "
-        "(mindspore.common.api._pynative_executor.enable_grad() tells the real state)",
-    ("mindspore", "reduce_scatter_view_input"):
-        "MindSporePlatform.reduce_scatter (CPU) all-reduces the caller's input in place; on a "
-        "narrowed input the all_reduce works on the wrong memory and the chunk is wrong",
-    ("mindspore", "reduce_scatter_leaves_input"):
-        "MindSporePlatform.reduce_scatter (CPU) all-reduces the caller's input in place, so the "
-        "input holds the reduced sum afterwards",
-    ("torch", "release_storage_of_from_numpy"):
-        "TorchPlatform.from_numpy on CPU: torch.from_numpy(...).to('cpu') keeps numpy's memory, "
-        "whose storage is not resizable: release_storage raises 'Trying to resize storage that "
-        "is not resizable'",
-}
+KNOWN_BUGS: dict = {}
 
 _LAUNCHES: dict = {}
 

@@ -16,8 +16,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
+import time
 
 import numpy as np
 import mindspore as ms
@@ -95,7 +95,28 @@ class MindSporePlatform(Platform):
                          store=self._store)
 
     def destroy_process_group(self) -> None:
+        # Collectives on CPU complete lazily: a rank that tears down while a peer's last
+        # collective is still in flight makes that peer fail. Finish this rank's work, then
+        # meet every rank on the store before anyone leaves.
+        self._finish_collectives()
+        if self._store is not None:
+            self._store_rendezvous("hp_exit")
         msdist.destroy_process_group()
+
+    def _finish_collectives(self, group=None) -> None:
+        token = Tensor(np.ones(1, np.float32))
+        msdist.all_reduce(token, group=group)
+        token.asnumpy()
+
+    def _store_rendezvous(self, key: str, timeout_s: float = 120.0) -> None:
+        world, deadline = self.world_size(), time.monotonic() + timeout_s
+        self._store.add(key, 1)
+        while self._store.add(key, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._store.add(key + "_seen", 1)
+        if self.rank() == 0:  # the store lives here: stay until every rank stopped asking it
+            while self._store.add(key + "_seen", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.005)
 
     def rank(self) -> int:
         return msdist.get_rank() if self.is_initialized() else 0
@@ -155,6 +176,7 @@ class MindSporePlatform(Platform):
             return Handle(msdist.reduce_scatter_tensor(output, input, group=group,
                                                        async_op=async_op))
         self._record("reduce_scatter", "all_reduce", nbytes, dim)
+        input = input + 0  # all-reduce a private copy: the caller's input stays as it was
         native = msdist.all_reduce(input, op="sum", group=group, async_op=async_op)
         chunk = output.numel()
         start = self.group_rank(group) * chunk
@@ -176,7 +198,9 @@ class MindSporePlatform(Platform):
         msdist.broadcast(tensor, src, group=group)
 
     def barrier(self, group=None) -> None:
-        msdist.barrier(group=group)
+        # msdist.barrier returns before the peers arrive on CPU; reading the result of an
+        # all-reduce cannot happen before every rank of the group contributed.
+        self._finish_collectives(group)
 
     # ------------------------------------------------------------------ tensors
     def dtype(self, name):
@@ -229,6 +253,9 @@ class MindSporePlatform(Platform):
     def contiguous(self, tensor):
         return tensor.contiguous()
 
+    def alias(self, tensor):
+        return tensor  # a Cell may output an existing tensor as its own output
+
     def clone(self, tensor):
         return tensor + 0  # Tensor.clone has no CPU kernel
 
@@ -252,10 +279,14 @@ class MindSporePlatform(Platform):
         return tensor.numel() * _ITEM_SIZE[tensor.dtype]
 
     def no_grad(self):
-        return contextlib.nullcontext()
+        from mindspore.common.api import _no_grad
+
+        return _no_grad()
 
     def is_grad_enabled(self) -> bool:
-        return True
+        from mindspore.common.api import _pynative_executor
+
+        return bool(_pynative_executor.enable_grad())
 
     # ------------------------------------------------------------------ parameters
     def named_modules(self, module):

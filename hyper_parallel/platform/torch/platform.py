@@ -8,7 +8,6 @@ DeviceMesh behind our DeviceMesh, so torch tools written for FSDP2 parameters
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 
@@ -143,7 +142,7 @@ class TorchPlatform(Platform):
         return torch.zeros(tuple(shape), dtype=dtype, device=self.device_type())
 
     def from_numpy(self, array):
-        return torch.from_numpy(array.copy()).to(self.device_type())
+        return torch.tensor(array, device=self.device_type())
 
     def to_numpy(self, tensor):
         if isinstance(tensor, DTensor):
@@ -167,6 +166,9 @@ class TorchPlatform(Platform):
 
     def contiguous(self, tensor):
         return tensor.contiguous()
+
+    def alias(self, tensor):
+        return tensor.view_as(tensor)
 
     def clone(self, tensor):
         return tensor.clone()
