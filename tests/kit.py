@@ -1,5 +1,10 @@
 """The few framework-specific pieces the shared suite needs: models, a loss, a train step.
 
+The default optimizer is SGD with momentum: stateful, and sensitive to any error in a
+gradient's scale. AdamW is offered too, but its first steps move every weight by about
+``lr * sign(grad)``, so a gradient element that is zero up to rounding makes two correct
+runs differ by far more than rounding: parity with it needs a looser parameter tolerance.
+
 Each test is written once and asks ``get_kit()`` (chosen by HP_BACKEND) for the framework
 side. Models are built from numpy-seeded values, so the hyper_parallel model and its
 single-process reference start identical on every rank.
@@ -83,20 +88,29 @@ class TorchKit:
             for p, v in zip(params, init_values([tuple(p.shape) for p in params], seed)):
                 p.copy_(self.torch.from_numpy(v))
 
-    def optimizer(self, params, lr=1e-2):
+    def optimizer(self, params, lr=0.05, kind="sgd"):
+        if kind == "sgd":
+            return self.torch.optim.SGD(params, lr=lr, momentum=0.9)
         return self.torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
-    def train_step(self, model, opt, x, y, micro_batches=1, sync_fn=None):
-        """One optimizer step over ``micro_batches`` slices of (x, y); returns the mean loss."""
+    def train_step(self, model, opt, x, y, micro_batches=1, sync_fn=None, grad_scale=1.0,
+                   use_main_grad=False):
+        """One optimizer step over ``micro_batches`` slices of (x, y); returns the mean loss.
+        ``grad_scale`` scales the gradients (not the reported loss); ``use_main_grad`` steps
+        on the ``main_grad`` attributes (and checks ``.grad`` stayed None)."""
         total = 0.0
         xs, ys = np.array_split(x, micro_batches), np.array_split(y, micro_batches)
         for i, (mx, my) in enumerate(zip(xs, ys)):
             if sync_fn is not None:
-                sync_fn(i == micro_batches - 1)
+                sync_fn(i, i == micro_batches - 1)
             out = model(self.torch.from_numpy(mx))
             loss = ((out.float() - self.torch.from_numpy(my)) ** 2).mean() / micro_batches
-            loss.backward()
+            (loss * grad_scale).backward()
             total += loss.item()
+        if use_main_grad:
+            for p in opt.param_groups[0]["params"]:
+                assert p.grad is None, "a gradient reached .grad while main_grad was requested"
+                p.grad, p.main_grad = p.main_grad.to(p.dtype), None
         opt.step()
         opt.zero_grad()
         return total
@@ -157,29 +171,44 @@ class MindSporeKit:
         for p, v in zip(params, init_values([tuple(p.shape) for p in params], seed)):
             p.set_data(self.ms.Tensor(v))
 
-    def optimizer(self, params, lr=1e-2):
-        from mindspore.experimental.optim import AdamW
+    def optimizer(self, params, lr=0.05, kind="sgd"):
+        from mindspore.experimental.optim import SGD, AdamW
 
+        if kind == "sgd":
+            return SGD(params, lr=lr, momentum=0.9)
         return AdamW(params, lr=lr, weight_decay=0.01)
 
-    def train_step(self, model, opt, x, y, micro_batches=1, sync_fn=None):
-        """One optimizer step: value_and_grad per micro-batch, summed grads, one update."""
-        ms, ops = self.ms, self.ops
-        params = list(opt.parameters) if hasattr(opt, "parameters") else self.params(model)
+    def train_step(self, model, opt, x, y, micro_batches=1, sync_fn=None, grad_scale=1.0,
+                   use_main_grad=False):
+        """One optimizer step: value_and_grad per micro-batch, the returned gradients summed
+        after the last one (gradients of a backward with is_last_backward off are complete
+        only after a later backward), one update."""
+        ms = self.ms
+        params = [p for p in self.params(model) if p.requires_grad]
 
         def forward(mx, my):
             out = model(mx)
-            return ((out.astype(ms.float32) - my) ** 2).mean() / micro_batches
+            loss = ((out.astype(ms.float32) - my) ** 2).mean() / micro_batches
+            return loss * grad_scale, loss
 
-        grad_fn = ms.value_and_grad(forward, None, params)
-        total, grads = 0.0, None
+        grad_fn = ms.value_and_grad(forward, None, params, has_aux=True)
+        total, returned = 0.0, []
         xs, ys = np.array_split(x, micro_batches), np.array_split(y, micro_batches)
         for i, (mx, my) in enumerate(zip(xs, ys)):
             if sync_fn is not None:
-                sync_fn(i == micro_batches - 1)
-            loss, g = grad_fn(ms.Tensor(mx), ms.Tensor(my))
-            grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
+                sync_fn(i, i == micro_batches - 1)
+            (_, loss), g = grad_fn(ms.Tensor(mx), ms.Tensor(my))
+            returned.append(g)
             total += float(loss.asnumpy())
+        grads = returned[0]
+        for g in returned[1:]:
+            grads = tuple(a + b for a, b in zip(grads, g))
+        if use_main_grad:
+            assert all(float(abs(g).max().asnumpy()) == 0.0 for g in grads), \
+                "value_and_grad returned gradients while main_grad was requested"
+            grads = tuple(p.main_grad for p in params)
+            for p in params:
+                p.main_grad = None
         opt(grads)
         return total
 

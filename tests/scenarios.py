@@ -33,7 +33,7 @@ def _build(kit, name):
 
 def _wrap(kit, model, name):
     platform = hp.get_platform()
-    if name in ("nested", "twice"):
+    if name in ("nested", "nested_adamw", "twice"):
         for block in model.blocks:
             hp.fully_shard(block)
         hp.fully_shard(model)
@@ -76,8 +76,9 @@ def run_scenario(name: str, seed: int = 0) -> dict:
     kit.load(ref, seed)
     _freeze_like(kit, ref, name)
     _wrap(kit, model, name)
-    opt = kit.optimizer([p for p in kit.params(model) if p.requires_grad])
-    ref_opt = kit.optimizer([p for p in kit.params(ref) if p.requires_grad])
+    kind = "adamw" if name == "nested_adamw" else "sgd"
+    opt = kit.optimizer([p for p in kit.params(model) if p.requires_grad], kind=kind)
+    ref_opt = kit.optimizer([p for p in kit.params(ref) if p.requires_grad], kind=kind)
     losses, ref_losses = [], []
     for step, (x, y) in enumerate(make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=seed + 7)):
         local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)

@@ -1,0 +1,170 @@
+"""The HSDP gradient pipeline: meshes, reduce ops and scaling, mixed precision, main_grad,
+gradient accumulation, small parameters, overlap vs synchronous, collective counts.
+
+Each (backend, world size) runs its configs in one launch (tests/hsdp_scenarios.py); each
+test reads its config's result. Reference: one process on the global batch, gradients
+scaled by what the config implies. SGD with momentum (kit.py says why).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from tests.multirank import run_ranks
+
+BACKENDS = ["torch", "mindspore"]
+ATOL = 1e-5
+LOW_PRECISION = {"torch": "bfloat16", "mindspore": "float16"}  # MindSpore CPU has no bf16 matmul
+LOW_PRECISION_ATOL = {"bfloat16": 5e-2, "float16": 5e-3}
+
+CONFIGS_4 = {
+    "mesh_2x2": {"mesh": (2, 2)},
+    "mesh_1x4": {"mesh": (1, 4)},
+    "mesh_4x1": {"mesh": (4, 1)},
+    "sum": {"mesh": (2, 2), "reduce_op": "SUM"},
+    "divide_factor": {"mesh": (2, 2), "divide": 3.0},
+    "scaling_factor": {"mesh": (2, 2), "scale": 0.5},
+    "scaling_tensor": {"mesh": (2, 2), "scale": ("tensor", 0.125), "reduce_op": "sum"},
+    "mixed_precision": {"mesh": (2, 2), "mp": "low"},
+    "main_grad": {"mesh": (2, 2), "main_grad": True},
+    "no_sync": {"mesh": (2, 2), "accum": "no_sync"},
+    "no_all_reduce": {"mesh": (2, 2), "accum": "no_all_reduce"},
+    "not_last_backward": {"mesh": (2, 2), "accum": "not_last"},
+    "threshold": {"mesh": (2, 2), "threshold": 256},
+}
+SYNC_COMPARED = ["mesh_2x2", "no_all_reduce", "threshold", "mixed_precision"]
+
+
+def _concrete(backend, config):
+    if config.get("mp") == "low":
+        return {**config, "mp": LOW_PRECISION[backend]}
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def _run(backend: str, world_size: int, names: tuple, sync: bool = False, configs_key: str = "4"):
+    table = CONFIGS_4 if configs_key == "4" else OTHER_CONFIGS
+    configs = [_concrete(backend, table[n]) for n in names]
+    env = {"HP_SYNC_COLLECTIVES": "1"} if sync else None
+    per_rank = run_ranks("tests.hsdp_scenarios:run_configs", world_size, backend, configs,
+                         timeout_s=500, env=env)
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
+
+
+def _four(backend):
+    return _run(backend, 4, tuple(CONFIGS_4))
+
+
+def _assert_parity(per_rank, atol=ATOL):
+    mean_losses = np.mean([r["losses"] for r in per_rank], axis=0)
+    assert len(mean_losses) >= 5
+    np.testing.assert_allclose(mean_losses, per_rank[0]["ref_losses"], atol=atol, rtol=0)
+    for r in per_rank:
+        assert r["param_diff"] <= atol, f"gathered parameters differ by {r['param_diff']} ({r['worst']})"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", [n for n in CONFIGS_4 if n != "mixed_precision"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parity_4_ranks(backend, name):
+    _assert_parity(_four(backend)[name])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_precision_gathers_in_param_dtype_and_trains(backend):
+    results = _four(backend)
+    low, full = results["mixed_precision"][0], results["mesh_2x2"][0]
+    assert low["all_gather_bytes"] * 2 == full["all_gather_bytes"], "all-gather not in the 2-byte param_dtype"
+    _assert_parity(results["mixed_precision"], atol=LOW_PRECISION_ATOL[LOW_PRECISION[backend]])
+    assert low["param_dtypes"] == ["float32"], "sharded parameters must stay in their own dtype"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_fused_all_reduce_per_unit_per_step(backend):
+    """2 blocks + root on a 2x2 mesh: 3 reduce-scatters over "shard", 3 all-reduces over
+    "replicate" (one per unit, never one per parameter); on (4, 1) no reduce-scatter."""
+    results = _four(backend)
+    (step,) = results["mesh_2x2"][0]["last_step_comms"]
+    assert step[("reduce_scatter", "shard")] == 3
+    assert step[("all_reduce", "replicate")] == 3
+    (replicate_only,) = results["mesh_4x1"][0]["last_step_comms"]
+    assert replicate_only == {("all_reduce", "replicate"): 3}
+    (small,) = results["threshold"][0]["last_step_comms"]
+    assert small[("all_reduce", "data_parallel")] == 3 and small[("reduce_scatter", "shard")] == 3
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accumulation_collective_counts(backend):
+    results = _four(backend)
+    no_sync = results["no_sync"][0]["last_step_comms"]
+    for micro in no_sync[:-1]:
+        assert not any(op in ("reduce_scatter", "all_reduce") for op, _ in micro), micro
+    assert no_sync[-1][("reduce_scatter", "shard")] == 3
+    deferred = results["no_all_reduce"][0]["last_step_comms"]
+    for micro in deferred[:-1]:
+        assert micro[("reduce_scatter", "shard")] == 3 and ("all_reduce", "replicate") not in micro
+    assert deferred[-1][("all_reduce", "replicate")] == 3
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_last_backward_false_leaves_reductions_in_flight(backend):
+    per_rank = _four(backend)["not_last_backward"]
+    flags = per_rank[0]["pending_after_non_last"]
+    assert flags and all(flags), "a backward with is_last_backward=False drained its reductions"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_small_parameters_stay_whole(backend):
+    replicated = _four(backend)["threshold"][0]["replicated_params"]
+    assert replicated and all(name.endswith("bias") for name in replicated)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overlapped_and_synchronous_collectives_are_bitwise_identical(backend):
+    overlapped = _four(backend)
+    synchronous = _run(backend, 4, tuple(SYNC_COMPARED), sync=True)
+    for name in SYNC_COMPARED:
+        for a, b in zip(overlapped[name], synchronous[name]):
+            assert a["losses"] == b["losses"], name
+            for key in a["full"]:
+                assert np.array_equal(a["full"][key], b["full"][key]), f"{name}: {key}"
+
+
+OTHER_CONFIGS = {
+    "mesh_2x1": {"mesh": (2, 1)},
+    "mesh_2x1_scaled_sum": {"mesh": (2, 1), "scale": 0.25, "reduce_op": "sum"},
+    "world_1_scaled": {"mesh": (1, 1), "scale": 3.0},
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["mesh_2x1", "mesh_2x1_scaled_sum"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parity_2_ranks(backend, name):
+    results = _run(backend, 2, ("mesh_2x1", "mesh_2x1_scaled_sum"), configs_key="other")
+    _assert_parity(results[name])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scaling_factor_applies_at_world_size_one(backend):
+    (result,) = _run(backend, 1, ("world_1_scaled",), configs_key="other")["world_1_scaled"]
+    _assert_parity([result])
+    assert result["last_step_comms"] == [{}]
+
+
+@pytest.mark.timeout(600)
+def test_hsdp_parity_with_torch_fsdp2():
+    results = run_ranks("tests.hsdp_scenarios:run_fsdp2_hsdp_compare", 4, "torch", timeout_s=300)
+    for r in results:
+        np.testing.assert_allclose(r["losses"], r["their_losses"], atol=ATOL, rtol=0)
+        assert r["param_diff"] <= ATOL
