@@ -3,7 +3,8 @@
 ``init_distributed()`` reads the variables ``hp-run`` (and torchrun) set: RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT. It is a no-op when the user already joined the framework's own
 way (``torch.distributed.init_process_group`` under torchrun, ``mindspore.communication.init``
-under msrun), and joins a one-rank group when none of the variables is set (a single process).
+under msrun); under msrun without that call it joins msrun's job the MindSpore way; and it
+joins a one-rank group when none of the variables is set (a single process).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ DEFAULT_TIMEOUT_S = 300.0
 def init_distributed(timeout_s: float | None = None) -> None:
     """Join the default process group of the framework HP_BACKEND selects."""
     platform = get_platform()
-    if platform.is_initialized():
+    if platform.is_initialized() or platform.join_from_launcher_env():
         return
     timeout = timeout_s if timeout_s is not None else float(os.environ.get("HP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:

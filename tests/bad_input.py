@@ -56,6 +56,21 @@ def run_checks() -> dict:
     kit.tie(a.fc1, b.fc1)
     hp.fully_shard(a)
     out["tied_across_units"] = _attempt(kit, platform, b, lambda: hp.fully_shard(b))
+    unit = block()
+    hp.fully_shard(unit)
+    state = unit.__dict__["_hp_state"]
+    settings = lambda: (state.reduce_op, state.scaling_factor)  # noqa: E731
+    before = settings()
+    out["unknown_reduce_op"] = _attempt(kit, platform, unit, lambda: unit.set_reduce_op_type("max"))[:2] + (
+        settings() == before,)
+    two = kit.tensor(np.array([1.0, 2.0], np.float32))
+    out["non_scalar_scaling"] = _attempt(kit, platform, unit, lambda: unit.set_gradient_scaling_factor(two))[:2] + (
+        settings() == before,)
+    m = block()
+    out["negative_threshold"] = _attempt(kit, platform, m, lambda: hp.fully_shard(m, shard_threshold_bytes=-1))
+    m = block()
+    out["unknown_dtype_name"] = _attempt(kit, platform, m, lambda: hp.fully_shard(
+        m, mp_policy=hp.MixedPrecisionPolicy(param_dtype="bf16")))
     relu = kit.activation()
     returned = hp.fully_shard(relu)
     x = np.array([[-1.0, 2.0]], dtype=np.float32)

@@ -40,6 +40,10 @@ def test_backend_name_is_case_insensitive(monkeypatch):
     ("twice", "ValueError", "already applied"),
     ("top_down", "ValueError", "apply it to the blocks first"),
     ("tied_across_units", "ValueError", "common ancestor"),
+    ("unknown_reduce_op", "ValueError", "one of ('avg', 'sum')"),
+    ("non_scalar_scaling", "ValueError", "one-element tensor, got shape (2,)"),
+    ("negative_threshold", "ValueError", "shard_threshold_bytes must be an int >= 0"),
+    ("unknown_dtype_name", "ValueError", "unknown dtype name 'bf16'"),
 ])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_input_is_rejected_cleanly(backend, check, error_type, message):

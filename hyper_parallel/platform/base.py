@@ -73,6 +73,11 @@ class Platform(abc.ABC):
         """Join the default group (gloo/NCCL on torch, mccl/HCCL on MindSpore)."""
 
     @abc.abstractmethod
+    def join_from_launcher_env(self) -> bool:
+        """Join the default group the framework's own way when its own launcher started this
+        process (msrun) without the torchrun-style variables; return whether it did."""
+
+    @abc.abstractmethod
     def destroy_process_group(self) -> None:
         """Leave the default group (after a final barrier by the caller)."""
 

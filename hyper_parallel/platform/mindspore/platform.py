@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import numpy as np
@@ -93,6 +94,15 @@ class MindSporePlatform(Platform):
         backend = "mccl" if self._on_cpu else "hccl"
         _init_with_store(backend=backend, timeout=timeout, world_size=world_size, rank=rank,
                          store=self._store)
+
+    def join_from_launcher_env(self) -> bool:
+        # msrun starts workers with MS_ROLE=MS_WORKER and its scheduler's address.
+        if os.environ.get("MS_ROLE") != "MS_WORKER":
+            return False
+        from mindspore.communication import init
+
+        init()
+        return True
 
     def destroy_process_group(self) -> None:
         # Collectives on CPU complete lazily: a rank that tears down while a peer's last

@@ -65,6 +65,9 @@ class TorchPlatform(Platform):
             backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
+    def join_from_launcher_env(self) -> bool:
+        return False  # torchrun sets RANK/WORLD_SIZE/MASTER_*: the generic path joins
+
     def destroy_process_group(self) -> None:
         dist.destroy_process_group()
 

@@ -1,0 +1,152 @@
+"""From per-rank results to the figures of one configuration: medians, ratios, overhead.
+
+[Note: the figures]
+* step time: per measured step the maximum over ranks (a synchronous job runs at its
+  slowest rank), then the median over steps;
+* peak memory: the maximum over ranks of each rank's VmHWM in the measured steps;
+* bytes per step: rank 0's counted bytes (every rank sends the same) divided by the measured
+  steps, per collective and mesh dim, and divided by the theoretical minimum of workload.py
+  (for DDP and MindSpore's DP baseline: every gradient's fp32 bytes all-reduced once);
+* compute: the compute-only launch's step time (max over its concurrent processes);
+* raw collectives: the minimal schedule issued back to back (raw_collectives.py); FSDP2 and
+  hyper_parallel share it (same schedule), DDP and the DP baseline time their own;
+* overhead = step - (compute + raw collectives), also in % of the step; negative means
+  communication was overlapped with compute;
+* exposed communication = step - compute;
+* loss check: the largest relative difference of rank 0's per-step losses to the reference
+  implementation's. Same weights, data and averaging, so it should be ~1e-6 (fp32) or
+  ~1e-2 (bf16); a large value means the comparison is not like for like.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import configs
+import workload
+
+SHARDED_IMPLS = ("hp", "fsdp2")
+
+
+def summarize_launch(ranks: list[dict], steps: int) -> dict:
+    """Collapse one launch's per-rank results (index = rank)."""
+    per_rank = [r["timing"]["step_s"] for r in ranks]
+    step_max = [max(times) for times in zip(*per_rank)]
+    peaks = [r["timing"]["peak_mb"] for r in ranks]
+    out = {
+        "step_s": statistics.median(step_max),
+        "step_max_over_ranks_s": step_max,
+        "step_s_per_rank": per_rank,
+        "peak_mb": max(peaks) if all(p is not None for p in peaks) else None,
+        "peak_mb_per_rank": peaks,
+        "losses_rank0": ranks[0]["timing"]["losses"],
+        "setup_s": max(r["setup_s"] for r in ranks),
+    }
+    if "comm" in ranks[0]:
+        out["comm_source"] = ranks[0].get("comm_source")
+        out["comm_per_step"] = _per_step(ranks[0]["comm"], steps)
+        out["comm_same_on_all_ranks"] = all(r.get("comm") == ranks[0]["comm"] for r in ranks)
+    for name in ("raw", "raw_reduce_scatters", "raw_same_size_all_gathers"):
+        if name in ranks[0]:
+            rounds = [max(ts) for ts in zip(*(r[name]["round_s"] for r in ranks))]
+            out[name] = {"s": statistics.median(rounds), "round_max_over_ranks_s": rounds,
+                         "comm_per_round": _per_step(ranks[0][name]["comm"],
+                                                     ranks[0][name]["rounds_counted"])}
+    if "ddp_bucket_bytes" in ranks[0]:
+        out["ddp_bucket_bytes"] = ranks[0]["ddp_bucket_bytes"]
+    return out
+
+
+def _per_step(records: list[dict], steps: int) -> dict:
+    """``{op: {dim: {"calls", "bytes", "wire"}}}`` per step."""
+    out: dict = {}
+    for rec in records:
+        entry = out.setdefault(rec["op"], {}).setdefault(rec["dim"], {"calls": 0, "bytes": 0, "wire": []})
+        entry["calls"] += rec["calls"] / steps
+        entry["bytes"] += rec["bytes"] / steps
+        if rec["wire"] not in entry["wire"]:
+            entry["wire"].append(rec["wire"])
+    return out
+
+
+def minimum_schedule(cfg: configs.Config, impl: str) -> list[dict]:
+    dims = cfg.dims
+    if impl in SHARDED_IMPLS:
+        replicate = cfg.mesh[0] if cfg.is_hsdp else 1
+        return workload.shard_schedule(dims, cfg.mesh[-1], replicate,
+                                       regather_in_backward=(cfg.reshard_after_forward
+                                                             and cfg.backend == "torch"),
+                                       param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype)
+    if impl in ("ddp", "dp"):
+        return [{"op": "all_reduce", "dim": "", "dtype": "float32",
+                 "numel": workload.parameter_count(dims)}]
+    return []
+
+
+def derive(cfg: configs.Config, launches: dict) -> dict:
+    """Per-implementation figures of one configuration (``launches``: impl -> summary)."""
+    ref_name = configs.REFERENCE[cfg.backend]
+    ref = launches.get(ref_name, {})
+    compute = launches.get("compute", {}).get("step_s")
+    raw_of = {"hp": "hp", "fsdp2": "hp", "ddp": "ddp", "dp": "dp"}
+    figures = {}
+    for impl, launch in launches.items():
+        if "error" in launch:
+            figures[impl] = {"error": launch["error"]}
+            continue
+        step = launch["step_s"]
+        fig = {"step_s": step, "peak_mb": launch["peak_mb"]}
+        if ref.get("step_s") and impl != ref_name:
+            fig["step_vs_ref"] = step / ref["step_s"]
+        if ref.get("peak_mb") and launch.get("peak_mb"):
+            fig["peak_vs_ref"] = launch["peak_mb"] / ref["peak_mb"]
+        if impl != "compute" and compute is not None:
+            fig["compute_s"] = compute
+            fig["exposed_comm_s"] = step - compute
+            raw = launches.get(raw_of.get(impl, ""), {}).get("raw", {}).get("s")
+            if raw is not None:
+                fig["raw_collectives_s"] = raw
+                fig["overhead_s"] = step - (compute + raw)
+                fig["overhead_pct"] = 100.0 * fig["overhead_s"] / step
+        if "comm_per_step" in launch:
+            minimum = workload.schedule_bytes(minimum_schedule(cfg, impl))
+            fig["bytes_vs_min"] = _bytes_ratio(launch["comm_per_step"], minimum)
+            fig["min_bytes_per_step"] = minimum
+        if ref.get("losses_rank0") and impl not in ("compute", ref_name):
+            fig["loss_rel_diff_vs_ref"] = _loss_diff(launch["losses_rank0"], ref["losses_rank0"])
+        figures[impl] = fig
+    if cfg.backend == "mindspore" and "hp" in launches and "error" not in launches["hp"]:
+        figures["hp"]["composed_reduce_scatter"] = _rs_factor(cfg, launches["hp"])
+    return figures
+
+
+def _bytes_ratio(measured: dict, minimum: dict) -> dict:
+    """``{op: {dim: measured / minimum}}`` over every op either side has (missing = 0)."""
+    out: dict = {}
+    for op in sorted(set(measured) | set(minimum)):
+        for dim in sorted(set(measured.get(op, {})) | set(minimum.get(op, {}))):
+            got = measured.get(op, {}).get(dim, {}).get("bytes", 0)
+            need = minimum.get(op, {}).get(dim, 0)
+            out.setdefault(op, {})[dim] = (got / need) if need else (None if got else 1.0)
+    return out
+
+
+def _loss_diff(losses: list, ref: list) -> float:
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
+
+
+def _rs_factor(cfg: configs.Config, hp_launch: dict) -> dict:
+    """What composing the reduce-scatter from an all-reduce costs on MindSpore CPU."""
+    out = {"world_size": cfg.world_size}
+    rs = hp_launch.get("comm_per_step", {}).get("reduce_scatter", {}).get("shard")
+    if rs:
+        shard_bytes = rs["bytes"] / cfg.mesh[-1]
+        out["wire"] = rs["wire"]
+        # what each rank gets back: the whole all-reduced buffer, vs its chunk natively
+        out["result_bytes_factor"] = rs["bytes"] / shard_bytes
+    scat = hp_launch.get("raw_reduce_scatters", {}).get("s")
+    gath = hp_launch.get("raw_same_size_all_gathers", {}).get("s")
+    if scat and gath:
+        out["composed_rs_s"], out["same_size_all_gather_s"] = scat, gath
+        out["time_factor"] = scat / gath
+    return out

@@ -1,0 +1,143 @@
+"""Rank-side measurement shared by both frameworks: step timing, peak memory, result files.
+
+[Note: how a step is timed]
+Each rank times its own steps with ``time.perf_counter``. Before every step (warm-up and
+measured) the ranks meet at a barrier outside the timed region, so step i starts together
+on every rank and the parent can take, per step, the maximum over ranks (the slowest rank
+is the step time of a synchronous job), then the median over steps. The step function must
+not return before the step's work is done (MindSpore queues work asynchronously: its step
+ends with a pipeline sync).
+
+[Note: peak memory]
+Linux keeps a process's resident high-water mark in ``VmHWM`` (/proc/self/status).
+Writing "5" to /proc/self/clear_refs resets it to the current resident size, so resetting
+after the warm-up steps and reading after the measured ones gives the peak of the steady
+state alone: model, gradients, optimizer state, gathered parameters, activations, buffers,
+and the framework's own footprint (the same for every implementation of one framework).
+Elsewhere (no /proc) the fields are null.
+
+[Note: results travel as JSON files]
+A rank writes ``result.<rank>.json`` atomically (write, then rename) and nothing else
+crosses the process boundary: no tensors, no pickles. A failure writes ``error.<rank>.txt``
+with the traceback and exits 1. The process ends with ``os._exit`` so that no framework
+atexit hook can hang on a peer that already left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def reset_peak_memory() -> bool:
+    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_mb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as file:
+            for line in file:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return None
+
+
+def peak_memory_mb() -> float | None:
+    return _status_mb("VmHWM")
+
+
+def resident_mb() -> float | None:
+    return _status_mb("VmRSS")
+
+
+def timed_steps(step, warmup: int, steps: int, barrier=None, measured_context=None) -> dict:
+    """Run ``warmup + steps`` steps; return measured times, losses and peak memory.
+
+    ``step(i)`` runs step i and returns its loss as a float; ``barrier()`` (None for a
+    process without peers) aligns the ranks before each step, outside the timed region.
+    ``measured_context`` (a context manager, e.g. ``hp.track_comms()``) is entered around
+    the measured steps only, after the warm-up.
+    """
+    times, losses = [], []
+    for i in range(warmup):
+        if barrier is not None:
+            barrier()
+        losses.append(step(i))
+    peak_reset = reset_peak_memory()
+    with measured_context if measured_context is not None else contextlib.nullcontext():
+        for i in range(warmup, warmup + steps):
+            if barrier is not None:
+                barrier()
+            start = time.perf_counter()
+            loss = step(i)
+            times.append(time.perf_counter() - start)
+            losses.append(loss)
+    return {"step_s": times, "losses": losses,
+            "peak_mb": peak_memory_mb() if peak_reset else None,
+            "rss_after_mb": resident_mb()}
+
+
+def comm_records(stats) -> list[dict]:
+    """An ``hp.CommStats`` as JSON rows ``{op, wire, dim, calls, bytes}``."""
+    return [{"op": op, "wire": wire, "dim": dim, "calls": rec.calls, "bytes": rec.nbytes}
+            for (op, wire, dim), rec in sorted(stats.records.items())]
+
+
+def timed_rounds(round_fn, warmup: int, rounds: int, barrier=None) -> list[float]:
+    """Time ``rounds`` calls of ``round_fn()`` after ``warmup`` untimed ones, each after a
+    barrier (the raw-collectives measurement)."""
+    times = []
+    for i in range(warmup + rounds):
+        if barrier is not None:
+            barrier()
+        start = time.perf_counter()
+        round_fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+@contextlib.contextmanager
+def track_into(hp, out: list):
+    """``hp.track_comms()`` around a block; its records land in ``out`` (comm_records rows)."""
+    with hp.track_comms() as window:
+        yield
+    out.extend(comm_records(window))
+
+
+def rank_and_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank_main(run) -> None:
+    """``python rank_<framework>.py JOB.json``: call ``run(job, rank, world)`` and write its
+    dict to ``result.<rank>.json`` next to the job file (or the traceback to error.<rank>.txt)."""
+    job_path = Path(sys.argv[1])
+    rank, world = rank_and_world()
+    code = 0
+    try:
+        job = json.loads(job_path.read_text())
+        result = run(job, rank, world)
+        result["rank"] = rank
+        partial = job_path.parent / f"result.{rank}.json.partial"
+        partial.write_text(json.dumps(result))
+        os.replace(partial, job_path.parent / f"result.{rank}.json")
+    except BaseException:  # noqa: BLE001 - the parent reports the traceback
+        (job_path.parent / f"error.{rank}.txt").write_text(traceback.format_exc())
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

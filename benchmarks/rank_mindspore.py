@@ -1,0 +1,183 @@
+"""One MindSpore rank of one benchmark launch: ``python benchmarks/rank_mindspore.py JOB.json``.
+
+[Note: the three implementations]
+All three build the same ``Stack`` (blocks of Dense + ReLU) from workload.py's arrays and
+train it with ``mindspore.experimental.optim.SGD`` (momentum 0.9) on the rank's rows of the
+same batches; a step is ``value_and_grad`` + the optimizer, the idiom MindSpore users write:
+
+* ``hp``: ``hyper_parallel.fully_shard`` on every block, then on the root;
+* ``dp``: the plain data-parallel baseline: ``value_and_grad`` on the unsharded model, all
+  gradients concatenated into one flat buffer, one ``mint.distributed.all_reduce`` (SUM) of
+  it, divided by the world size and split back, then the optimizer;
+* ``compute``: the plain model in a process that joins no group (one per rank, started
+  together, so the CPU is shared as in the distributed runs).
+
+[Note: asynchronous execution]
+PyNative queues kernels and returns at once; collectives on CPU complete lazily too. A step
+therefore ends with ``_pynative_executor.sync()`` (MindSpore's pipeline sync; a private API,
+with ``loss.asnumpy()`` as fallback), so the time covers the work, not its dispatch. The raw
+collectives end each round with the platform's barrier for the same reason.
+
+[Note: the composed reduce-scatter]
+MindSpore CPU has no reduce-scatter kernel; the platform all-reduces the whole buffer and
+keeps its own chunk. The hp launch times, besides the minimal schedule, the schedule's
+reduce-scatters alone and all-gathers of the same sizes: a native reduce-scatter moves the
+same bytes per rank as an all-gather of its input size, so their time ratio is the measured
+cost factor of the composition.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import measure
+import raw_collectives
+import workload
+
+SEED, DATA_SEED, N_BATCHES = 1234, 4321, 4
+LR = 1e-3
+
+
+def _build_model(ms, dims: list):
+    from mindspore import nn, ops
+
+    class Block(nn.Cell):
+        def __init__(self, d_in, d_out):
+            super().__init__()
+            self.linear = nn.Dense(d_in, d_out)
+
+        def construct(self, x):
+            return ops.relu(self.linear(x))
+
+    class Stack(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([Block(dims[i], dims[i + 1]) for i in range(len(dims) - 1)])
+
+        def construct(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model = Stack()
+    for block, (weight, bias) in zip(model.blocks, workload.init_arrays(dims, SEED)):
+        block.linear.weight.set_data(ms.Tensor(weight))
+        block.linear.bias.set_data(ms.Tensor(bias))
+    return model
+
+
+def _sync(loss) -> None:
+    try:
+        from mindspore.common.api import _pynative_executor
+
+        _pynative_executor.sync()
+    except (ImportError, AttributeError):
+        loss.asnumpy()
+
+
+def run(job: dict, rank: int, world: int) -> dict:
+    import mindspore as ms
+    from mindspore import ops
+    from mindspore.experimental.optim import SGD
+
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.PYNATIVE_MODE, runtime_num_threads=1)
+    cfg, impl = job["config"], job["impl"]
+    dims, mesh_shape = cfg["dims"], tuple(cfg["mesh"])
+    started = time.perf_counter()
+    hp = msdist = None
+    if impl != "compute":
+        from mindspore.mint import distributed as msdist
+
+        import hyper_parallel as hp
+
+        hp.init_distributed(timeout_s=job["comm_timeout_s"])
+    model = _build_model(ms, dims)
+    hp_mesh = None
+    if impl == "hp":
+        hp_mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("shard",))
+        mp = (hp.MixedPrecisionPolicy(param_dtype=cfg["param_dtype"], reduce_dtype="float32")
+              if cfg["precision"] != "fp32" else hp.MixedPrecisionPolicy())
+        for block in model.blocks:
+            hp.fully_shard(block, mesh=hp_mesh, reshard_after_forward=cfg["reshard_after_forward"],
+                           mp_policy=mp)
+        hp.fully_shard(model, mesh=hp_mesh, reshard_after_forward=cfg["reshard_after_forward"],
+                       mp_policy=mp)
+    params = [p for p in model.trainable_params() if p.requires_grad]
+    opt = SGD(params, lr=LR, momentum=0.9)
+
+    def forward(x, y):
+        out = model(x)
+        return ((out.astype(ms.float32) - y) ** 2).mean()
+
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+    shapes = [tuple(p.shape) for p in params]
+    sizes = [int(p.size) for p in params]
+    data = [(ms.Tensor(workload.local_rows(x, rank, world)), ms.Tensor(workload.local_rows(y, rank, world)))
+            for x, y in workload.batches(N_BATCHES, cfg["local_batch"] * world, dims[0], dims[-1],
+                                         DATA_SEED)]
+    gc.collect()
+    setup_s = time.perf_counter() - started
+
+    def step(i: int) -> float:
+        x, y = data[i % len(data)]
+        loss, grads = grad_fn(x, y)
+        if impl == "dp":
+            flat = ops.cat([g.reshape(-1) for g in grads])
+            msdist.all_reduce(flat, op="sum")
+            flat = flat / world
+            grads, offset = [], 0
+            for shape, size in zip(shapes, sizes):
+                grads.append(flat[offset:offset + size].reshape(shape))
+                offset += size
+            grads = tuple(grads)
+        opt(grads)
+        _sync(loss)
+        return float(loss.asnumpy())
+
+    barrier = hp.get_platform().barrier if hp is not None else None
+    result = {"impl": impl, "setup_s": setup_s}
+    counted: list = []
+    context = None
+    if impl == "hp":
+        context = measure.track_into(hp, counted)
+        result["comm_source"] = "hp.track_comms"
+    result["timing"] = measure.timed_steps(step, cfg["warmup"], cfg["steps"], barrier,
+                                           measured_context=context)
+    result["comm_steps"] = cfg["steps"]
+    if impl == "hp":
+        result["comm"] = counted
+    platform_barrier = barrier
+
+    def finish():
+        platform_barrier()  # waits for the lazily completing collectives of the round
+
+    if impl == "dp":
+        total = sum(sizes)
+        result["comm"] = [{"op": "all_reduce", "wire": "all_reduce", "dim": "",
+                           "calls": cfg["steps"], "bytes": total * 4 * cfg["steps"]}]
+        result["comm_source"] = "one all_reduce of the flat fp32 gradients per step"
+        schedule = [{"op": "all_reduce", "dim": "", "dtype": "float32", "numel": total}]
+        result["raw"] = raw_collectives.time_schedule(hp, schedule, {"": (None, world)}, 1,
+                                                      cfg["steps"], barrier, finish)
+    elif impl == "hp":
+        schedule = workload.shard_schedule(dims, mesh_shape[-1], 1, regather_in_backward=False,
+                                           param_dtype=cfg["param_dtype"],
+                                           reduce_dtype=cfg["reduce_dtype"])
+        groups = {"shard": (hp_mesh.get_group("shard"), hp_mesh.size("shard"))}
+        result["raw"] = raw_collectives.time_schedule(hp, schedule, groups, 1, cfg["steps"],
+                                                      barrier, finish)
+        scatters = [e for e in schedule if e["op"] == "reduce_scatter"]
+        same_size_gathers = [dict(e, op="all_gather") for e in scatters]
+        result["raw_reduce_scatters"] = raw_collectives.time_schedule(
+            hp, scatters, groups, 1, cfg["steps"], barrier, finish)
+        result["raw_same_size_all_gathers"] = raw_collectives.time_schedule(
+            hp, same_size_gathers, groups, 1, cfg["steps"], barrier, finish)
+    if impl != "compute":
+        hp.destroy_distributed()
+    return result
+
+
+if __name__ == "__main__":
+    measure.rank_main(run)

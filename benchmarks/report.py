@@ -1,0 +1,183 @@
+"""Rendering a benchmark run: the markdown tables, the JSON file and the PNG plot.
+
+[Note: two tables]
+The summary table has one row per configuration: hyper_parallel against the reference
+(FSDP2 on torch, the DP baseline on MindSpore) in time and memory, DDP and the compute-only
+step beside them, hyper_parallel's bytes per collective against the minimum, its raw
+collectives, overhead and exposed communication. The detail table has one row per
+implementation of each configuration, so FSDP2's and DDP's overhead and bytes can be read
+the same way. Ratios > 1 mean hyper_parallel is slower / bigger / sends more.
+
+[Note: the plot is optional]
+matplotlib is imported only here and only when the PNG is written; without it the run
+prints a note and still succeeds (it is the ``bench`` extra, not a dependency).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import configs
+
+
+def _ms(seconds) -> str:
+    return "—" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def _ratio(value) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def _mb(value) -> str:
+    return "—" if value is None else f"{value:.0f}"
+
+
+def _bytes_ratios(fig: dict) -> dict:
+    """``{"AG": "1.00", "RS": ..., "AR": ...}`` for the table (several dims joined by /)."""
+    out = {}
+    for op, short in (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "AR")):
+        per_dim = fig.get("bytes_vs_min", {}).get(op, {})
+        out[short] = "/".join(_ratio(v) for _, v in sorted(per_dim.items())) if per_dim else "—"
+    return out
+
+
+def _overhead(fig: dict) -> str:
+    if fig.get("overhead_s") is None:
+        return "—"
+    return f"{fig['overhead_s'] * 1000:.0f} ({fig['overhead_pct']:+.0f}%)"
+
+
+def summary_table(doc: dict) -> str:
+    head = ("| configuration | ranks | hp step ms | ref | ref step ms | **hp/ref time** | DDP ms | "
+            "compute ms | hp peak MB | ref peak MB | **hp/ref mem** | hp AG/min | hp RS/min | "
+            "hp AR/min | raw coll ms | hp overhead ms (% step) | hp exposed ms |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for row in doc["configurations"]:
+        cfg, figs = row["config"], row["figures"]
+        ref_name = configs.REFERENCE[cfg["backend"]]
+        hp, ref = figs.get("hp", {}), figs.get(ref_name, {})
+        ratios = _bytes_ratios(hp)
+        lines.append("| " + " | ".join([
+            cfg["name"], str(cfg["world_size"]),
+            _err_or(hp, _ms(hp.get("step_s"))), configs.IMPL_LABELS[ref_name],
+            _err_or(ref, _ms(ref.get("step_s"))), _ratio(hp.get("step_vs_ref")),
+            _ms(figs.get("ddp", {}).get("step_s")), _ms(figs.get("compute", {}).get("step_s")),
+            _mb(hp.get("peak_mb")), _mb(ref.get("peak_mb")), _ratio(hp.get("peak_vs_ref")),
+            ratios["AG"], ratios["RS"], ratios["AR"], _ms(hp.get("raw_collectives_s")),
+            _overhead(hp), _ms(hp.get("exposed_comm_s")),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def detail_table(doc: dict) -> str:
+    head = ("| configuration | implementation | step ms | vs ref | peak MB | vs ref | compute ms | "
+            "raw coll ms | overhead ms (% step) | exposed ms | AG/min | RS/min | AR/min | "
+            "loss Δ vs ref |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for row in doc["configurations"]:
+        cfg, figs = row["config"], row["figures"]
+        for impl in cfg["impls"]:
+            fig = figs.get(impl, {})
+            ratios = _bytes_ratios(fig)
+            loss = fig.get("loss_rel_diff_vs_ref")
+            lines.append("| " + " | ".join([
+                cfg["name"], configs.IMPL_LABELS[impl], _err_or(fig, _ms(fig.get("step_s"))),
+                _ratio(fig.get("step_vs_ref")), _mb(fig.get("peak_mb")), _ratio(fig.get("peak_vs_ref")),
+                _ms(fig.get("compute_s")), _ms(fig.get("raw_collectives_s")), _overhead(fig),
+                _ms(fig.get("exposed_comm_s")), ratios["AG"], ratios["RS"], ratios["AR"],
+                "—" if loss is None else f"{loss:.1e}",
+            ]) + " |")
+    return "\n".join(lines)
+
+
+def _err_or(fig: dict, text: str) -> str:
+    return "FAILED" if "error" in fig else text
+
+
+def notes(doc: dict) -> str:
+    """The lines printed under the tables: machine, grid, MindSpore's composed reduce-scatter."""
+    env = doc["environment"]
+    lines = [f"- machine: {env['cpu_count']} cores (os.cpu_count()), {env['platform']}; "
+             f"torch {env['versions'].get('torch')}, mindspore {env['versions'].get('mindspore')}, "
+             f"hyper_parallel {env['versions'].get('hyper_parallel')}; wall time "
+             f"{doc['wall_s']:.0f} s; grid: {doc['grid']}",
+             "- ref = FSDP2 (torch) or the DP baseline (MindSpore); ratios > 1: hyper_parallel "
+             "slower / bigger / more bytes. AG/RS/AR = bytes per step / theoretical minimum "
+             "(HSDP RS/AR are over 'shard'/'replicate').",
+             "- overhead = step − (compute + raw collectives); negative = communication "
+             "overlapped with compute. exposed = step − compute."]
+    if doc.get("grid_note"):
+        lines.append(f"- {doc['grid_note']}")
+    for row in doc["configurations"]:
+        factor = row["figures"].get("hp", {}).get("composed_reduce_scatter")
+        if factor and "result_bytes_factor" in factor:
+            text = (f"- {row['config']['name']}: reduce-scatter runs as {'/'.join(factor['wire'])}; "
+                    f"counted bytes = minimum, but each rank receives the whole reduced buffer: "
+                    f"{factor['result_bytes_factor']:.1f}x a native reduce-scatter's output "
+                    f"(= world size {factor['world_size']})")
+            if "time_factor" in factor:
+                text += (f"; measured time of the composed reduce-scatters "
+                         f"{factor['composed_rs_s'] * 1000:.0f} ms vs all-gathers of the same size "
+                         f"{factor['same_size_all_gather_s'] * 1000:.0f} ms: "
+                         f"{factor['time_factor']:.2f}x")
+            lines.append(text)
+    failed = [f"{row['config']['name']}/{impl}" for row in doc["configurations"]
+              for impl, fig in row["figures"].items() if "error" in fig]
+    if failed:
+        lines.append(f"- FAILED launches (details in the JSON): {', '.join(failed)}")
+    return "\n".join(lines)
+
+
+def markdown(doc: dict) -> str:
+    return "\n\n".join([summary_table(doc), detail_table(doc), notes(doc)])
+
+
+def write_json(doc: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(doc, indent=1, sort_keys=True))
+    partial.replace(path)
+
+
+def write_png(doc: dict, path: Path) -> str:
+    """Bars of step time and peak memory per configuration and implementation; returns a
+    note for the console (written, or why not)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"PNG skipped: matplotlib is not installed (pip install matplotlib) — {path.name} not written"
+    rows = doc["configurations"]
+    impls = []
+    for row in rows:
+        for impl in row["config"]["impls"]:
+            if impl not in impls:
+                impls.append(impl)
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.3 * len(rows) + 3), 8.5), sharex=True)
+    width = 0.8 / max(1, len(impls))
+    for metric, scale, axis, label in (("step_s", 1000.0, axes[0], "median step time (ms)"),
+                                       ("peak_mb", 1.0, axes[1], "peak memory per rank (MB)")):
+        for k, impl in enumerate(impls):
+            xs, ys = [], []
+            for i, row in enumerate(rows):
+                value = row["figures"].get(impl, {}).get(metric)
+                if value is not None:
+                    xs.append(i + (k - (len(impls) - 1) / 2) * width)
+                    ys.append(value * scale)
+            axis.bar(xs, ys, width, label=configs.IMPL_LABELS[impl])
+        axis.set_ylabel(label)
+        axis.grid(axis="y", alpha=0.3)
+    axes[0].legend(ncol=len(impls), fontsize="small")
+    axes[0].set_title(f"hyper_parallel benchmark ({doc['environment']['cpu_count']} cores, "
+                      f"{doc['date'][:10]})")
+    axes[1].set_xticks(range(len(rows)))
+    axes[1].set_xticklabels([row["config"]["name"] for row in rows], rotation=30, ha="right",
+                            fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"wrote {path}"

@@ -1,0 +1,160 @@
+"""``python benchmarks/run.py``: hyper_parallel against FSDP2, DDP and compute-only, in one run.
+
+[Note: the run]
+For each configuration of the grid (configs.py) every implementation is one launch of N
+local ranks (launch_ranks.py) that trains the same model on the same data and writes JSON
+results; nothing heavy runs in this process, which never imports a framework. Launches run
+one at a time (they would otherwise compete for the 2 cores), each with a timeout, and a
+progress line is printed when a configuration starts and ends (and one per launch), with
+elapsed seconds. A failed launch is reported in the table and the JSON, the run goes on,
+and the exit code is 1. At the end: the markdown tables (report.py) on stdout,
+``<out>/latest.json`` with everything measured, and ``<out>/latest.png`` if matplotlib is
+importable.
+
+``--quick`` is the smoke run CI executes: a tiny model on 2 ranks, 1 warm-up and 2 measured
+steps, one torch and one MindSpore configuration, written as ``quick.json``/``quick.png`` so
+it never overwrites the full run's ``latest.*``. It tests that the pipeline runs, not speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # sibling modules, also when run.py is imported from elsewhere
+    sys.path.insert(0, str(HERE))
+
+import analysis  # noqa: E402
+import configs  # noqa: E402
+import launch_ranks  # noqa: E402
+import report  # noqa: E402
+
+RANK_SCRIPTS = {"torch": "rank_torch.py", "mindspore": "rank_mindspore.py"}
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/run.py",
+        description="Benchmark hyper_parallel fully_shard against torch FSDP2, DDP, a data-parallel "
+                    "baseline and compute-only, on CPU (gloo / mccl).")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: tiny model, 2 ranks, 1+2 steps, one config per backend")
+    parser.add_argument("--grid", choices=("pruned", "full"), default="pruned",
+                        help="pruned (default, ~15 min on 2 cores) or the full torch product")
+    parser.add_argument("--backend", choices=("torch", "mindspore", "all"), default="all")
+    parser.add_argument("--only", metavar="SUBSTRING", action="append", default=[],
+                        help="run only configurations whose name contains SUBSTRING (repeatable: any)")
+    parser.add_argument("--out", type=Path, default=HERE / "results",
+                        help="directory for the JSON and PNG (default benchmarks/results)")
+    parser.add_argument("--list", action="store_true", help="print the selected configurations and exit")
+    return parser.parse_args(argv)
+
+
+def _select(args) -> list:
+    grid = configs.build_grid("quick" if args.quick else args.grid)
+    if args.backend != "all":
+        grid = [c for c in grid if c.backend == args.backend]
+    if args.only:
+        grid = [c for c in grid if any(s in c.name for s in args.only)]
+    return grid
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "mindspore", "numpy", "hyper_parallel", "matplotlib"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _run_config(index: int, total: int, cfg, cache: dict, t_run: float) -> tuple[dict, int]:
+    """Launch (or reuse) every implementation of ``cfg``; return its row and the failures."""
+    print(f"[{index}/{total}] {cfg.name} ({cfg.world_size} ranks, {len(cfg.dims) - 1} blocks): "
+          f"start (run {time.monotonic() - t_run:.0f} s)", flush=True)
+    started = time.monotonic()
+    launches, sources, failures = {}, {}, 0
+    for impl in cfg.impls:
+        key = configs.Impl(cfg, impl).run_key
+        if key in cache:
+            launches[impl], sources[impl] = cache[key]
+            print(f"    {configs.IMPL_LABELS[impl]}: reused from {sources[impl]}", flush=True)
+            continue
+        t0 = time.monotonic()
+        job = {"config": cfg.to_json(), "impl": impl, "comm_timeout_s": cfg.timeout_s}
+        try:
+            ranks = launch_ranks.launch(RANK_SCRIPTS[cfg.backend], job, cfg.world_size, cfg.backend,
+                                        cfg.timeout_s)
+            summary = analysis.summarize_launch(ranks, cfg.steps)
+            detail = f"median step {summary['step_s'] * 1000:.0f} ms"
+        except launch_ranks.LaunchFailure as exc:
+            summary, failures = {"error": str(exc)}, failures + 1
+            detail = "FAILED: " + str(exc).splitlines()[0]
+        summary["launch_s"] = time.monotonic() - t0
+        cache[key] = (summary, cfg.name)
+        launches[impl], sources[impl] = summary, cfg.name
+        print(f"    {configs.IMPL_LABELS[impl]}: {summary['launch_s']:.1f} s, {detail}", flush=True)
+    figures = analysis.derive(cfg, launches)
+    hp = figures.get("hp", {})
+    ratio = hp.get("step_vs_ref")
+    print(f"[{index}/{total}] {cfg.name}: done in {time.monotonic() - started:.1f} s"
+          + (f" (hp/{configs.IMPL_LABELS[configs.REFERENCE[cfg.backend]]} time {ratio:.2f})"
+             if ratio is not None else ""), flush=True)
+    row = {"config": cfg.to_json(), "figures": figures, "launches": launches,
+           "launch_source": sources}
+    return row, failures
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    grid = _select(args)
+    if not grid:
+        print("no configuration matches the filters", file=sys.stderr)
+        return 2
+    if args.list:
+        for cfg in grid:
+            print(cfg.name)
+        return 0
+    stem = "quick" if args.quick else "latest"
+    print(f"hyper_parallel benchmark: {len(grid)} configurations on {os.cpu_count()} cores "
+          f"({'quick' if args.quick else args.grid} grid)", flush=True)
+    if not args.quick and args.grid == "pruned":
+        print(f"note: {configs.PRUNING_NOTE}", flush=True)
+    t_run = time.monotonic()
+    cache: dict = {}
+    rows, failures = [], 0
+    for index, cfg in enumerate(grid, 1):
+        row, failed = _run_config(index, len(grid), cfg, cache, t_run)
+        rows.append(row)
+        failures += failed
+    doc = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "grid": "quick" if args.quick else args.grid,
+        "grid_note": None if args.quick or args.grid == "full" else configs.PRUNING_NOTE,
+        "filters": {"backend": args.backend, "only": args.only},
+        "wall_s": time.monotonic() - t_run,
+        "environment": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                        "machine": platform.machine(), "versions": _versions()},
+        "configurations": rows,
+    }
+    json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
+    report.write_json(doc, json_path)
+    print()
+    print(report.markdown(doc))
+    print()
+    print(f"wrote {json_path}")
+    print(report.write_png(doc, png_path))
+    print(f"total wall time {doc['wall_s']:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

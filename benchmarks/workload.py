@@ -1,0 +1,134 @@
+"""What every implementation trains on, and what its communication must at least cost.
+
+[Note: one workload, many implementations]
+Every implementation of one configuration (hyper_parallel, FSDP2, DDP, the compute-only
+process, MindSpore's data-parallel baseline) builds its model from ``block_dims`` and fills
+it from ``init_arrays``, and reads its batches from ``batches`` with the same seeds. So they
+start from identical weights, see identical data (rank r always reads rows
+``[r*B, (r+1)*B)`` of the global batch), and their losses can be compared step by step
+(run.py does, as a sanity check that the benchmark compares like with like). Everything
+here is numpy only: the parent process never imports a framework.
+
+[Note: the communication schedule and its minimum]
+``shard_schedule`` lists the collectives one training step of a fully sharded model needs
+at minimum, in issue order, with the buffer sizes that ``hp.track_comms()`` records
+(all-gather: the gathered output; reduce-scatter: the input; all-reduce: the tensor):
+
+* forward: one all-gather per unit of its padded parameters, in the parameter dtype;
+* backward, per unit in reverse: a re-gather first if the unit freed its parameters after
+  forward (torch, non-root, ``reshard_after_forward=True``), then one reduce-scatter of its
+  padded gradients in the reduce dtype, then (HSDP) one all-reduce of the shard's bytes over
+  the replicate dim.
+
+"Padded" is how both FSDP2 and hyper_parallel lay a parameter out: dim 0 split like
+``torch.chunk`` into ``ceil(rows / S)`` rows per rank, so the buffer holds
+``S * ceil(rows / S)`` rows. The same list, issued back to back on zero buffers, is the "raw
+collectives" time (rank_torch.py, rank_mindspore.py), and its byte totals are the
+theoretical minimum the measured bytes are divided by. The root of the benchmark models owns
+no parameter of its own (every block is a unit), so the root never gathers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# DDP's default bucketing (torch.nn.parallel.DistributedDataParallel): the first bucket is
+# capped at 1 MiB, the others at bucket_cap_mb=25.
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def block_shapes(dims: list[int]) -> list[list[tuple]]:
+    """Parameter shapes per block: block i is Linear(dims[i], dims[i+1]) (+ ReLU)."""
+    return [[(dims[i + 1], dims[i]), (dims[i + 1],)] for i in range(len(dims) - 1)]
+
+
+def parameter_count(dims: list[int]) -> int:
+    return sum(math.prod(s) for block in block_shapes(dims) for s in block)
+
+
+def init_arrays(dims: list[int], seed: int) -> list[list[np.ndarray]]:
+    """Initial (weight, bias) of every block, scaled like a Linear's default (1/sqrt(fan_in))."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for weight_shape, bias_shape in block_shapes(dims):
+        scale = np.float32(1.0 / math.sqrt(weight_shape[1]))
+        out.append([rng.standard_normal(weight_shape, dtype=np.float32) * scale,
+                    rng.standard_normal(bias_shape, dtype=np.float32) * scale])
+    return out
+
+
+def batches(count: int, global_batch: int, d_in: int, d_out: int, seed: int) -> list[tuple]:
+    """``count`` distinct global (x, y) batches; steps cycle through them."""
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((global_batch, d_in), dtype=np.float32),
+             rng.standard_normal((global_batch, d_out), dtype=np.float32)) for _ in range(count)]
+
+
+def local_rows(array: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """Rank ``rank``'s slice of a global batch (contiguous rows, equal sizes)."""
+    rows = array.shape[0] // world
+    return np.ascontiguousarray(array[rank * rows:(rank + 1) * rows])
+
+
+def padded_numel(shape: tuple, shard_size: int) -> int:
+    """Elements of one parameter in a flat communication buffer: dim 0 padded to S*ceil(rows/S)."""
+    rows, row_numel = shape[0], math.prod(shape[1:])
+    return shard_size * -(-rows // shard_size) * row_numel
+
+
+def shard_schedule(dims: list[int], shard_size: int, replicate_size: int,
+                   regather_in_backward: bool, param_dtype: str, reduce_dtype: str) -> list[dict]:
+    """The minimal collectives of one step, in issue order (see the note at the top).
+
+    Each entry: ``{"op", "dim", "dtype", "numel"}`` where ``numel`` is the buffer
+    ``track_comms`` counts (all-gather output, reduce-scatter input, all-reduce tensor).
+    """
+    units = [sum(padded_numel(s, shard_size) for s in block) for block in block_shapes(dims)]
+    schedule = [{"op": "all_gather", "dim": "shard", "dtype": param_dtype, "numel": n} for n in units]
+    for numel in reversed(units):
+        if regather_in_backward:
+            schedule.append({"op": "all_gather", "dim": "shard", "dtype": param_dtype, "numel": numel})
+        schedule.append({"op": "reduce_scatter", "dim": "shard", "dtype": reduce_dtype, "numel": numel})
+        if replicate_size > 1:
+            schedule.append({"op": "all_reduce", "dim": "replicate", "dtype": reduce_dtype,
+                             "numel": numel // shard_size})
+    return schedule
+
+
+def ddp_schedule(dims: list[int], bucket_bytes: list[int] | None = None) -> list[dict]:
+    """DDP's gradient all-reduces, fp32: the bucket sizes DDP reported, or its default rule
+    (gradients in reverse registration order, first bucket 1 MiB, then 25 MiB)."""
+    if bucket_bytes:
+        return [{"op": "all_reduce", "dim": "", "dtype": "float32", "numel": b // 4} for b in bucket_bytes]
+    sizes = [math.prod(s) * 4 for block in reversed(block_shapes(dims)) for s in reversed(block)]
+    buckets, current, cap = [], 0, DDP_FIRST_BUCKET_BYTES
+    for size in sizes:
+        current += size
+        if current >= cap:
+            buckets.append(current)
+            current, cap = 0, DDP_BUCKET_BYTES
+    if current:
+        buckets.append(current)
+    return [{"op": "all_reduce", "dim": "", "dtype": "float32", "numel": b // 4} for b in buckets]
+
+
+def schedule_bytes(schedule: list[dict]) -> dict:
+    """``{op: {dim: bytes}}`` totals of a schedule, the form the measured bytes take."""
+    out: dict = {}
+    for entry in schedule:
+        per_dim = out.setdefault(entry["op"], {})
+        per_dim[entry["dim"]] = per_dim.get(entry["dim"], 0) + entry["numel"] * ELEMENT_BYTES[entry["dtype"]]
+    return out
+
+
+def schedule_calls(schedule: list[dict]) -> dict:
+    out: dict = {}
+    for entry in schedule:
+        per_dim = out.setdefault(entry["op"], {})
+        per_dim[entry["dim"]] = per_dim.get(entry["dim"], 0) + 1
+    return out

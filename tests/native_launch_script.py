@@ -1,0 +1,35 @@
+"""Run by test_native_launch.py under torchrun or msrun: the user joined the framework's own
+way (or, with --hp-init, let hp.init_distributed find the launcher's environment); then
+hyper_parallel trains the parity scenario and rank 0 prints the comparison."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# msrun starts workers in their own sessions: record our pid so the test can end us by pid.
+if os.environ.get("HP_TEST_PID_DIR"):
+    open(os.path.join(os.environ["HP_TEST_PID_DIR"], str(os.getpid())), "w").close()
+
+import hyper_parallel as hp  # noqa: E402
+from tests.scenarios import run_scenario  # noqa: E402
+
+if "--hp-init" in sys.argv:
+    hp.init_distributed()
+elif os.environ["HP_BACKEND"] == "torch":
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+else:
+    from mindspore.communication import init
+
+    init()
+result = run_scenario("nested")
+platform = hp.get_platform()
+print("RESULT " + json.dumps({"rank": platform.rank(), "world": platform.world_size(),
+                              "losses": result["losses"], "ref_losses": result["ref_losses"],
+                              "param_diff": result["param_diff"]}), flush=True)
+platform.barrier()
