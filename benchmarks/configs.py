@@ -27,16 +27,18 @@ behaves like False there; only FSDP on 2 ranks runs, fp32, even and uneven shape
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 MODELS = {
     # name: the Linear widths, block i is Linear(dims[i], dims[i+1]) + ReLU
     "even": [2048] * 13,
     "uneven": [2000] + [1999, 2003] * 6,
-    "ms-even": [1024] * 9,
-    "ms-uneven": [1000] + [999, 1003] * 4,
+    "even1k": [1024] * 9,
+    "uneven1k": [1000] + [999, 1003] * 4,
     "tiny": [64] * 5,
+    "tiny-uneven": [60, 59, 63, 59, 63],
 }
+TINY_OF = {"even": "tiny", "even1k": "tiny", "uneven": "tiny-uneven", "uneven1k": "tiny-uneven"}
 
 TORCH_IMPLS = ("hp", "fsdp2", "ddp", "compute")
 MINDSPORE_IMPLS = ("hp", "dp", "compute")
@@ -144,8 +146,15 @@ def build_grid(kind: str) -> list[Config]:
         else:
             configs += [_torch(mesh, True, "fp32", "even"), _torch(mesh, False, "fp32", "even"),
                         _torch(mesh, True, "bf16", "even"), _torch(mesh, True, "fp32", "uneven")]
-    configs += [_mindspore(True, "fp32", "ms-even"), _mindspore(True, "fp32", "ms-uneven")]
+    configs += [_mindspore(True, "fp32", "even1k"), _mindspore(True, "fp32", "uneven1k")]
     return configs
+
+
+def shrink(cfg: Config) -> Config:
+    """The same configuration on a tiny model with 1 + 2 steps (``--tiny``: every code path of
+    the grid in a few minutes, for development)."""
+    return replace(cfg, model=TINY_OF.get(cfg.model, cfg.model), local_batch=8, warmup=1, steps=2,
+                   timeout_s=150)
 
 
 PRUNING_NOTE = ("torch grid pruned to fit ~15 min on 2 cores: every value of every dimension "

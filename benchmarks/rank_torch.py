@@ -221,9 +221,14 @@ def run(job: dict, rank: int, world: int) -> dict:
 
 
 def _ddp_bucket_bytes(ddp) -> list[int] | None:
-    """Bucket sizes (bytes) from DDP's logging data, a private API: None if it moved."""
+    """DDP's bucket sizes in bytes from its logging data (a private API: None if it moved).
+
+    On CPU, DDP starts with all gradients in one bucket and rebuilds its buckets after the
+    first backward (``rebuilt_bucket_sizes``, 25 MiB cap); the measured steps use those.
+    """
     try:
-        text = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+        data = ddp._get_ddp_logging_data()
+        text = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
         sizes = [int(s) for s in str(text).replace(" ", "").split(",") if s]
         return sizes or None
     except Exception:  # noqa: BLE001 - fall back to the documented default rule

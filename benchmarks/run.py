@@ -48,6 +48,8 @@ def _parse_args(argv):
                         help="smoke run: tiny model, 2 ranks, 1+2 steps, one config per backend")
     parser.add_argument("--grid", choices=("pruned", "full"), default="pruned",
                         help="pruned (default, ~15 min on 2 cores) or the full torch product")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the selected grid on a tiny model with 1+2 steps (checks every code path)")
     parser.add_argument("--backend", choices=("torch", "mindspore", "all"), default="all")
     parser.add_argument("--only", metavar="SUBSTRING", action="append", default=[],
                         help="run only configurations whose name contains SUBSTRING (repeatable: any)")
@@ -63,6 +65,8 @@ def _select(args) -> list:
         grid = [c for c in grid if c.backend == args.backend]
     if args.only:
         grid = [c for c in grid if any(s in c.name for s in args.only)]
+    if args.tiny:
+        grid = [configs.shrink(c) for c in grid]
     return grid
 
 
@@ -123,7 +127,7 @@ def main(argv=None) -> int:
         for cfg in grid:
             print(cfg.name)
         return 0
-    stem = "quick" if args.quick else "latest"
+    stem = "quick" if args.quick or args.tiny else "latest"
     print(f"hyper_parallel benchmark: {len(grid)} configurations on {os.cpu_count()} cores "
           f"({'quick' if args.quick else args.grid} grid)", flush=True)
     if not args.quick and args.grid == "pruned":

@@ -6,7 +6,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Run as a script, Python puts tests/ first on the path, where tests/platform would shadow
+# the standard library's platform module: put the repository root there instead.
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # msrun starts workers in their own sessions: record our pid so the test can end us by pid.
 if os.environ.get("HP_TEST_PID_DIR"):

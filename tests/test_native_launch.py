@@ -23,7 +23,9 @@ def _run(command, backend, cwd, timeout=240):
     """Run a launcher; whatever happens, end it and every rank that recorded its pid."""
     pid_dir = Path(cwd) / "pids"
     pid_dir.mkdir()
+    # msrun runs "python SCRIPT": the venv's python must come first on PATH
     env = {**os.environ, "HP_BACKEND": backend, "PYTHONPATH": str(REPO), "GLOG_v": "3",
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            "HP_TEST_PID_DIR": str(pid_dir)}
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

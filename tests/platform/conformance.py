@@ -567,6 +567,15 @@ def check_clone(ctx):
 
 
 @local_check
+def check_join_from_launcher_env(ctx):
+    """Outside the framework's own launcher (hp-run set RANK etc.) it must not join."""
+    p = ctx.p
+    world = p.world_size()
+    _check(p.join_from_launcher_env() is False, "join_from_launcher_env joined without its launcher")
+    _check(p.is_initialized() and p.world_size() == world, "join_from_launcher_env changed the group")
+
+
+@local_check
 def check_alias(ctx):
     """alias: same values and memory under a new object, usable as a new node's output."""
     p = ctx.p

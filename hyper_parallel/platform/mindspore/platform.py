@@ -72,18 +72,21 @@ class MindSporePlatform(Platform):
     def __init__(self) -> None:
         _check_version()
         super().__init__()
-        if ms.get_context("mode") != ms.PYNATIVE_MODE:
-            ms.set_context(mode=ms.PYNATIVE_MODE)
-        self._device = ms.get_context("device_target")
         self._store = None
 
     @property
     def _on_cpu(self) -> bool:
-        return self._device == "CPU"
+        # Read when needed, never at construction: touching the context before an msrun
+        # worker's communication.init() breaks that init.
+        return ms.get_context("device_target") == "CPU"
 
     # ------------------------------------------------------------------ process groups
     def is_initialized(self) -> bool:
         return bool(GlobalComm.INITED)
+
+    def _ensure_pynative(self) -> None:
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
 
     def init_process_group(self, rank, world_size, master_addr, master_port, timeout_s):
         from mindspore.communication.management import _init_with_store
@@ -96,8 +99,9 @@ class MindSporePlatform(Platform):
                          store=self._store)
 
     def join_from_launcher_env(self) -> bool:
-        # msrun starts workers with MS_ROLE=MS_WORKER and its scheduler's address.
-        if os.environ.get("MS_ROLE") != "MS_WORKER":
+        # msrun runs the script as its scheduler (MS_ROLE=MS_SCHED, where init() serves the
+        # job and returns when it ends) and as each worker (MS_ROLE=MS_WORKER).
+        if os.environ.get("MS_ROLE") not in ("MS_SCHED", "MS_WORKER"):
             return False
         from mindspore.communication import init
 
@@ -336,6 +340,7 @@ class MindSporePlatform(Platform):
         return list(_CoreDefinedCell(forward_fn, backward_fn)(*inputs))
 
     def register_forward_hooks(self, module, pre_hook, post_hook):
+        self._ensure_pynative()  # hooks and custom bprop Cells need PyNative
         return [
             module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
             module.register_forward_hook(post_hook, with_kwargs=True),
