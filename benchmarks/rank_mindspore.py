@@ -148,32 +148,22 @@ def run(job: dict, rank: int, world: int) -> dict:
     result["comm_steps"] = cfg["steps"]
     if impl == "hp":
         result["comm"] = counted
-    platform_barrier = barrier
-
-    def finish():
-        platform_barrier()  # waits for the lazily completing collectives of the round
-
     if impl == "dp":
-        total = sum(sizes)
         result["comm"] = [{"op": "all_reduce", "wire": "all_reduce", "dim": "",
-                           "calls": cfg["steps"], "bytes": total * 4 * cfg["steps"]}]
+                           "calls": cfg["steps"], "bytes": sum(sizes) * 4 * cfg["steps"]}]
         result["comm_source"] = "one all_reduce of the flat fp32 gradients per step"
-        schedule = [{"op": "all_reduce", "dim": "", "dtype": "float32", "numel": total}]
-        result["raw"] = raw_collectives.time_schedule(hp, schedule, {"": (None, world)}, 1,
-                                                      cfg["steps"], barrier, finish)
+        result["raw"] = raw_collectives.time_schedule(hp, job["schedule"], {"": (None, world)}, 1,
+                                                      cfg["steps"], barrier, finish=barrier)
     elif impl == "hp":
-        schedule = workload.shard_schedule(dims, mesh_shape[-1], 1, regather_in_backward=False,
-                                           param_dtype=cfg["param_dtype"],
-                                           reduce_dtype=cfg["reduce_dtype"])
         groups = {"shard": (hp_mesh.get_group("shard"), hp_mesh.size("shard"))}
-        result["raw"] = raw_collectives.time_schedule(hp, schedule, groups, 1, cfg["steps"],
-                                                      barrier, finish)
-        scatters = [e for e in schedule if e["op"] == "reduce_scatter"]
+        result["raw"] = raw_collectives.time_schedule(hp, job["schedule"], groups, 1, cfg["steps"],
+                                                      barrier, finish=barrier)
+        scatters = [e for e in job["schedule"] if e["op"] == "reduce_scatter"]
         same_size_gathers = [dict(e, op="all_gather") for e in scatters]
         result["raw_reduce_scatters"] = raw_collectives.time_schedule(
-            hp, scatters, groups, 1, cfg["steps"], barrier, finish)
+            hp, scatters, groups, 1, cfg["steps"], barrier, finish=barrier)
         result["raw_same_size_all_gathers"] = raw_collectives.time_schedule(
-            hp, same_size_gathers, groups, 1, cfg["steps"], barrier, finish)
+            hp, same_size_gathers, groups, 1, cfg["steps"], barrier, finish=barrier)
     if impl != "compute":
         hp.destroy_distributed()
     return result

@@ -209,12 +209,9 @@ def run(job: dict, rank: int, world: int) -> dict:
     elif impl == "hp":
         del opt, model
         gc.collect()
-        schedule = workload.shard_schedule(
-            dims, mesh_shape[-1], mesh_shape[0] if hsdp else 1,
-            regather_in_backward=cfg["reshard_after_forward"],
-            param_dtype=cfg["param_dtype"], reduce_dtype=cfg["reduce_dtype"])
         groups = {n: (hp_mesh.get_group(n), hp_mesh.size(n)) for n in names}
-        result["raw"] = raw_collectives.time_schedule(hp, schedule, groups, 1, cfg["steps"], barrier)
+        result["raw"] = raw_collectives.time_schedule(hp, job["schedule"], groups, 1, cfg["steps"],
+                                                      barrier)
     if impl != "compute":
         hp.destroy_distributed()
     return result

@@ -80,20 +80,34 @@ def _versions() -> dict:
     return out
 
 
+def _launch_order(cfg, index: int) -> list:
+    """hyper_parallel and its reference run back to back, in alternating order from one
+    configuration to the next, so a drift in the machine's load does not favour one side."""
+    order = list(cfg.impls)
+    ref = configs.REFERENCE[cfg.backend]
+    if index % 2 == 0 and "hp" in order and ref in order:
+        i, j = order.index("hp"), order.index(ref)
+        order[i], order[j] = order[j], order[i]
+    return order
+
+
 def _run_config(index: int, total: int, cfg, cache: dict, t_run: float) -> tuple[dict, int]:
     """Launch (or reuse) every implementation of ``cfg``; return its row and the failures."""
     print(f"[{index}/{total}] {cfg.name} ({cfg.world_size} ranks, {len(cfg.dims) - 1} blocks): "
           f"start (run {time.monotonic() - t_run:.0f} s)", flush=True)
     started = time.monotonic()
     launches, sources, failures = {}, {}, 0
-    for impl in cfg.impls:
+    for impl in _launch_order(cfg, index):
         key = configs.Impl(cfg, impl).run_key
         if key in cache:
             launches[impl], sources[impl] = cache[key]
             print(f"    {configs.IMPL_LABELS[impl]}: reused from {sources[impl]}", flush=True)
             continue
         t0 = time.monotonic()
-        job = {"config": cfg.to_json(), "impl": impl, "comm_timeout_s": cfg.timeout_s}
+        # the minimal schedule the rank times as its raw collectives: the same list the
+        # measured bytes are divided by (analysis.py)
+        job = {"config": cfg.to_json(), "impl": impl, "comm_timeout_s": cfg.timeout_s,
+               "schedule": analysis.minimum_schedule(cfg, impl)}
         try:
             ranks = launch_ranks.launch(RANK_SCRIPTS[cfg.backend], job, cfg.world_size, cfg.backend,
                                         cfg.timeout_s)
@@ -113,6 +127,7 @@ def _run_config(index: int, total: int, cfg, cache: dict, t_run: float) -> tuple
           + (f" (hp/{configs.IMPL_LABELS[configs.REFERENCE[cfg.backend]]} time {ratio:.2f})"
              if ratio is not None else ""), flush=True)
     row = {"config": cfg.to_json(), "figures": figures, "launches": launches,
+           "launch_order": _launch_order(cfg, index),
            "launch_source": sources}
     return row, failures
 

@@ -3,7 +3,8 @@
 One launch per (backend, world size) runs every scenario (tests/scenarios.py); each test
 reads its scenario's result. Losses: the mean of the ranks' local losses equals the
 reference loss (equal local batches, mean-reduced loss). Parameters: gathered full values
-after all steps equal the reference's. fp32, atol 1e-5, 5 AdamW steps.
+after all steps equal the reference's. fp32, atol 1e-5, 5 optimizer steps (SGD with
+momentum; one scenario with AdamW).
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ import pytest
 from tests.multirank import run_ranks
 
 BACKENDS = ["torch", "mindspore"]
-SCENARIOS = ["nested", "nested_keep", "list_unit", "tied", "twice", "ignored", "shard_dim1"]
+SCENARIOS = ["nested", "nested_adamw", "nested_keep", "list_unit", "tied", "twice", "ignored",
+             "shard_dim1"]
 ATOL = 1e-5
+# AdamW's first steps move each weight by about lr * sign(grad): a gradient element that is
+# zero up to rounding (summed in another order on N ranks) moves differently in two correct
+# runs. Gradients themselves are checked at ATOL by the SGD scenarios.
+ADAMW_ATOL = 1e-4
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,12 +31,12 @@ def _results(backend: str, world_size: int, names: tuple) -> list:
     return run_ranks("tests.scenarios:run_many", world_size, backend, list(names), timeout_s=400)
 
 
-def _assert_parity(per_rank: list, key_losses="losses", key_ref="ref_losses"):
-    mean_losses = np.mean([r[key_losses] for r in per_rank], axis=0)
-    np.testing.assert_allclose(mean_losses, per_rank[0][key_ref], atol=ATOL, rtol=0)
+def _assert_parity(per_rank: list, atol: float = ATOL):
+    mean_losses = np.mean([r["losses"] for r in per_rank], axis=0)
+    np.testing.assert_allclose(mean_losses, per_rank[0]["ref_losses"], atol=atol, rtol=0)
     assert len(mean_losses) >= 5
     for r in per_rank:
-        assert r["param_diff"] <= ATOL, f"gathered parameters differ by {r['param_diff']}"
+        assert r["param_diff"] <= atol, f"gathered parameters differ by {r['param_diff']}"
 
 
 @pytest.mark.timeout(600)
@@ -41,7 +47,7 @@ def test_parity_with_single_process_reference(backend, world_size, scenario):
     results = _results(backend, world_size, tuple(SCENARIOS))
     per_rank = [r[scenario] for r in results]
     assert per_rank[0]["names_match"], "gathered state dict names differ from the reference's"
-    _assert_parity(per_rank)
+    _assert_parity(per_rank, ADAMW_ATOL if scenario == "nested_adamw" else ATOL)
 
 
 @pytest.mark.timeout(300)

@@ -37,9 +37,9 @@ class FSDPModule:
         """Gather this unit's full parameters now (they stay until the next forward uses
         them). With ``async_op=True`` return a handle; ``wait()`` makes them the attributes."""
         state = _state_of(self)
+        state.keep_until_next_forward()  # the next forward uses these, gathered or in flight
         if not async_op:
             state.unshard()
-            state.keep_until_next_forward()
             return None
         state.prefetch()
         return _UnshardHandle(state)
@@ -73,7 +73,11 @@ class FSDPModule:
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Off: the coming backward does not wait for its gradient reductions at its end;
-        they finish at the next last backward or when the next forward starts."""
+        they finish at the next last backward or when the next forward starts. Call it on
+        the root module (the one whose backward ends the pass)."""
+        if _state_of(self).is_root is False:
+            raise ValueError("set_is_last_backward applies to the whole backward pass: call it on "
+                             "the root module, not on a nested fully_shard unit")
         for state in _states_under(self, True):
             state.is_last_backward = bool(is_last_backward)
 
@@ -117,7 +121,6 @@ class _UnshardHandle:
 
     def wait(self) -> None:
         self._state.unshard()
-        self._state.keep_until_next_forward()
 
 
 def _as_scalar(value):
@@ -227,7 +230,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
     if isinstance(offload_policy, CPUOffloadPolicy) and platform.device_type() != "cpu":
         raise NotImplementedError("CPUOffloadPolicy is not implemented on accelerators yet; "
                                   "use OffloadPolicy() (on a CPU device it is not needed)")
-    if not isinstance(shard_threshold_bytes, int) or shard_threshold_bytes < 0:
+    if isinstance(shard_threshold_bytes, bool) or not isinstance(shard_threshold_bytes, int) \
+            or shard_threshold_bytes < 0:
         raise ValueError(f"shard_threshold_bytes must be an int >= 0, got {shard_threshold_bytes!r}")
     ignored = list(ignored_params or [])
     ignored_ids = {id(p) for p in ignored}
@@ -253,6 +257,13 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
                                                  shard_placement_fn)))
 
     info = MeshInfo(device_mesh)
+    has_small = any(math.prod(platform.shape(p)) * platform.element_size(platform.dtype_of(p))
+                    < shard_threshold_bytes for _, p, _, _ in plan)
+    if has_small and info.replicate_size > 1 and info.shard_size > 1 \
+            and device_mesh.size() != platform.world_size():
+        raise ValueError("shard_threshold_bytes on a 2-D mesh that covers only part of the job is not "
+                         "supported (small parameters are all-reduced over the whole job); use a mesh "
+                         "over all ranks or shard_threshold_bytes=0")
     unit_name = "+".join(type(m).__name__ for m in modules)
     fsdp_params = []
     for fqn, param, slots, dim in plan:

@@ -11,7 +11,8 @@ Unit N's reduce-scatter is issued (async) in its post-backward and becomes
 waited and its all-reduce issued (async) into ``pending_all_reduce``. At the end of
 backward (the root's final callback) everything left is drained, before the optimizer can
 see a gradient. ``HP_SYNC_COLLECTIVES=1`` in the environment (read when the root
-initializes) runs every collective synchronously instead, for debugging.
+initializes) runs every gradient-reduction collective synchronously instead, for
+debugging (all-gathers issued early by a prefetch or ``unshard(async_op=True)`` stay async).
 
 With ``set_is_last_backward(False)`` the final callback leaves the queues alone; they are
 drained by the next final callback of a last backward, or when the root's next forward

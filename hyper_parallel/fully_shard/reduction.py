@@ -85,6 +85,7 @@ class UnitReduction:
     def finish(self) -> None:
         p = self.group.platform
         by_param = {id(fp): ph for fp, ph in zip(self.group.params, self.placeholders)}
+        written = 0
         for leg in self.legs:
             if leg.handle is not None:
                 leg.handle.wait()
@@ -93,4 +94,5 @@ class UnitReduction:
             for fp, grad in zip(leg.leg.params, self.group.sharded_gradients(leg.leg, leg.buffer)):
                 if p.param_requires_grad(fp.sharded_param):
                     p.write_grad(fp.sharded_param, by_param[id(fp)], grad, self.to_main_grad)
-        logger.debug("%s: gradients written", self.name)
+                    written += 1
+        logger.debug("%s: %d gradient shards written", self.name, written)

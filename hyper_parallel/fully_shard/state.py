@@ -74,9 +74,10 @@ class FSDPState:
     # ---------------------------------------------------------------- lazy root init
     def _lazy_init(self, root_module: Any) -> None:
         states = []
-        for _, module in self.platform.named_modules(root_module):
+        for fqn, module in self.platform.named_modules(root_module):
             state = module.__dict__.get(STATE_ATTR)
             if state is not None and all(state is not s for s in states):
+                state.name = f"{fqn or '<root>'} ({state.name})"  # logs tell units apart
                 states.append(state)
         context = IterationContext(self.platform, states)
         for state in states:
