@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-v1
+STAMP := $(VENV)/.installed-v2
 BACKEND ?= $(or $(HP_BACKEND),torch)
 
 .PHONY: install demo test bench clean
@@ -12,10 +12,9 @@ install: $(STAMP)
 # Idempotent: re-runs only when the project's dependency list changes.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.4,<=2.14.1"
 	$(PY) -m pip install -q "mindspore==2.10.0" "numpy<2"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,bench]"
 	touch $(STAMP)
 
 demo: install
@@ -23,6 +22,9 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

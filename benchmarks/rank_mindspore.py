@@ -16,7 +16,7 @@ same batches; a step is ``value_and_grad`` + the optimizer, the idiom MindSpore 
 PyNative queues kernels and returns at once; collectives on CPU complete lazily too. A step
 therefore ends with ``_pynative_executor.sync()`` (MindSpore's pipeline sync; a private API,
 with ``loss.asnumpy()`` as fallback), so the time covers the work, not its dispatch. The raw
-collectives end each round with the platform's barrier for the same reason.
+collectives end each round with the same sync.
 
 [Note: the composed reduce-scatter]
 MindSpore CPU has no reduce-scatter kernel; the platform all-reduces the whole buffer and
@@ -67,13 +67,16 @@ def _build_model(ms, dims: list):
     return model
 
 
-def _sync(loss) -> None:
+def _sync(tensor=None) -> None:
+    """Wait for every queued kernel, collectives included (``tensor.asnumpy()`` waits for
+    that tensor's producers only: the fallback if the private sync moves)."""
     try:
         from mindspore.common.api import _pynative_executor
 
         _pynative_executor.sync()
     except (ImportError, AttributeError):
-        loss.asnumpy()
+        if tensor is not None:
+            tensor.asnumpy()
 
 
 def run(job: dict, rank: int, world: int) -> dict:
@@ -153,17 +156,17 @@ def run(job: dict, rank: int, world: int) -> dict:
                            "calls": cfg["steps"], "bytes": sum(sizes) * 4 * cfg["steps"]}]
         result["comm_source"] = "one all_reduce of the flat fp32 gradients per step"
         result["raw"] = raw_collectives.time_schedule(hp, job["schedule"], {"": (None, world)}, 1,
-                                                      cfg["steps"], barrier, finish=barrier)
+                                                      cfg["steps"], barrier, finish=_sync)
     elif impl == "hp":
         groups = {"shard": (hp_mesh.get_group("shard"), hp_mesh.size("shard"))}
         result["raw"] = raw_collectives.time_schedule(hp, job["schedule"], groups, 1, cfg["steps"],
-                                                      barrier, finish=barrier)
+                                                      barrier, finish=_sync)
         scatters = [e for e in job["schedule"] if e["op"] == "reduce_scatter"]
         same_size_gathers = [dict(e, op="all_gather") for e in scatters]
         result["raw_reduce_scatters"] = raw_collectives.time_schedule(
-            hp, scatters, groups, 1, cfg["steps"], barrier, finish=barrier)
+            hp, scatters, groups, 1, cfg["steps"], barrier, finish=_sync)
         result["raw_same_size_all_gathers"] = raw_collectives.time_schedule(
-            hp, same_size_gathers, groups, 1, cfg["steps"], barrier, finish=barrier)
+            hp, same_size_gathers, groups, 1, cfg["steps"], barrier, finish=_sync)
     if impl != "compute":
         hp.destroy_distributed()
     return result

@@ -192,3 +192,31 @@ def run_fsdp2_compare() -> dict:
             "param_diff": max(float(np.abs(full[k] - their_full[k]).max()) for k in their_full),
             "local_shapes_match": all(tuple(a.to_local().shape) == tuple(b.to_local().shape)
                                       for a, b in zip(ours.parameters(), theirs.parameters()))}
+
+
+def run_prefetch_trace() -> dict:
+    """The debug log of the third step of the nested model: with implicit prefetch, each
+    block's all-gather is issued before that block's forward consumes it (and, where full
+    parameters are released, each block's re-gather before its backward needs it)."""
+    import logging
+
+    kit = get_kit()
+    model = _build(kit, "nested")
+    kit.load(model, 0)
+    _wrap(kit, model, "nested")
+    opt = kit.optimizer(kit.params(model))
+    events = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            events.append(record.getMessage())
+
+    logger = logging.getLogger("hyper_parallel.fully_shard")
+    handler = Collect()
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    for step, (x, y) in enumerate(make_batches(3, GLOBAL_BATCH, D_IN, D_OUT)):
+        events.clear()
+        kit.train_step(model, opt, x, y)
+    logger.removeHandler(handler)
+    return {"events": list(events), "can_release": hp.get_platform().can_release_storage}

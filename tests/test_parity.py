@@ -107,3 +107,21 @@ def test_parity_with_torch_fsdp2():
         np.testing.assert_allclose(r["losses"], r["their_losses"], atol=ATOL, rtol=0)
         assert r["param_diff"] <= ATOL
         assert r["local_shapes_match"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_implicit_prefetch_issues_the_next_units_all_gather_early(backend):
+    result = run_ranks("tests.scenarios:run_prefetch_trace", 2, backend, timeout_s=200)[0]
+    events = result["events"]
+
+    def first(fragment):
+        return next(i for i, e in enumerate(events) if fragment in e)
+
+    for block in ("blocks.0 ", "blocks.1 "):
+        prefetch = first(f"{block}(Block): prefetch all-gather issued")
+        assert prefetch < first(f"{block}(Block): unshard (all-gather)"), events
+    if result["can_release"]:
+        # blocks.1 runs backward first and prefetches blocks.0's re-gather
+        assert first("blocks.0 (Block): prefetch re-gather issued") < \
+            first("blocks.0 (Block): re-gather full parameters for backward"), events

@@ -14,6 +14,14 @@ see a gradient. ``HP_SYNC_COLLECTIVES=1`` in the environment (read when the root
 initializes) runs every gradient-reduction collective synchronously instead, for
 debugging (all-gathers issued early by a prefetch or ``unshard(async_op=True)`` stay async).
 
+[Note: implicit prefetch]
+Each iteration records the order in which units start their forward. From the second
+iteration on, a unit starting its forward issues the next unit's all-gather (async), and a
+unit about to run its backward issues the re-gather of the unit before it in forward order
+(the next to run backward), so communication overlaps compute as in FSDP2. A unit's
+explicit ``set_modules_to_*_prefetch`` list replaces its implicit neighbour. Every rank
+records the same order for the same model, so collectives stay in the same order.
+
 With ``set_is_last_backward(False)`` the final callback leaves the queues alone; they are
 drained by the next final callback of a last backward, or when the root's next forward
 starts, whichever comes first.
@@ -39,13 +47,33 @@ class IterationContext:
         self.pending_reduce_scatter = None   # (UnitReduction, requires_all_reduce)
         self.pending_all_reduce: list = []
         self._final_callback_queued = False
+        self._forward_order: list = []       # units by first forward, this iteration
+        self._seen: set = set()              # ids of _forward_order
+        self._known_order: list = []         # the last complete iteration's order
+        self._known_index: dict = {}
 
     def begin_forward(self) -> None:
         """The root's forward starts a new iteration: finish reductions still in flight and
         drop full parameters left from the last one (unless kept on purpose)."""
         self.drain()
+        if self._forward_order:
+            self._known_order, self._forward_order = self._forward_order, []
+            self._known_index = {id(s): i for i, s in enumerate(self._known_order)}
+            self._seen = set()
         for state in self.states:
             state.begin_iteration()
+
+    def record_forward(self, state: Any) -> None:
+        if id(state) not in self._seen:
+            self._seen.add(id(state))
+            self._forward_order.append(state)
+
+    def neighbours(self, state: Any, step: int) -> list:
+        """[the unit ``step`` places after ``state`` in the known forward order] or []."""
+        index = self._known_index.get(id(state))
+        if index is None or not 0 <= index + step < len(self._known_order):
+            return []
+        return [self._known_order[index + step]]
 
     def ensure_final_callback(self) -> None:
         """Queue ``finish_backward`` once per backward pass (call only during backward)."""

@@ -78,6 +78,9 @@ class FSDPParamGroup:
                                        dim="shard")
             self._pending_gather = (out, handle)
 
+    def has_pending_gather(self) -> bool:
+        return self._pending_gather is not None
+
     def discard_gather(self) -> None:
         """Drop an all-gather nobody consumed (its values may be stale by the next use)."""
         if self._pending_gather is not None:

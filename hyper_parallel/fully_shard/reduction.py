@@ -60,7 +60,8 @@ class UnitReduction:
                                           async_op=async_op, dim="shard")
                 flat = out
             self.legs.append(_LegInFlight(leg, flat, handle))
-        logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")
+        if group.sharded.params and group.mesh_info.shard_size > 1:
+            logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")
 
     def finish_reduce_scatter(self) -> None:
         p = self.group.platform
@@ -77,10 +78,11 @@ class UnitReduction:
             if replicated and not requires_all_reduce:
                 leg.leg.bucket.defer(leg.buffer)
                 leg.deferred = True
+                logger.debug("%s: %s all-reduce deferred", self.name, leg.leg.bucket.dim)
                 continue
             leg.buffer, leg.handle = leg.leg.bucket.issue(leg.buffer, self.async_op)
-        logger.debug("%s: all-reduce %s", self.name,
-                     "deferred" if replicated and not requires_all_reduce else "issued")
+            if leg.handle is not None:
+                logger.debug("%s: %s all-reduce issued", self.name, leg.leg.bucket.dim)
 
     def finish(self) -> None:
         p = self.group.platform

@@ -59,8 +59,8 @@ class FSDPState:
         self.output_dtype = (platform.dtype(mp_policy.output_dtype)
                              if isinstance(mp_policy.output_dtype, str) else mp_policy.output_dtype)
         self.cast_forward_inputs = mp_policy.cast_forward_inputs
-        self.forward_prefetch: list = []
-        self.backward_prefetch: list = []
+        self.forward_prefetch: list | None = None   # explicit lists; None = implicit
+        self.backward_prefetch: list | None = None
         self.is_root: bool | None = None
         self.iteration: IterationContext | None = None
         self._full: list | None = None       # this iteration's full parameters
@@ -90,8 +90,12 @@ class FSDPState:
             self._lazy_init(module)
         if self.is_root:
             self.iteration.begin_forward()
+        self.iteration.record_forward(self)
         self.unshard()
-        for target in self.forward_prefetch:
+        targets = self.forward_prefetch
+        if targets is None:
+            targets = self.iteration.neighbours(self, step=1)
+        for target in targets:
             target.prefetch()
         if self.cast_forward_inputs and self.param_dtype is not None:
             args, kwargs = self._cast_tree((args, kwargs), self.param_dtype)
@@ -140,8 +144,10 @@ class FSDPState:
             fsdp_param.attach(full)
 
     def prefetch(self) -> None:
-        """Start this unit's all-gather early, to overlap it with another unit's compute."""
-        if self.group is not None and self._full is None:
+        """Start this unit's all-gather early, to overlap it with another unit's compute
+        (forward: the next unit's while this one computes; see IterationContext.neighbours)."""
+        if self.group is not None and self._full is None and not self.group.has_pending_gather():
+            logger.debug("%s: prefetch all-gather issued", self.name)
             self.group.issue_gather(async_op=True)
 
     def reshard(self) -> None:
@@ -193,11 +199,16 @@ class FSDPState:
             self._refill()
             for fsdp_param, full in zip(self.group.params, self._full):
                 fsdp_param.attach(full)
-        for target in self.backward_prefetch:
+        targets = self.backward_prefetch
+        if targets is None:
+            targets = self.iteration.neighbours(self, step=-1)
+        for target in targets:
             target._pre_backward_prefetch()
 
     def _pre_backward_prefetch(self) -> None:
-        if self._full is not None and not self._storage_live:
+        if self.group is not None and self._full is not None and not self._storage_live \
+                and not self.group.has_pending_gather():
+            logger.debug("%s: prefetch re-gather issued", self.name)
             self.group.issue_gather(async_op=True)  # its own pre-backward waits for it
 
     def _post_backward(self, full_grads: list) -> list:
