@@ -100,7 +100,8 @@ def notes(doc: dict) -> str:
     env = doc["environment"]
     lines = [f"- machine: {env['cpu_count']} cores (os.cpu_count()), {env['platform']}; "
              f"torch {env['versions'].get('torch')}, mindspore {env['versions'].get('mindspore')}, "
-             f"hyper_parallel {env['versions'].get('hyper_parallel')}; wall time "
+             f"hyper_parallel {env['versions'].get('hyper_parallel')}"
+             f"{_library_note(doc)}; wall time "
              f"{doc['wall_s']:.0f} s; grid: {doc['grid']}",
              "- ref = FSDP2 (torch) or the DP baseline (MindSpore); ratios > 1: hyper_parallel "
              "slower / bigger / more bytes. AG/RS/AR = bytes per step / theoretical minimum "
@@ -129,6 +130,16 @@ def notes(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _library_note(doc: dict) -> str:
+    lib = doc.get("library", {}).get("start", {})
+    if not lib.get("commit"):
+        return ""
+    text = f" at {lib['commit']}" + (" + uncommitted changes" if lib.get("dirty") else "")
+    if doc["library"].get("changed_during_run"):
+        text += " (CHANGED DURING THE RUN)"
+    return text
+
+
 def markdown(doc: dict) -> str:
     return "\n\n".join([summary_table(doc), detail_table(doc), notes(doc)])
 
@@ -138,6 +149,12 @@ def write_json(doc: dict, path: Path) -> None:
     partial = path.with_suffix(".json.partial")
     partial.write_text(json.dumps(doc, indent=1, sort_keys=True))
     partial.replace(path)
+
+
+def _plot_order(cfg: dict) -> list:
+    ref = configs.REFERENCE[cfg["backend"]]
+    first = [impl for impl in ("hp", ref) if impl in cfg["impls"]]
+    return first + [impl for impl in cfg["impls"] if impl not in first]
 
 
 def write_png(doc: dict, path: Path) -> str:
@@ -151,26 +168,26 @@ def write_png(doc: dict, path: Path) -> str:
     except ImportError:
         return f"PNG skipped: matplotlib is not installed (pip install matplotlib) — {path.name} not written"
     rows = doc["configurations"]
-    impls = []
-    for row in rows:
-        for impl in row["config"]["impls"]:
-            if impl not in impls:
-                impls.append(impl)
+    colors = {impl: f"C{i}" for i, impl in enumerate(configs.IMPL_LABELS)}
     fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.3 * len(rows) + 3), 8.5), sharex=True)
-    width = 0.8 / max(1, len(impls))
+    labelled = set()
     for metric, scale, axis, label in (("step_s", 1000.0, axes[0], "median step time (ms)"),
                                        ("peak_mb", 1.0, axes[1], "peak memory per rank (MB)")):
-        for k, impl in enumerate(impls):
-            xs, ys = [], []
-            for i, row in enumerate(rows):
+        for i, row in enumerate(rows):
+            # bars per row in table order: hp, its reference, then the others, centred
+            order = _plot_order(row["config"])
+            width = 0.8 / max(1, len(order))
+            for k, impl in enumerate(order):
                 value = row["figures"].get(impl, {}).get(metric)
-                if value is not None:
-                    xs.append(i + (k - (len(impls) - 1) / 2) * width)
-                    ys.append(value * scale)
-            axis.bar(xs, ys, width, label=configs.IMPL_LABELS[impl])
+                if value is None:
+                    continue
+                name = configs.IMPL_LABELS[impl]
+                axis.bar(i + (k - (len(order) - 1) / 2) * width, value * scale, width,
+                         color=colors[impl], label=None if name in labelled else name)
+                labelled.add(name)
         axis.set_ylabel(label)
         axis.grid(axis="y", alpha=0.3)
-    axes[0].legend(ncol=len(impls), fontsize="small")
+    axes[0].legend(ncol=len(configs.IMPL_LABELS), fontsize="small")
     axes[0].set_title(f"hyper_parallel benchmark ({doc['environment']['cpu_count']} cores, "
                       f"{doc['date'][:10]})")
     axes[1].set_xticks(range(len(rows)))

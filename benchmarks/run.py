@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib.metadata
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -77,6 +79,31 @@ def _versions() -> dict:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
+    return out
+
+
+def _library_fingerprint() -> dict:
+    """A hash of hyper_parallel's sources and, where this is a git checkout, its commit and
+    whether the package has uncommitted changes (read-only git): taken at the start and the
+    end of a run, it shows whether the library was edited while the run measured it (an
+    editable install picks up edits at each launch)."""
+    import hyper_parallel
+
+    root = Path(hyper_parallel.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    out = {"sources_sha256": digest.hexdigest()[:16], "commit": None, "dirty": None}
+    try:
+        git = ["git", "-C", str(root.parent)]
+        out["commit"] = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True, timeout=10, check=True).stdout.strip()
+        status = subprocess.run(git + ["status", "--porcelain", "--", str(root)],
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+        out["dirty"] = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
     return out
 
 
@@ -147,6 +174,7 @@ def main(argv=None) -> int:
           f"({'quick' if args.quick else args.grid} grid)", flush=True)
     if not args.quick and args.grid == "pruned":
         print(f"note: {configs.PRUNING_NOTE}", flush=True)
+    library_at_start = _library_fingerprint()
     t_run = time.monotonic()
     cache: dict = {}
     rows, failures = [], 0
@@ -162,8 +190,11 @@ def main(argv=None) -> int:
         "wall_s": time.monotonic() - t_run,
         "environment": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                         "machine": platform.machine(), "versions": _versions()},
+        "library": {"start": library_at_start, "end": _library_fingerprint()},
         "configurations": rows,
     }
+    doc["library"]["changed_during_run"] = (doc["library"]["start"]["sources_sha256"]
+                                            != doc["library"]["end"]["sources_sha256"])
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
     report.write_json(doc, json_path)
     print()
@@ -171,6 +202,9 @@ def main(argv=None) -> int:
     print()
     print(f"wrote {json_path}")
     print(report.write_png(doc, png_path))
+    if doc["library"]["changed_during_run"]:
+        print("WARNING: hyper_parallel's sources changed during the run; launches measured "
+              "different versions of the library (see 'library' in the JSON)")
     print(f"total wall time {doc['wall_s']:.0f} s")
     return 1 if failures else 0
 

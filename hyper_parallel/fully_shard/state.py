@@ -42,7 +42,8 @@ class FSDPState:
     def __init__(self, platform: Any, name: str, modules: list, group: Any,
                  reshard_after_forward: bool, mp_policy: Any):
         self.platform = platform
-        self.name = name
+        self.unit_type = name
+        self.name = name  # refined to "<fqn> (<type>)" once the root knows the tree
         self.modules = modules
         self.group = group
         self.reshard_after_forward = reshard_after_forward
@@ -77,7 +78,7 @@ class FSDPState:
         for fqn, module in self.platform.named_modules(root_module):
             state = module.__dict__.get(STATE_ATTR)
             if state is not None and all(state is not s for s in states):
-                state.name = f"{fqn or '<root>'} ({state.name})"  # logs tell units apart
+                state.name = f"{fqn or '<root>'} ({state.unit_type})"  # logs tell units apart
                 states.append(state)
         context = IterationContext(self.platform, states)
         for state in states:

@@ -254,9 +254,9 @@ class Platform(abc.ABC):
     def register_param(self, module: Any, attr_name: str, param: Any) -> None:
         """Replace (or add) the parameter registered on ``module`` as ``attr_name``."""
 
-    @abc.abstractmethod
     def param_requires_grad(self, param: Any) -> bool:
-        """Whether the optimizer trains ``param``."""
+        """Whether the optimizer trains ``param`` (both frameworks spell it the same)."""
+        return param.requires_grad
 
     @abc.abstractmethod
     def make_sharded_param(self, orig_param: Any, local_shard: Any, native_mesh: Any,

@@ -312,9 +312,6 @@ class MindSporePlatform(Platform):
     def register_param(self, module, attr_name, param) -> None:
         module._params[attr_name] = param
 
-    def param_requires_grad(self, param) -> bool:
-        return param.requires_grad
-
     def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
                            shard_dim, full_shape):
         # set_data cannot shrink a Parameter: autograd keeps its original shape.

@@ -219,9 +219,6 @@ class TorchPlatform(Platform):
     def register_param(self, module, attr_name, param) -> None:
         module._parameters[attr_name] = param
 
-    def param_requires_grad(self, param) -> bool:
-        return param.requires_grad
-
     def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
                            shard_dim, full_shape):
         placements = [Replicate()] * native_mesh.ndim
