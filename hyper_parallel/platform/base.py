@@ -261,8 +261,9 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def make_sharded_param(self, orig_param: Any, local_shard: Any, native_mesh: Any,
                            shard_mesh_dim: int, shard_dim: int, full_shape: tuple) -> Any:
-        """A new parameter holding ``local_shard`` that replaces ``orig_param`` (same name,
-        same ``requires_grad``). On torch it is a DTensor over ``native_mesh`` sharded on
+        """A new parameter holding a copy of ``local_shard`` (its own memory: a view would keep
+        the whole unsharded parameter alive) that replaces ``orig_param`` (same name, same
+        ``requires_grad``). On torch it is a DTensor over ``native_mesh`` sharded on
         ``shard_dim`` along mesh dim ``shard_mesh_dim`` and replicated on the others
         (replicated everywhere when ``shard_dim`` is None)."""
 

@@ -1468,6 +1468,14 @@ def check_make_sharded_param(ctx):
             _same(_values(ctx, local), local_np, f"local_tensor values (shard_dim {shard_dim})")
             _same(p.to_numpy(param), local_np, f"to_numpy(sharded param) is the local shard "
                   f"(shard_dim {shard_dim})")
+    big = p.from_numpy(_arange(4, 3))
+    owned = p.make_sharded_param(ctx.side.new_param(np.zeros((4, 3), np.float32), "conf.own"),
+                                 p.narrow(big, 0, 0, 2), mesh.native, 0, 0, (4, 3))
+    _check(p.storage_bytes(p.local_tensor(owned)) == 2 * 3 * 4,
+           f"a shard made from a narrow keeps {p.storage_bytes(p.local_tensor(owned))} bytes: it "
+           "must own only its 24 bytes, not the whole parameter's memory")
+    p.copy_into(big, p.from_numpy(np.zeros((4, 3), np.float32)))
+    _same(p.to_numpy(owned), _arange(4, 3)[:2], "a sharded param must not alias its source")
     replicated = p.make_sharded_param(ctx.side.new_param(np.zeros((2, 3), np.float32), "conf.rep"),
                                       p.from_numpy(_arange(2, 3)), mesh.native, 0, None, (2, 3))
     _check(p.shape(p.local_tensor(replicated)) == (2, 3),

@@ -225,7 +225,10 @@ class TorchPlatform(Platform):
         if shard_dim is not None:
             placements[shard_mesh_dim] = Shard(shard_dim)
         stride = torch.empty(full_shape, device="meta").stride()
-        dtensor = DTensor.from_local(local_shard.detach().contiguous(), native_mesh, placements,
+        # clone: a dim-0 narrow is already contiguous, and a view would keep the whole
+        # unsharded parameter alive behind every shard
+        own = local_shard.detach().clone(memory_format=torch.contiguous_format)
+        dtensor = DTensor.from_local(own, native_mesh, placements,
                                      run_check=False, shape=torch.Size(full_shape), stride=stride)
         return torch.nn.Parameter(dtensor, requires_grad=orig_param.requires_grad)
 
