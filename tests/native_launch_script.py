@@ -31,7 +31,8 @@ else:
     init()
 result = run_scenario("nested")
 platform = hp.get_platform()
-print("RESULT " + json.dumps({"rank": platform.rank(), "world": platform.world_size(),
-                              "losses": result["losses"], "ref_losses": result["ref_losses"],
-                              "param_diff": result["param_diff"]}), flush=True)
+# one file per rank: ranks share stdout, where two lines written at once can interleave
+with open(os.path.join(os.environ["HP_TEST_RESULT_DIR"], f"rank{platform.rank()}.json"), "w") as f:
+    json.dump({"rank": platform.rank(), "world": platform.world_size(), "losses": result["losses"],
+               "ref_losses": result["ref_losses"], "param_diff": result["param_diff"]}, f)
 platform.barrier()

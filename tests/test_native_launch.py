@@ -21,12 +21,13 @@ BIN = Path(sys.executable).parent
 
 def _run(command, backend, cwd, timeout=240):
     """Run a launcher; whatever happens, end it and every rank that recorded its pid."""
-    pid_dir = Path(cwd) / "pids"
+    pid_dir, result_dir = Path(cwd) / "pids", Path(cwd) / "results"
     pid_dir.mkdir()
+    result_dir.mkdir()
     # msrun runs "python SCRIPT": the venv's python must come first on PATH
     env = {**os.environ, "HP_BACKEND": backend, "PYTHONPATH": str(REPO), "GLOG_v": "3",
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "HP_TEST_PID_DIR": str(pid_dir)}
+           "HP_TEST_PID_DIR": str(pid_dir), "HP_TEST_RESULT_DIR": str(result_dir)}
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -43,8 +44,8 @@ def _run(command, backend, cwd, timeout=240):
     return proc.returncode, output
 
 
-def _results(output):
-    found = [json.loads(line.split("RESULT ", 1)[1]) for line in output.splitlines() if "RESULT " in line]
+def _results(cwd):
+    found = [json.loads(p.read_text()) for p in (Path(cwd) / "results").glob("rank*.json")]
     return sorted(found, key=lambda r: r["rank"])
 
 
@@ -61,7 +62,7 @@ def test_torchrun_with_torch_own_init(tmp_path):
     code, output = _run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(SCRIPT)],
                         "torch", tmp_path)
     assert code == 0, output[-3000:]
-    _assert_parity(_results(output), 2)
+    _assert_parity(_results(tmp_path), 2)
 
 
 @pytest.mark.timeout(300)
@@ -74,4 +75,4 @@ def test_msrun_with_mindspore_launcher(tmp_path, hp_init):
     code, output = _run(command, "mindspore", tmp_path)
     logs = "".join(p.read_text(errors="replace") for p in sorted((tmp_path / "logs").glob("worker_*.log")))
     assert code == 0, (output + logs)[-3000:]
-    _assert_parity(_results(logs), 2)
+    _assert_parity(_results(tmp_path), 2)
