@@ -253,12 +253,12 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
                 f"fully_shard was applied top-down (apply it to the blocks first, then the root) "
                 f"or the parameter is shared with modules of another unit (wrap only their "
                 f"common ancestor, so one unit owns it)")
+        nbytes = math.prod(platform.shape(param)) * platform.element_size(platform.dtype_of(param))
         plan.append((fqn, param, slots, _shard_dim(param, fqn, len(platform.shape(param)),
-                                                 shard_placement_fn)))
+                                                 shard_placement_fn), nbytes >= shard_threshold_bytes))
 
     info = MeshInfo(device_mesh)
-    has_small = any(math.prod(platform.shape(p)) * platform.element_size(platform.dtype_of(p))
-                    < shard_threshold_bytes for _, p, _, _ in plan)
+    has_small = not all(is_sharded for *_, is_sharded in plan)
     if has_small and info.replicate_size > 1 and info.shard_size > 1 \
             and device_mesh.size() != platform.world_size():
         raise ValueError("shard_threshold_bytes on a 2-D mesh that covers only part of the job is not "
@@ -266,10 +266,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
                          "over all ranks or shard_threshold_bytes=0")
     unit_name = "+".join(type(m).__name__ for m in modules)
     fsdp_params = []
-    for fqn, param, slots, dim in plan:
-        nbytes = math.prod(platform.shape(param)) * platform.element_size(platform.dtype_of(param))
-        fsdp_param = FSDPParam(platform, fqn, param, slots, dim, info,
-                               is_sharded=nbytes >= shard_threshold_bytes)
+    for fqn, param, slots, dim, is_sharded in plan:
+        fsdp_param = FSDPParam(platform, fqn, param, slots, dim, info, is_sharded=is_sharded)
         object.__setattr__(param, _REPLACED_BY, unit_name)
         object.__setattr__(fsdp_param.sharded_param, _SHARDED_BY, unit_name)
         fsdp_params.append(fsdp_param)
