@@ -116,32 +116,3 @@ def run_configs(configs: list) -> list:
         results.append(run_config(config))
     return results
 
-
-def run_fsdp2_hsdp_compare() -> dict:
-    """torch only: hyper_parallel HSDP and torch's own fully_shard on the same 2x2 mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    kit = get_kit()
-    platform = hp.get_platform()
-    rank, world = platform.rank(), platform.world_size()
-    torch_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    ours, theirs = _build(kit, "nested"), _build(kit, "nested")
-    kit.load(ours, 0)
-    kit.load(theirs, 0)
-    for block in ours.blocks:
-        hp.fully_shard(block, mesh=torch_mesh)  # a torch DeviceMesh is accepted on torch
-    hp.fully_shard(ours, mesh=torch_mesh)
-    for block in theirs.blocks:
-        torch_fully_shard(block, mesh=torch_mesh)
-    torch_fully_shard(theirs, mesh=torch_mesh)
-    opt, their_opt = kit.optimizer(kit.params(ours)), kit.optimizer(kit.params(theirs))
-    local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    losses, their_losses = [], []
-    for x, y in make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT):
-        losses.append(kit.train_step(ours, opt, x[local], y[local]))
-        their_losses.append(kit.train_step(theirs, their_opt, x[local], y[local]))
-    full = hp.gather_full_state_dict(ours)
-    their_full = {k: v.full_tensor().detach().numpy() for k, v in theirs.state_dict().items()}
-    return {"losses": losses, "their_losses": their_losses,
-            "param_diff": max(float(np.abs(full[k] - their_full[k]).max()) for k in their_full)}

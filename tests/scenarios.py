@@ -166,20 +166,27 @@ def run_memory() -> dict:
     return out
 
 
-def run_fsdp2_compare() -> dict:
-    """torch only: hyper_parallel and torch's own fully_shard on the same model and data."""
+def run_fsdp2_compare(hsdp: bool = False) -> dict:
+    """torch only: hyper_parallel and torch's own fully_shard on the same model and data,
+    over one torch DeviceMesh: 1-D (FSDP) or (2, world/2) replicate x shard (HSDP). The
+    torch mesh is passed to hp.fully_shard as it is (accepted on torch)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     kit = get_kit()
     platform = hp.get_platform()
     rank, world = platform.rank(), platform.world_size()
+    shape, names = ((2, world // 2), ("replicate", "shard")) if hsdp else ((world,), ("shard",))
+    torch_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     ours, theirs = _build(kit, "nested"), _build(kit, "nested")
     kit.load(ours, 0)
     kit.load(theirs, 0)
-    _wrap(kit, ours, "nested")
+    for block in ours.blocks:
+        hp.fully_shard(block, mesh=torch_mesh)
+    hp.fully_shard(ours, mesh=torch_mesh)
     for block in theirs.blocks:
-        torch_fully_shard(block)
-    torch_fully_shard(theirs)
+        torch_fully_shard(block, mesh=torch_mesh)
+    torch_fully_shard(theirs, mesh=torch_mesh)
     opt, their_opt = kit.optimizer(kit.params(ours)), kit.optimizer(kit.params(theirs))
     local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
     losses, their_losses = [], []
@@ -192,7 +199,6 @@ def run_fsdp2_compare() -> dict:
             "param_diff": max(float(np.abs(full[k] - their_full[k]).max()) for k in their_full),
             "local_shapes_match": all(tuple(a.to_local().shape) == tuple(b.to_local().shape)
                                       for a, b in zip(ours.parameters(), theirs.parameters()))}
-
 
 def run_prefetch_trace() -> dict:
     """The debug log of the third step of the nested model: with implicit prefetch, each

@@ -164,7 +164,8 @@ def test_scaling_factor_applies_at_world_size_one(backend):
 
 @pytest.mark.timeout(600)
 def test_hsdp_parity_with_torch_fsdp2():
-    results = run_ranks("tests.hsdp_scenarios:run_fsdp2_hsdp_compare", 4, "torch", timeout_s=300)
+    results = run_ranks("tests.scenarios:run_fsdp2_compare", 4, "torch", True, timeout_s=300)
     for r in results:
         np.testing.assert_allclose(r["losses"], r["their_losses"], atol=ATOL, rtol=0)
         assert r["param_diff"] <= ATOL
+        assert r["local_shapes_match"]
