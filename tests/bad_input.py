@@ -68,6 +68,8 @@ def run_checks() -> dict:
         settings() == before,)
     m = block()
     out["negative_threshold"] = _attempt(kit, platform, m, lambda: hp.fully_shard(m, shard_threshold_bytes=-1))
+    out["bad_own_collective_bytes"] = _attempt(
+        kit, platform, m, lambda: hp.fully_shard(m, own_collective_bytes="big"))
     m = block()
     out["unknown_dtype_name"] = _attempt(kit, platform, m, lambda: hp.fully_shard(
         m, mp_policy=hp.MixedPrecisionPolicy(param_dtype="bf16")))

@@ -9,6 +9,7 @@ A config is a dict; every key is optional:
     main_grad:   apply_grad_on_fp32_main_grad
     accum:       None | "no_sync" | "no_all_reduce" | "not_last"   (K = 3 micro-batches)
     threshold:   shard_threshold_bytes
+    own:         own_collective_bytes (default None: every sharded parameter fused)
 The reference trains an unwrapped copy on the whole global batch; its gradients are scaled by
 the factor the config implies (e.g. "sum" gives data-parallel-size times the mean gradient).
 """
@@ -48,7 +49,8 @@ def run_config(config: dict) -> dict:
     mp = hp.MixedPrecisionPolicy(param_dtype=config.get("mp"),
                                  reduce_dtype="float32" if config.get("mp") else None,
                                  apply_grad_on_fp32_main_grad=config.get("main_grad", False))
-    options = dict(mesh=mesh, mp_policy=mp, shard_threshold_bytes=config.get("threshold", 0))
+    options = dict(mesh=mesh, mp_policy=mp, shard_threshold_bytes=config.get("threshold", 0),
+                   own_collective_bytes=config.get("own"))
     for block in model.blocks:
         hp.fully_shard(block, **options)
     hp.fully_shard(model, **options)

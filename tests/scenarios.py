@@ -58,6 +58,15 @@ def _wrap(kit, model, name):
         for block in model.blocks:
             hp.fully_shard(block, shard_placement_fn=pick)
         hp.fully_shard(model, shard_placement_fn=pick)
+    elif name == "own_collectives":  # every sharded parameter in its own collectives
+        for block in model.blocks:
+            hp.fully_shard(block, own_collective_bytes=0)
+        hp.fully_shard(model, own_collective_bytes=0)
+    elif name == "own_mixed":  # big ones alone, small ones fused; dim-1 shards in block 1
+        pick = lambda p: 1 if len(platform.shape(p)) == 2 else 0  # noqa: E731
+        hp.fully_shard(model.blocks[0], own_collective_bytes=256)
+        hp.fully_shard(model.blocks[1], own_collective_bytes=256, shard_placement_fn=pick)
+        hp.fully_shard(model, own_collective_bytes=256)
     else:
         raise ValueError(name)
 

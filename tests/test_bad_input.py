@@ -43,6 +43,7 @@ def test_backend_name_is_case_insensitive(monkeypatch):
     ("unknown_reduce_op", "ValueError", "one of ('avg', 'sum')"),
     ("non_scalar_scaling", "ValueError", "one-element tensor, got shape (2,)"),
     ("negative_threshold", "ValueError", "shard_threshold_bytes must be an int >= 0"),
+    ("bad_own_collective_bytes", "ValueError", "own_collective_bytes must be an int >= 0, None"),
     ("unknown_dtype_name", "ValueError", "unknown dtype name 'bf16'"),
 ])
 @pytest.mark.parametrize("backend", BACKENDS)

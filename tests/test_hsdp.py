@@ -34,8 +34,11 @@ CONFIGS_4 = {
     "no_all_reduce": {"mesh": (2, 2), "accum": "no_all_reduce"},
     "not_last_backward": {"mesh": (2, 2), "accum": "not_last"},
     "threshold": {"mesh": (2, 2), "threshold": 256},
+    "own_collectives": {"mesh": (2, 2), "own": 0, "threshold": 256},
+    "own_no_all_reduce": {"mesh": (2, 2), "own": 0, "accum": "no_all_reduce"},
+    "own_mixed_precision": {"mesh": (2, 2), "own": 0, "mp": "low"},
 }
-SYNC_COMPARED = ["mesh_2x2", "no_all_reduce", "threshold", "mixed_precision"]
+SYNC_COMPARED = ["mesh_2x2", "no_all_reduce", "threshold", "mixed_precision", "own_collectives"]
 
 
 def _concrete(backend, config):
@@ -67,7 +70,7 @@ def _assert_parity(per_rank, atol=ATOL):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", [n for n in CONFIGS_4 if n != "mixed_precision"])
+@pytest.mark.parametrize("name", [n for n in CONFIGS_4 if not n.endswith("mixed_precision")])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parity_4_ranks(backend, name):
     _assert_parity(_four(backend)[name])
@@ -81,6 +84,9 @@ def test_mixed_precision_gathers_in_param_dtype_and_trains(backend):
     assert low["all_gather_bytes"] * 2 == full["all_gather_bytes"], "all-gather not in the 2-byte param_dtype"
     _assert_parity(results["mixed_precision"], atol=LOW_PRECISION_ATOL[LOW_PRECISION[backend]])
     assert low["param_dtypes"] == ["float32"], "sharded parameters must stay in their own dtype"
+    own = results["own_mixed_precision"]
+    assert own[0]["all_gather_bytes"] == low["all_gather_bytes"]
+    _assert_parity(own, atol=LOW_PRECISION_ATOL[LOW_PRECISION[backend]])
 
 
 @pytest.mark.timeout(900)
@@ -96,6 +102,12 @@ def test_one_fused_all_reduce_per_unit_per_step(backend):
     assert replicate_only == {("all_reduce", "replicate"): 3}
     (small,) = results["threshold"][0]["last_step_comms"]
     assert small[("all_reduce", "data_parallel")] == 3 and small[("reduce_scatter", "shard")] == 3
+    # own_collective_bytes=0 with the biases below the threshold: each of the 5 sharded
+    # weights (2 per block, 1 in the root) has its own reduce-scatter and all-reduce; the
+    # biases of a unit still share one data-parallel bucket
+    (own,) = results["own_collectives"][0]["last_step_comms"]
+    assert own[("reduce_scatter", "shard")] == 5 and own[("all_reduce", "replicate")] == 5
+    assert own[("all_reduce", "data_parallel")] == 3
 
 
 @pytest.mark.timeout(900)
@@ -110,6 +122,10 @@ def test_accumulation_collective_counts(backend):
     for micro in deferred[:-1]:
         assert micro[("reduce_scatter", "shard")] == 3 and ("all_reduce", "replicate") not in micro
     assert deferred[-1][("all_reduce", "replicate")] == 3
+    own_deferred = results["own_no_all_reduce"][0]["last_step_comms"]  # 10 parameters alone
+    for micro in own_deferred[:-1]:
+        assert micro[("reduce_scatter", "shard")] == 10 and ("all_reduce", "replicate") not in micro
+    assert own_deferred[-1][("all_reduce", "replicate")] == 10
 
 
 @pytest.mark.timeout(900)

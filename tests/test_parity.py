@@ -18,7 +18,7 @@ from tests.multirank import run_ranks
 
 BACKENDS = ["torch", "mindspore"]
 SCENARIOS = ["nested", "nested_adamw", "nested_keep", "list_unit", "tied", "twice", "ignored",
-             "shard_dim1"]
+             "shard_dim1", "own_collectives", "own_mixed"]
 ATOL = 1e-5
 # AdamW's first steps move each weight by about lr * sign(grad): a gradient element that is
 # zero up to rounding (summed in another order on N ranks) moves differently in two correct
@@ -70,6 +70,11 @@ def test_collective_counts_per_step(backend):
     assert comms == {"all_gather": 3 + backward_gathers, "reduce_scatter": 3}
     keep = [r["nested_keep"] for r in _results(backend, 2, tuple(SCENARIOS))][0]["last_step_comms"]
     assert keep == {"all_gather": 3, "reduce_scatter": 3}
+    # own_collective_bytes=0: one all-gather and one reduce-scatter per sharded parameter
+    # (4 per block, 2 in the root)
+    own = [r["own_collectives"] for r in _results(backend, 2, tuple(SCENARIOS))][0]
+    backward_gathers = 8 if own["can_release"] else 0
+    assert own["last_step_comms"] == {"all_gather": 10 + backward_gathers, "reduce_scatter": 10}
     expected_wire = "reduce_scatter" if backend == "torch" else "all_reduce"
     assert per_rank[0]["wire"]["reduce_scatter"] == [expected_wire]
 

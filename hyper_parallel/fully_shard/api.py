@@ -209,13 +209,19 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
                 shard_placement_fn: Callable | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: Iterable | None = None, shard_threshold_bytes: int = 0):
+                ignored_params: Iterable | None = None, shard_threshold_bytes: int = 0,
+                own_collective_bytes: int | None | str = "auto"):
     """Shard ``module``'s parameters over ``mesh`` (FSDP2 semantics); return ``module``.
 
     ``module`` may be a list of modules forming one unit (one all-gather for all of them).
     A parameter of fewer than ``shard_threshold_bytes`` bytes is not sharded: every rank
     keeps it whole and its gradient is all-reduced over the data-parallel group (default
     0: shard everything, as FSDP2).
+    A sharded parameter whose all-gather piece (its padded shard in the compute dtype) has
+    at least ``own_collective_bytes`` bytes gets its own all-gather and reduce-scatter,
+    which need no copy into or out of a fused buffer; the others share the unit's fused
+    collectives. ``None``: always fuse (FSDP2's layout); ``"auto"``: the platform's default
+    (torch on CPU: 1 MiB; CUDA and MindSpore: fuse).
     """
     platform = get_platform()
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -233,6 +239,13 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
     if isinstance(shard_threshold_bytes, bool) or not isinstance(shard_threshold_bytes, int) \
             or shard_threshold_bytes < 0:
         raise ValueError(f"shard_threshold_bytes must be an int >= 0, got {shard_threshold_bytes!r}")
+    if own_collective_bytes == "auto":
+        own_collective_bytes = platform.default_own_collective_bytes()
+    elif own_collective_bytes is not None and (
+            isinstance(own_collective_bytes, bool) or not isinstance(own_collective_bytes, int)
+            or own_collective_bytes < 0):
+        raise ValueError(f"own_collective_bytes must be an int >= 0, None (always fuse) or "
+                         f"'auto', got {own_collective_bytes!r}")
     ignored = list(ignored_params or [])
     ignored_ids = {id(p) for p in ignored}
     managed, seen = _managed_params(platform, modules, ignored_ids)
@@ -273,7 +286,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
         fsdp_params.append(fsdp_param)
     group = None
     if fsdp_params:
-        group = FSDPParamGroup(platform, fsdp_params, info, param_dtype, reduce_dtype)
+        group = FSDPParamGroup(platform, fsdp_params, info, param_dtype, reduce_dtype,
+                               own_collective_bytes)
     state = FSDPState(platform, unit_name, modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         object.__setattr__(m, STATE_ATTR, state)

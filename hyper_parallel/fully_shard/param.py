@@ -80,6 +80,19 @@ class FSDPParam:
         full = p.movedim(p.narrow(rows, 0, 0, self.rows), 0, self.shard_dim)
         return p.contiguous(full)
 
+    def refill_from_gathered(self, full: Any, gathered: Any, offset: int) -> None:
+        """Write the all-gather output back into ``full`` (whose memory was restored), one
+        rank's rows at a time straight from the buffer: a single copy, no temporary."""
+        p = self.platform
+        for rank in range(self.shard_size):
+            first = rank * self.chunk_rows
+            rows = min(self.chunk_rows, self.rows - first)
+            if rows <= 0:
+                break
+            flat = p.narrow(p.narrow(gathered, 0, rank, 1), 1, offset, rows * self.row_numel)
+            piece = p.movedim(p.reshape(flat, (rows, *self.row_shape)), 0, self.shard_dim)
+            p.copy_into_slice(full, self.shard_dim, first, piece)
+
     def full_from_local(self, local: Any, dtype: Any) -> Any:
         """An unsharded parameter's full tensor: a private copy of the local one in ``dtype``."""
         p = self.platform

@@ -1,16 +1,24 @@
 """One fully_shard unit's parameters and their flat communication buffers.
 
-[Note: one collective per unit]
-All of a unit's sharded parameters travel together: the all-gather input is the
-concatenation of every parameter's padded flat shard (``total`` elements per rank), the
-output ``[shard_size, total]`` is copied out per parameter. The reduce-scatter input is every
-parameter's ``[shard_size, padded_numel]`` gradient block side by side, so row r (rank r's
-chunk) of the flat input is rank r's padded shards of all parameters in order, and the
-output is one flat buffer that is also the unit's all-reduce bucket (all_reduce.py).
+[Note: legs: which parameters share a collective]
+A unit's parameters travel in "legs"; each leg has one all-gather (sharded legs), one
+flat gradient buffer and one all-reduce bucket (all_reduce.py).
 
-Unsharded (small, below ``shard_threshold_bytes``) parameters skip both: each rank holds
-them whole, and their gradients form the unit's second bucket, all-reduced over the whole
-data-parallel group.
+- The fused leg: the all-gather input is the concatenation of every parameter's padded
+  flat shard (``total`` elements per rank) and the output ``[shard_size, total]`` is copied
+  out per parameter. The reduce-scatter input is every parameter's ``[shard_size,
+  padded_numel]`` gradient block side by side, so row r (rank r's chunk) is rank r's padded
+  shards of all parameters in order; the output is one flat buffer, the leg's bucket.
+- Own legs: a sharded parameter of at least ``own_collective_bytes`` (all-gather piece in
+  the compute dtype) travels alone. Then nothing is concatenated: its shard is the
+  all-gather input as it is, the output buffer is the full parameter (a view on torch,
+  sharding on dim 0), its gradient is the reduce-scatter input and the output its gradient
+  shard. One more call per such parameter buys three full-size copies fewer per step
+  (FSDP2 always fuses and always copies). With a shard group of one rank there is no
+  collective, and the full tensors are private copies (they must never alias the shards).
+- The small leg: unsharded (below ``shard_threshold_bytes``) parameters skip the gather and
+  reduce-scatter: each rank holds them whole and their gradients form one bucket
+  all-reduced over the whole data-parallel group.
 """
 
 from __future__ import annotations
@@ -24,11 +32,12 @@ from hyper_parallel.platform import Platform
 
 
 class Leg:
-    """Parameters that share a flat gradient buffer, with their offsets in it."""
+    """Parameters that share a collective and a flat gradient buffer, with their offsets."""
 
-    def __init__(self, params: list, bucket: FusedAllReduce):
+    def __init__(self, params: list, bucket: FusedAllReduce, sharded: bool):
         self.params = params
         self.bucket = bucket
+        self.sharded = sharded  # gathered and reduce-scattered over the shard group
         self.offsets = []
         total = 0
         for fsdp_param in params:
@@ -41,18 +50,30 @@ class FSDPParamGroup:
     """Gather shards into full parameters; lay gradients out for their reduction."""
 
     def __init__(self, platform: Platform, params: list[FSDPParam], mesh_info: MeshInfo,
-                 param_dtype: Any, reduce_dtype: Any):
+                 param_dtype: Any, reduce_dtype: Any, own_collective_bytes: int | None):
         self.platform = platform
         self.params = params
         self.mesh_info = mesh_info
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         info = mesh_info
-        self.sharded = Leg([p for p in params if p.is_sharded], FusedAllReduce(
-            platform, info.replicate_group, info.replicate_size, "replicate"))
-        self.small = Leg([p for p in params if not p.is_sharded], FusedAllReduce(
-            platform, info.data_parallel_group, info.data_parallel_size, "data_parallel"))
-        self._pending_gather = None  # (output buffer, handle) of an all-gather in flight
+
+        def replicate_bucket():
+            return FusedAllReduce(platform, info.replicate_group, info.replicate_size, "replicate")
+
+        sharded = [p for p in params if p.is_sharded]
+        alone = [p for p in sharded if own_collective_bytes is not None and
+                 p.padded_numel * platform.element_size(self.compute_dtype(p)) >= own_collective_bytes]
+        fused = [p for p in sharded if all(p is not a for a in alone)]
+        self.sharded_legs = [Leg(fused, replicate_bucket(), sharded=True)] if fused else []
+        self.sharded_legs += [Leg([p], replicate_bucket(), sharded=True) for p in alone]
+        small = [p for p in params if not p.is_sharded]
+        self.legs = list(self.sharded_legs)
+        if small:
+            self.legs.append(Leg(small, FusedAllReduce(
+                platform, info.data_parallel_group, info.data_parallel_size, "data_parallel"),
+                sharded=False))
+        self._pending_gather = None  # [(leg, output buffer, handle)] of all-gathers in flight
 
     def local_shards(self) -> list:
         return [self.platform.local_tensor(p.sharded_param) for p in self.params]
@@ -62,64 +83,84 @@ class FSDPParamGroup:
 
     # ---------------------------------------------------------------- all-gather
     def issue_gather(self, async_op: bool) -> None:
-        """Start the all-gather of the current shards (no-op if one is already in flight)."""
-        if self._pending_gather is not None or not self.sharded.params:
+        """Start the all-gathers of the current shards (no-op if they are already in flight)."""
+        if self._pending_gather is not None or not self.sharded_legs:
             return
-        p = self.platform
-        with p.no_grad():
-            flat = p.cat([fp.padded_flat_shard(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
-                          for fp in self.sharded.params], 0)
-            size = self.mesh_info.shard_size
-            if size == 1:
-                self._pending_gather = (flat, None)
-                return
-            out = p.zeros((size * self.sharded.total_numel,), p.dtype_of(flat))
-            handle = p.all_gather_into(out, flat, self.mesh_info.shard_group, async_op=async_op,
-                                       dim="shard")
-            self._pending_gather = (out, handle)
+        with self.platform.no_grad():
+            self._pending_gather = [self._issue_leg_gather(leg, async_op)
+                                    for leg in self.sharded_legs]
+
+    def _issue_leg_gather(self, leg: Leg, async_op: bool) -> tuple:
+        p, size = self.platform, self.mesh_info.shard_size
+        pieces = [fp.padded_flat_shard(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
+                  for fp in leg.params]
+        if size == 1:
+            return leg, p.cat(pieces, 0), None  # cat copies: the fulls must not alias the shards
+        flat = pieces[0] if len(pieces) == 1 else p.cat(pieces, 0)
+        out = p.empty((size * leg.total_numel,), p.dtype_of(flat))
+        handle = p.all_gather_into(out, flat, self.mesh_info.shard_group, async_op=async_op,
+                                   dim="shard")
+        return leg, out, handle
 
     def has_pending_gather(self) -> bool:
         return self._pending_gather is not None
 
     def discard_gather(self) -> None:
-        """Drop an all-gather nobody consumed (its values may be stale by the next use)."""
-        if self._pending_gather is not None:
-            _, handle = self._pending_gather
-            self._pending_gather = None
+        """Drop all-gathers nobody consumed (their values may be stale by the next use)."""
+        pending, self._pending_gather = self._pending_gather, None
+        for _, _, handle in pending or ():
             if handle is not None:
                 handle.wait()
 
-    def wait_gather(self, into: list | None = None) -> list:
-        """Finish the all-gather; return new full tensors (in ``params`` order) or refill
-        the tensors of ``into`` in place."""
+    def wait_gather(self) -> list:
+        """Finish the all-gathers; return new full tensors in ``params`` order."""
         p = self.platform
-        gathered_fulls = {}
-        if self.sharded.params:
-            if self._pending_gather is None:
-                self.issue_gather(async_op=False)
-            out, handle = self._pending_gather
-            self._pending_gather = None
+        fulls = {}
+        for leg, gathered in self._finish_gather():
+            for fp, offset in zip(leg.params, leg.offsets):
+                fulls[id(fp)] = fp.full_from_gathered(gathered, offset)
+        return [fulls[id(fp)] if fp.is_sharded else
+                fp.full_from_local(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
+                for fp in self.params]
+
+    def refill(self, fulls: list) -> None:
+        """Finish the all-gathers into ``fulls`` (``params`` order), whose memory was released."""
+        p = self.platform
+        sources = {}
+        for leg, gathered in self._finish_gather():
+            for fp, offset in zip(leg.params, leg.offsets):
+                sources[id(fp)] = (gathered, offset)
+        for fp, full in zip(self.params, fulls):
+            p.restore_storage(full)
+            if fp.is_sharded:
+                fp.refill_from_gathered(full, *sources[id(fp)])
+            else:
+                p.copy_into(full, p.cast(p.local_tensor(fp.sharded_param), self.compute_dtype(fp)))
+
+    def _finish_gather(self) -> list:
+        """[(leg, its all-gather output viewed as ``[shard_size, total]``)], issuing the
+        all-gathers synchronously if nobody prefetched them."""
+        if self._pending_gather is None:
+            self.issue_gather(async_op=False)
+        pending, self._pending_gather = self._pending_gather or [], None
+        finished = []
+        for leg, out, handle in pending:
             if handle is not None:
                 handle.wait()
-            gathered = p.reshape(out, (self.mesh_info.shard_size, self.sharded.total_numel))
-            for fp, offset in zip(self.sharded.params, self.sharded.offsets):
-                gathered_fulls[id(fp)] = fp.full_from_gathered(gathered, offset)
-        fulls = [gathered_fulls[id(fp)] if fp.is_sharded else
-                 fp.full_from_local(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
-                 for fp in self.params]
-        if into is None:
-            return fulls
-        for dst, src in zip(into, fulls):
-            p.restore_storage(dst)
-            p.copy_into(dst, src)
-        return into
+            finished.append((leg, self.platform.reshape(
+                out, (self.mesh_info.shard_size, leg.total_numel))))
+        return finished
 
     # ---------------------------------------------------------------- gradient layout
     def flat_gradients(self, leg: Leg, grads_by_param: dict, dtype: Any) -> Any:
         """The leg's gradients as one flat ``[shard_size * total]`` buffer in ``dtype``."""
         p = self.platform
         blocks = [fp.reduce_scatter_block(grads_by_param[id(fp)], dtype) for fp in leg.params]
-        return p.reshape(p.cat(blocks, 1), (leg.params[0].shard_size * leg.total_numel,))
+        size = leg.params[0].shard_size
+        # Alone and reduce-scattered, the gradient is the input as it is (a view); otherwise
+        # cat makes the private buffer the bucket all-reduces in place.
+        joined = blocks[0] if len(blocks) == 1 and size > 1 else p.cat(blocks, 1)
+        return p.reshape(joined, (size * leg.total_numel,))
 
     def sharded_gradients(self, leg: Leg, reduced: Any) -> list:
         """Per-parameter gradient shards (each parameter's dtype) out of a reduced buffer."""

@@ -47,20 +47,18 @@ class UnitReduction:
         p = group.platform
         by_param = {id(fp): g for fp, g in zip(group.params, full_grads)}
         self.legs = []
-        for leg in (group.sharded, group.small):
-            if not leg.params:
-                continue
+        for leg in group.legs:
             flat = group.flat_gradients(leg, by_param, dtype)
             if plan.pre_scale != 1.0:
                 flat = p.scale(flat, plan.pre_scale)
             handle = None
-            if leg is group.sharded and group.mesh_info.shard_size > 1:
-                out = p.zeros((leg.total_numel,), dtype)
+            if leg.sharded and group.mesh_info.shard_size > 1:
+                out = p.empty((leg.total_numel,), dtype)
                 handle = p.reduce_scatter(out, flat, group.mesh_info.shard_group,
                                           async_op=async_op, dim="shard")
                 flat = out
             self.legs.append(_LegInFlight(leg, flat, handle))
-        if group.sharded.params and group.mesh_info.shard_size > 1:
+        if group.sharded_legs and group.mesh_info.shard_size > 1:
             logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")
 
     def finish_reduce_scatter(self) -> None:

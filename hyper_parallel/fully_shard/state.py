@@ -174,7 +174,7 @@ class FSDPState:
     def _refill(self) -> None:
         logger.debug("%s: re-gather full parameters for backward", self.name)
         with self.platform.no_grad():
-            self.group.wait_gather(into=self._full)
+            self.group.refill(self._full)
         self._storage_live = True
 
     def _detach_and_release(self) -> None:

@@ -10,7 +10,8 @@ tensor into that one", never "what should a unit do now".
 MindSpore on CPU silently ignores in-place arithmetic and its views do not write through
 (docs/platforms.md). The core therefore only uses functional tensor operations that return
 new tensors (``cat``, ``reshape``, ``narrow``, ``cast``, ``scale``, ``add``) plus three
-explicit writes: ``copy_into`` (a whole tensor into another of the same size),
+explicit writes: ``copy_into`` / ``copy_into_slice`` (a tensor into another, or into a slice
+of another),
 ``release_storage``/``restore_storage`` (free and re-allocate a tensor's memory while
 autograd keeps a reference) and the collectives' output buffers. Reading a narrowed or
 reshaped tensor is always allowed; writing through one never is.
@@ -61,6 +62,13 @@ class Platform(abc.ABC):
 
     def __init__(self) -> None:
         self.comm_stats = CommStats()
+
+    def default_own_collective_bytes(self) -> int | None:
+        """Default of ``fully_shard(own_collective_bytes=...)``: from which size a sharded
+        parameter is worth its own all-gather and reduce-scatter instead of sharing the
+        unit's fused one (None: always share). It weighs one more collective call against
+        the copies into and out of the fused buffer that it saves (param_group.py)."""
+        return None
 
     # ------------------------------------------------------------------ process groups
     @abc.abstractmethod
@@ -167,6 +175,11 @@ class Platform(abc.ABC):
         """A new zero-filled tensor on the compute device."""
 
     @abc.abstractmethod
+    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
+        """A new tensor whose values are undefined: for a buffer that a collective or a
+        copy then overwrites whole (filling it first would be a wasted pass over memory)."""
+
+    @abc.abstractmethod
     def from_numpy(self, array: Any) -> Any:
         """A new tensor on the compute device holding a copy of a numpy array."""
 
@@ -219,6 +232,13 @@ class Platform(abc.ABC):
     def copy_into(self, dst: Any, src: Any) -> None:
         """Write ``src`` (same shape and dtype) into ``dst`` in place, without disturbing
         autograd's bookkeeping of ``dst``."""
+
+    @abc.abstractmethod
+    def copy_into_slice(self, dst: Any, dim: int, start: int, src: Any) -> None:
+        """Write ``src`` into ``dst``'s slice ``[start, start + src.shape[dim])`` along
+        ``dim`` in place (the rest of ``dst`` unchanged), like ``copy_into``: refilling a
+        released full parameter straight from the all-gather output, one rank's rows at a
+        time, costs one copy instead of two."""
 
     @abc.abstractmethod
     def release_storage(self, tensor: Any) -> None:

@@ -375,6 +375,27 @@ def check_zeros(ctx):
 
 
 @local_check
+def check_default_own_collective_bytes(ctx):
+    value = ctx.p.default_own_collective_bytes()
+    _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0),
+           f"default_own_collective_bytes() = {value!r}: want None or an int >= 0")
+
+
+@local_check
+def check_empty(ctx):
+    p = ctx.p
+    for name in ("float32", "bfloat16", "int64"):
+        t = p.empty((3, 2), p.dtype(name))
+        _check(p.shape(t) == (3, 2), f"empty({name}) shape {p.shape(t)}")
+        _check(p.dtype_of(t) == p.dtype(name), f"empty({name}) dtype {p.dtype_of(t)}")
+    a, b = p.empty((4,), p.dtype("float32")), p.empty((4,), p.dtype("float32"))
+    p.copy_into(a, _f32(ctx, [1, 2, 3, 4]))
+    p.copy_into(b, _f32(ctx, [5, 6, 7, 8]))
+    _same(_values(ctx, a), np.array([1, 2, 3, 4], np.float32),
+          "two empty() share memory: writing one changed the other")
+
+
+@local_check
 def check_from_numpy_to_numpy(ctx):
     p = ctx.p
     for name in NUMPY_ROUND_TRIP:
@@ -675,6 +696,36 @@ def check_copy_into_from_view(ctx):
                             f"{str(error).strip().splitlines()[0]}")
     _check(not failures, "copy_into from a read of another tensor failed:\n  "
            + "\n  ".join(failures))
+
+
+@local_check
+def check_copy_into_slice(ctx):
+    """Every dim, at the start, the middle and the end, from a contiguous or strided read;
+    the rest of ``dst`` keeps its values and ``src`` is not aliased."""
+    p = ctx.p
+    base = _arange(4, 6)
+    for dim, start, length in ((0, 0, 2), (0, 1, 2), (0, 3, 1), (1, 0, 6), (1, 2, 3), (1, 5, 1)):
+        shape = list(base.shape)
+        shape[dim] = length
+        src_np = -1 - _arange(*shape)
+        for how, src in (("dense", p.from_numpy(src_np)),
+                         ("movedim", p.movedim(p.from_numpy(np.ascontiguousarray(
+                             np.moveaxis(src_np, 1, 0))), 0, 1))):
+            dst = p.from_numpy(base)
+            p.copy_into_slice(dst, dim, start, src)
+            expected = base.copy()
+            index = [slice(None)] * 2
+            index[dim] = slice(start, start + length)
+            expected[tuple(index)] = src_np
+            _same(_values(ctx, dst), expected,
+                  f"copy_into_slice(dim {dim}, start {start}, length {length}, {how} src)")
+            p.copy_into(src, p.from_numpy(np.zeros(shape, np.float32)))
+            _same(_values(ctx, dst), expected,
+                  f"copy_into_slice(dim {dim}, start {start}) made dst alias src")
+    param = ctx.side.new_param(np.zeros((3, 2), np.float32), "conf_copy_into_slice")
+    p.copy_into_slice(param, 0, 1, _f32(ctx, [[7, 8]]))
+    _same(_values(ctx, param), np.array([[0, 0], [7, 8], [0, 0]], np.float32),
+          "copy_into_slice of a Parameter")
 
 
 @local_check

@@ -238,6 +238,9 @@ class MindSporePlatform(Platform):
     def zeros(self, shape, dtype):
         return mint.zeros(tuple(shape), dtype=dtype)
 
+    def empty(self, shape, dtype):
+        return mint.empty(tuple(shape), dtype=dtype)
+
     def from_numpy(self, array):
         return Tensor(np.ascontiguousarray(array).copy())
 
@@ -282,6 +285,13 @@ class MindSporePlatform(Platform):
     def copy_into(self, dst, src) -> None:
         # copy_ from a view of a larger tensor launches a wrong kernel on CPU: snapshot first.
         dst.copy_(src + 0)
+
+    def copy_into_slice(self, dst, dim, start, src) -> None:
+        # A view of dst does not write through: rebuild the whole tensor around src.
+        length, size = src.shape[dim], dst.shape[dim]
+        pieces = [self.narrow(dst, dim, 0, start), src,
+                  self.narrow(dst, dim, start + length, size - start - length)]
+        dst.copy_(ops.cat([t for t in pieces if t.shape[dim] > 0], dim) + 0)
 
     def release_storage(self, tensor) -> None:
         raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
