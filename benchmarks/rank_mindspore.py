@@ -12,6 +12,14 @@ same batches; a step is ``value_and_grad`` + the optimizer, the idiom MindSpore 
 * ``compute``: the plain model in a process that joins no group (one per rank, started
   together, so the CPU is shared as in the distributed runs).
 
+[Note: blocking or asynchronous execution]
+By default (``--ms-pipeline blocking``) every implementation runs under
+``ms.runtime.launch_blocking()``: on a CPU with about one core per rank, a wait on
+PyNative's asynchronous queue spins a whole core (CPU time = 2x wall time in a plain
+sync of queued matmuls), so each rank starves its own kernel threads, and every
+mid-step wait costs the time of the whole queue. ``--ms-pipeline async`` measures
+MindSpore's default instead.
+
 [Note: asynchronous execution]
 PyNative queues kernels and returns at once; collectives on CPU complete lazily too. A step
 therefore ends with ``_pynative_executor.sync()`` (MindSpore's pipeline sync; a private API,
@@ -86,6 +94,8 @@ def run(job: dict, rank: int, world: int) -> dict:
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE, runtime_num_threads=1)
+    if job.get("ms_pipeline", "blocking") == "blocking":
+        ms.runtime.launch_blocking()  # every implementation alike (README: "MindSpore pipeline")
     cfg, impl = job["config"], job["impl"]
     dims, mesh_shape = cfg["dims"], tuple(cfg["mesh"])
     started = time.perf_counter()

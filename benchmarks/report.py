@@ -107,7 +107,9 @@ def notes(doc: dict) -> str:
              "slower / bigger / more bytes. AG/RS/AR = bytes per step / theoretical minimum "
              "(HSDP RS/AR are over 'shard'/'replicate').",
              "- overhead = step − (compute + raw collectives); negative = communication "
-             "overlapped with compute. exposed = step − compute."]
+             "overlapped with compute. exposed = step − compute.",
+             f"- MindSpore pipeline: {env.get('mindspore_pipeline', 'async')} for every MindSpore "
+             f"implementation alike (benchmarks/README.md, 'MindSpore pipeline')"]
     if doc.get("grid_note"):
         lines.append(f"- {doc['grid_note']}")
     for row in doc["configurations"]:

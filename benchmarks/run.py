@@ -57,6 +57,11 @@ def _parse_args(argv):
                         help="run only configurations whose name contains SUBSTRING (repeatable: any)")
     parser.add_argument("--out", type=Path, default=HERE / "results",
                         help="directory for the JSON and PNG (default benchmarks/results)")
+    parser.add_argument("--ms-pipeline", choices=("blocking", "async"), default="blocking",
+                        help="MindSpore PyNative execution for every MindSpore implementation alike: "
+                             "blocking (default, ms.runtime.launch_blocking(): on a CPU with about "
+                             "one core per rank the async pipeline's waits spin a core and starve "
+                             "the ranks) or async (MindSpore's own default)")
     parser.add_argument("--list", action="store_true", help="print the selected configurations and exit")
     return parser.parse_args(argv)
 
@@ -118,7 +123,8 @@ def _launch_order(cfg, index: int) -> list:
     return order
 
 
-def _run_config(index: int, total: int, cfg, cache: dict, t_run: float) -> tuple[dict, int]:
+def _run_config(index: int, total: int, cfg, cache: dict, t_run: float,
+                ms_pipeline: str) -> tuple[dict, int]:
     """Launch (or reuse) every implementation of ``cfg``; return its row and the failures."""
     print(f"[{index}/{total}] {cfg.name} ({cfg.world_size} ranks, {len(cfg.dims) - 1} blocks): "
           f"start (run {time.monotonic() - t_run:.0f} s)", flush=True)
@@ -134,7 +140,7 @@ def _run_config(index: int, total: int, cfg, cache: dict, t_run: float) -> tuple
         # the minimal schedule the rank times as its raw collectives: the same list the
         # measured bytes are divided by (analysis.py)
         job = {"config": cfg.to_json(), "impl": impl, "comm_timeout_s": cfg.timeout_s,
-               "schedule": analysis.minimum_schedule(cfg, impl)}
+               "schedule": analysis.minimum_schedule(cfg, impl), "ms_pipeline": ms_pipeline}
         try:
             ranks = launch_ranks.launch(RANK_SCRIPTS[cfg.backend], job, cfg.world_size, cfg.backend,
                                         cfg.timeout_s)
@@ -179,7 +185,7 @@ def main(argv=None) -> int:
     cache: dict = {}
     rows, failures = [], 0
     for index, cfg in enumerate(grid, 1):
-        row, failed = _run_config(index, len(grid), cfg, cache, t_run)
+        row, failed = _run_config(index, len(grid), cfg, cache, t_run, args.ms_pipeline)
         rows.append(row)
         failures += failed
     doc = {
@@ -189,7 +195,8 @@ def main(argv=None) -> int:
         "filters": {"backend": args.backend, "only": args.only},
         "wall_s": time.monotonic() - t_run,
         "environment": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                        "machine": platform.machine(), "versions": _versions()},
+                        "machine": platform.machine(), "versions": _versions(),
+                        "mindspore_pipeline": args.ms_pipeline},
         "library": {"start": library_at_start, "end": _library_fingerprint()},
         "configurations": rows,
     }

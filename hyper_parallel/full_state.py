@@ -39,9 +39,9 @@ def _gather_one(platform, fsdp_param) -> Any:
     with platform.no_grad():
         local = platform.local_tensor(fsdp_param.sharded_param)
         flat = fsdp_param.padded_flat_shard(local, fsdp_param.orig_dtype)
-        gathered = flat
+        pieces = [flat]
         if size > 1:
-            gathered = platform.zeros((size * fsdp_param.padded_numel,), fsdp_param.orig_dtype)
-            platform.all_gather_into(gathered, flat, fsdp_param.mesh_info.shard_group, dim="shard")
-        return fsdp_param.full_from_gathered(
-            platform.reshape(gathered, (size, fsdp_param.padded_numel)), 0)
+            pieces, _, handle = platform.all_gather_pieces(flat, fsdp_param.mesh_info.shard_group,
+                                                           size, dim="shard")
+            handle.wait()
+        return fsdp_param.full_from_pieces(pieces, 0)  # new memory, never a view of a shard

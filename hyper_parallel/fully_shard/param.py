@@ -72,26 +72,45 @@ class FSDPParam:
             moved = p.cat([moved, p.zeros((missing, *self.row_shape), dtype)], 0)
         return p.reshape(moved, (self.padded_numel,))
 
-    def full_from_gathered(self, gathered: Any, offset: int) -> Any:
-        """The full parameter out of the all-gather output viewed as ``[shard_size, total]``."""
+    def full_from_whole(self, whole: Any) -> Any:
+        """The full parameter out of its own all-gather's flat output: a view of it where the
+        layout allows (dim-0 shards), no copy."""
         p = self.platform
-        columns = p.narrow(gathered, 1, offset, self.padded_numel)
-        rows = p.reshape(columns, (self.shard_size * self.chunk_rows, *self.row_shape))
-        full = p.movedim(p.narrow(rows, 0, 0, self.rows), 0, self.shard_dim)
-        return p.contiguous(full)
+        rows = p.reshape(whole, (self.shard_size * self.chunk_rows, *self.row_shape))
+        return self._unpad(rows)
 
-    def refill_from_gathered(self, full: Any, gathered: Any, offset: int) -> None:
-        """Write the all-gather output back into ``full`` (whose memory was restored), one
+    def full_from_pieces(self, pieces: list, offset: int) -> Any:
+        """The full parameter out of a fused all-gather's per-rank pieces: one concatenation
+        of contiguous reads (reading columns of ``[shard_size, total]`` would be a strided
+        copy)."""
+        p = self.platform
+        rows = p.cat([p.reshape(p.narrow(piece, 0, offset, self.padded_numel),
+                                (self.chunk_rows, *self.row_shape)) for piece in pieces], 0)
+        return self._unpad(rows)
+
+    def _unpad(self, rows: Any) -> Any:
+        """``[shard_size * chunk_rows, *row_shape]`` to the parameter's shape. Nothing is
+        done that is not needed: on MindSpore even asking ``contiguous()`` waits for the
+        asynchronous pipeline."""
+        p = self.platform
+        if self.shard_size * self.chunk_rows != self.rows:
+            rows = p.narrow(rows, 0, 0, self.rows)
+        if self.shard_dim == 0:
+            return rows
+        return p.contiguous(p.movedim(rows, 0, self.shard_dim))
+
+    def refill_from_gathered(self, full: Any, pieces: list, offset: int) -> None:
+        """Write the all-gather's pieces back into ``full`` (whose memory was restored), one
         rank's rows at a time straight from the buffer: a single copy, no temporary."""
         p = self.platform
-        for rank in range(self.shard_size):
+        for rank, piece in enumerate(pieces):
             first = rank * self.chunk_rows
             rows = min(self.chunk_rows, self.rows - first)
             if rows <= 0:
                 break
-            flat = p.narrow(p.narrow(gathered, 0, rank, 1), 1, offset, rows * self.row_numel)
-            piece = p.movedim(p.reshape(flat, (rows, *self.row_shape)), 0, self.shard_dim)
-            p.copy_into_slice(full, self.shard_dim, first, piece)
+            flat = p.narrow(piece, 0, offset, rows * self.row_numel)
+            part = p.movedim(p.reshape(flat, (rows, *self.row_shape)), 0, self.shard_dim)
+            p.copy_into_slice(full, self.shard_dim, first, part)
 
     def full_from_local(self, local: Any, dtype: Any) -> Any:
         """An unsharded parameter's full tensor: a private copy of the local one in ``dtype``."""
@@ -100,22 +119,29 @@ class FSDPParam:
         return cast if cast is not local else p.clone(local)
 
     # ---------------------------------------------------------------- reduce pieces
-    def reduce_scatter_block(self, full_grad: Any, dtype: Any) -> Any:
-        """The gradient laid out as ``[shard_size, padded_numel]``: row r goes to rank r."""
+    def reduce_scatter_flat(self, full_grad: Any, dtype: Any) -> Any:
+        """The gradient as a flat ``[shard_size * padded_numel]`` buffer, rank-major (the
+        ``padded_numel`` elements at ``r * padded_numel`` go to rank r): a view of the
+        gradient itself where no cast, padding or move is needed."""
         p = self.platform
         moved = p.movedim(p.cast(full_grad, dtype), self.shard_dim, 0)
         missing = self.shard_size * self.chunk_rows - self.rows
         if missing:
             moved = p.cat([moved, p.zeros((missing, *self.row_shape), dtype)], 0)
-        return p.reshape(moved, (self.shard_size, self.padded_numel))
+        elif self.shard_dim != 0:
+            moved = p.contiguous(moved)
+        return p.reshape(moved, (self.shard_size * self.padded_numel,))
 
     def sharded_grad_from(self, reduced: Any, offset: int) -> Any:
         """This rank's gradient shard out of the flat reduce-scatter output."""
         p = self.platform
-        piece = p.reshape(p.narrow(reduced, 0, offset, self.padded_numel),
+        local = p.reshape(p.narrow(reduced, 0, offset, self.padded_numel),
                           (self.chunk_rows, *self.row_shape))
-        local = p.movedim(p.narrow(piece, 0, 0, self.stored_rows), 0, self.shard_dim)
-        return p.contiguous(p.cast(local, self.orig_dtype))
+        if self.stored_rows != self.chunk_rows:
+            local = p.narrow(local, 0, 0, self.stored_rows)
+        if self.shard_dim != 0:  # dim 0: already contiguous (and asking waits on MindSpore)
+            local = p.contiguous(p.movedim(local, 0, self.shard_dim))
+        return p.cast(local, self.orig_dtype)
 
     # ---------------------------------------------------------------- module attributes
     def attach(self, full: Any) -> None:

@@ -5,10 +5,10 @@ A unit's parameters travel in "legs"; each leg has one all-gather (sharded legs)
 flat gradient buffer and one all-reduce bucket (all_reduce.py).
 
 - The fused leg: the all-gather input is the concatenation of every parameter's padded
-  flat shard (``total`` elements per rank) and the output ``[shard_size, total]`` is copied
-  out per parameter. The reduce-scatter input is every parameter's ``[shard_size,
-  padded_numel]`` gradient block side by side, so row r (rank r's chunk) is rank r's padded
-  shards of all parameters in order; the output is one flat buffer, the leg's bucket.
+  flat shard (``total`` elements per rank); each full parameter is concatenated from its
+  columns of the per-rank pieces of the output (``Platform.all_gather_pieces``). The
+  reduce-scatter input is rank-major: rank 0's padded pieces of every parameter's gradient
+  in order, then rank 1's, and so on; the output is one flat buffer, the leg's bucket.
 - Own legs: a sharded parameter of at least ``own_collective_bytes`` (all-gather piece in
   the compute dtype) travels alone. Then nothing is concatenated: its shard is the
   all-gather input as it is, the output buffer is the full parameter (a view on torch,
@@ -73,7 +73,7 @@ class FSDPParamGroup:
             self.legs.append(Leg(small, FusedAllReduce(
                 platform, info.data_parallel_group, info.data_parallel_size, "data_parallel"),
                 sharded=False))
-        self._pending_gather = None  # [(leg, output buffer, handle)] of all-gathers in flight
+        self._pending_gather = None  # [(leg, pieces, whole, handle)] of all-gathers in flight
 
     def local_shards(self) -> list:
         return [self.platform.local_tensor(p.sharded_param) for p in self.params]
@@ -95,12 +95,11 @@ class FSDPParamGroup:
         pieces = [fp.padded_flat_shard(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
                   for fp in leg.params]
         if size == 1:
-            return leg, p.cat(pieces, 0), None  # cat copies: the fulls must not alias the shards
+            whole = p.cat(pieces, 0)  # cat copies: the fulls must not alias the shards
+            return leg, [whole], whole, None
         flat = pieces[0] if len(pieces) == 1 else p.cat(pieces, 0)
-        out = p.empty((size * leg.total_numel,), p.dtype_of(flat))
-        handle = p.all_gather_into(out, flat, self.mesh_info.shard_group, async_op=async_op,
-                                   dim="shard")
-        return leg, out, handle
+        return (leg, *p.all_gather_pieces(flat, self.mesh_info.shard_group, size,
+                                          async_op=async_op, dim="shard"))
 
     def has_pending_gather(self) -> bool:
         return self._pending_gather is not None
@@ -108,7 +107,7 @@ class FSDPParamGroup:
     def discard_gather(self) -> None:
         """Drop all-gathers nobody consumed (their values may be stale by the next use)."""
         pending, self._pending_gather = self._pending_gather, None
-        for _, _, handle in pending or ():
+        for *_, handle in pending or ():
             if handle is not None:
                 handle.wait()
 
@@ -116,9 +115,12 @@ class FSDPParamGroup:
         """Finish the all-gathers; return new full tensors in ``params`` order."""
         p = self.platform
         fulls = {}
-        for leg, gathered in self._finish_gather():
+        for leg, pieces, whole in self._finish_gather():
+            if whole is not None and len(leg.params) == 1:
+                fulls[id(leg.params[0])] = leg.params[0].full_from_whole(whole)
+                continue
             for fp, offset in zip(leg.params, leg.offsets):
-                fulls[id(fp)] = fp.full_from_gathered(gathered, offset)
+                fulls[id(fp)] = fp.full_from_pieces(pieces, offset)
         return [fulls[id(fp)] if fp.is_sharded else
                 fp.full_from_local(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
                 for fp in self.params]
@@ -127,9 +129,9 @@ class FSDPParamGroup:
         """Finish the all-gathers into ``fulls`` (``params`` order), whose memory was released."""
         p = self.platform
         sources = {}
-        for leg, gathered in self._finish_gather():
+        for leg, pieces, _ in self._finish_gather():
             for fp, offset in zip(leg.params, leg.offsets):
-                sources[id(fp)] = (gathered, offset)
+                sources[id(fp)] = (pieces, offset)
         for fp, full in zip(self.params, fulls):
             p.restore_storage(full)
             if fp.is_sharded:
@@ -138,29 +140,30 @@ class FSDPParamGroup:
                 p.copy_into(full, p.cast(p.local_tensor(fp.sharded_param), self.compute_dtype(fp)))
 
     def _finish_gather(self) -> list:
-        """[(leg, its all-gather output viewed as ``[shard_size, total]``)], issuing the
-        all-gathers synchronously if nobody prefetched them."""
+        """[(leg, per-rank pieces, whole buffer or None)] of finished all-gathers, issued
+        synchronously if nobody prefetched them."""
         if self._pending_gather is None:
             self.issue_gather(async_op=False)
         pending, self._pending_gather = self._pending_gather or [], None
-        finished = []
-        for leg, out, handle in pending:
+        for *_, handle in pending:
             if handle is not None:
                 handle.wait()
-            finished.append((leg, self.platform.reshape(
-                out, (self.mesh_info.shard_size, leg.total_numel))))
-        return finished
+        return [(leg, pieces, whole) for leg, pieces, whole, _ in pending]
 
     # ---------------------------------------------------------------- gradient layout
-    def flat_gradients(self, leg: Leg, grads_by_param: dict, dtype: Any) -> Any:
-        """The leg's gradients as one flat ``[shard_size * total]`` buffer in ``dtype``."""
+    def flat_gradients(self, leg: Leg, grads_by_param: dict, dtype: Any) -> tuple:
+        """``(buffer, owned)``: the leg's gradients as one flat rank-major ``[shard_size *
+        total]`` buffer in ``dtype``, and whether it is new memory nobody else reads (a leg
+        of one parameter that is reduce-scattered uses the gradient as it is, a view)."""
         p = self.platform
-        blocks = [fp.reduce_scatter_block(grads_by_param[id(fp)], dtype) for fp in leg.params]
+        flats = [fp.reduce_scatter_flat(grads_by_param[id(fp)], dtype) for fp in leg.params]
         size = leg.params[0].shard_size
-        # Alone and reduce-scattered, the gradient is the input as it is (a view); otherwise
-        # cat makes the private buffer the bucket all-reduces in place.
-        joined = blocks[0] if len(blocks) == 1 and size > 1 else p.cat(blocks, 1)
-        return p.reshape(joined, (size * leg.total_numel,))
+        if len(flats) == 1 and size > 1:
+            return flats[0], False
+        # rank r's padded pieces of every parameter in order, then rank r + 1's: contiguous
+        # reads, where concatenating [shard_size, padded] blocks on dim 1 would be strided
+        return p.cat([p.narrow(flat, 0, r * fp.padded_numel, fp.padded_numel)
+                      for r in range(size) for fp, flat in zip(leg.params, flats)], 0), True
 
     def sharded_gradients(self, leg: Leg, reduced: Any) -> list:
         """Per-parameter gradient shards (each parameter's dtype) out of a reduced buffer."""

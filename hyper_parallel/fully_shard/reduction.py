@@ -48,15 +48,15 @@ class UnitReduction:
         by_param = {id(fp): g for fp, g in zip(group.params, full_grads)}
         self.legs = []
         for leg in group.legs:
-            flat = group.flat_gradients(leg, by_param, dtype)
+            flat, owned = group.flat_gradients(leg, by_param, dtype)
             if plan.pre_scale != 1.0:
-                flat = p.scale(flat, plan.pre_scale)
+                flat, owned = p.scale(flat, plan.pre_scale), True
             handle = None
             if leg.sharded and group.mesh_info.shard_size > 1:
-                out = p.empty((leg.total_numel,), dtype)
-                handle = p.reduce_scatter(out, flat, group.mesh_info.shard_group,
-                                          async_op=async_op, dim="shard")
-                flat = out
+                handle = p.reduce_scatter_new(flat, group.mesh_info.shard_group,
+                                              group.mesh_info.shard_size, async_op=async_op,
+                                              dim="shard", may_overwrite_input=owned)
+                flat = None  # handle.result, once waited
             self.legs.append(_LegInFlight(leg, flat, handle))
         if group.sharded_legs and group.mesh_info.shard_size > 1:
             logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")
@@ -66,7 +66,7 @@ class UnitReduction:
         for leg in self.legs:
             if leg.handle is not None:
                 leg.handle.wait()
-                leg.handle = None
+                leg.buffer, leg.handle = leg.handle.result, None
             if self.plan.post_scale != 1.0:
                 leg.buffer = p.scale(leg.buffer, self.plan.post_scale)
 

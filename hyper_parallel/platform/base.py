@@ -39,6 +39,7 @@ class Handle:
         self._native = native
         self._on_done = on_done
         self._done = False
+        self.result: Any = None  # the output of collectives that allocate it (reduce_scatter_new)
 
     def wait(self) -> None:
         if self._done:
@@ -47,7 +48,8 @@ class Handle:
             self._native.wait()
         self._done = True
         if self._on_done is not None:
-            self._on_done()
+            on_done, self._on_done, self._native = self._on_done, None, None
+            on_done()  # dropped first: a closure that refers to this handle is then no cycle
 
 
 class Platform(abc.ABC):
@@ -132,6 +134,30 @@ class Platform(abc.ABC):
     def reduce_scatter(self, output: Any, input: Any, group: Any, async_op: bool = False,
                        dim: str = "") -> Handle:
         """SUM-reduce the 1-D ``input`` over ``group``; ``output`` gets this rank's chunk."""
+
+    def all_gather_pieces(self, input: Any, group: Any, group_size: int, async_op: bool = False,
+                          dim: str = "") -> tuple:
+        """All-gather the 1-D ``input`` into new memory; return ``(pieces, whole, handle)``:
+        once ``handle.wait()`` returned, ``pieces[r]`` (1-D, read-only) holds rank r's input
+        and ``whole`` is the flat rank-major buffer that the pieces are slices of, or None
+        where the platform's gather delivers separate tensors (which saves a copy into one
+        buffer; MindSpore CPU). The default gathers into one new buffer."""
+        numel = self.shape(input)[0]
+        whole = self.empty((group_size * numel,), self.dtype_of(input))
+        handle = self.all_gather_into(whole, input, group, async_op=async_op, dim=dim)
+        return [self.narrow(whole, 0, r * numel, numel) for r in range(group_size)], whole, handle
+
+    def reduce_scatter_new(self, input: Any, group: Any, group_size: int, async_op: bool = False,
+                           dim: str = "", may_overwrite_input: bool = False) -> Handle:
+        """``reduce_scatter`` into new memory: this rank's chunk is ``handle.result`` once
+        ``handle.wait()`` returned. ``may_overwrite_input``: the caller never reads ``input``
+        again, so a platform that composes the reduce-scatter may reduce it in place
+        instead of copying it first. The default allocates the output and calls
+        ``reduce_scatter``."""
+        output = self.empty((self.shape(input)[0] // group_size,), self.dtype_of(input))
+        handle = self.reduce_scatter(output, input, group, async_op=async_op, dim=dim)
+        handle.result = output
+        return handle
 
     @abc.abstractmethod
     def all_reduce(self, tensor: Any, group: Any, op: str = "sum", async_op: bool = False,

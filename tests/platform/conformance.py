@@ -1362,6 +1362,50 @@ def check_reduce_scatter_view_input(ctx):
 
 
 @collective_check()
+def check_all_gather_pieces(ctx):
+    p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
+    mine = (np.arange(n, dtype=np.float32) + 1) * (r + 1) + 10 * r
+    expected = [(np.arange(n) + 1) * (k + 1) + 10 * k for k in range(w)]
+    for async_op in (False, True):
+        source = _f32(ctx, mine)
+        pieces, whole, handle = p.all_gather_pieces(source, ctx.mesh1.get_group(0), w,
+                                                    async_op=async_op)
+        _check(isinstance(handle, Handle), f"all_gather_pieces returned {type(handle).__name__}")
+        handle.wait()
+        _check(len(pieces) == w, f"all_gather_pieces gave {len(pieces)} pieces for {w} ranks")
+        for k, piece in enumerate(pieces):
+            _same(_values(ctx, piece), expected[k],
+                  f"all_gather_pieces piece {k} (async_op={async_op})")
+        if whole is not None:
+            _same(_values(ctx, whole), np.concatenate(expected),
+                  f"all_gather_pieces whole buffer (async_op={async_op})")
+        p.copy_into(source, _f32(ctx, np.zeros(n)))
+        _same(_values(ctx, pieces[r]), expected[r], "all_gather_pieces: a piece aliases the input")
+
+
+@collective_check()
+def check_reduce_scatter_new(ctx):
+    p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
+    k = np.arange(w * n, dtype=np.float32)
+    mine = k * (r + 1) + r
+    total = sum(k * (q + 1) + q for q in range(w))
+    for async_op, overwrite in ((False, False), (True, False), (False, True), (True, True)):
+        source = p.cat([_f32(ctx, mine)], 0)  # a tensor of the caller's own
+        handle = p.reduce_scatter_new(source, ctx.mesh1.get_group(0), w, async_op=async_op,
+                                      may_overwrite_input=overwrite)
+        _check(isinstance(handle, Handle), f"reduce_scatter_new returned {type(handle).__name__}")
+        handle.wait()
+        out = handle.result
+        how = f"(async_op={async_op}, may_overwrite_input={overwrite})"
+        _same(_values(ctx, out), total[r * n:(r + 1) * n], f"reduce_scatter_new chunk {how}")
+        if not overwrite:
+            _same(_values(ctx, source), mine, f"reduce_scatter_new changed its input {how}")
+        p.all_reduce(out, ctx.mesh1.get_group(0))  # its own memory: an in-place write lands
+        _same(_values(ctx, out), total.reshape(w, n).sum(0),
+              f"all_reduce of the reduce_scatter_new result {how}")
+
+
+@collective_check()
 def check_reduce_scatter_leaves_input(ctx):
     """Only the output buffer is written (Platform's note: the collectives' output buffers
     are the only writes besides copy_into and release/restore)."""

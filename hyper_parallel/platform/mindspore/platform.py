@@ -176,7 +176,7 @@ class MindSporePlatform(Platform):
             return Handle(msdist.all_gather_into_tensor(output, input, group=group,
                                                         async_op=async_op))
         self._record("all_gather", "all_gather_list", nbytes, dim)
-        parts = [mint.zeros(input.shape, dtype=input.dtype) for _ in range(self.group_size(group))]
+        parts = [mint.empty(input.shape, dtype=input.dtype) for _ in range(self.group_size(group))]
         native = msdist.all_gather(parts, input, group=group, async_op=async_op)
         handle = Handle(native, on_done=lambda: output.copy_(ops.cat(parts, 0)))
         if not async_op:
@@ -197,6 +197,36 @@ class MindSporePlatform(Platform):
 
         def keep_own_chunk():
             output.copy_(input[start:start + chunk] + 0)
+
+        handle = Handle(native, on_done=keep_own_chunk)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def all_gather_pieces(self, input, group, group_size, async_op=False, dim=""):
+        if not self._on_cpu:
+            return super().all_gather_pieces(input, group, group_size, async_op, dim)
+        # The list all-gather's own outputs are the pieces: no concatenation, no flat copy.
+        numel = input.shape[0]
+        self._record("all_gather", "all_gather_list", group_size * numel * _ITEM_SIZE[input.dtype], dim)
+        pieces = [mint.empty((numel,), dtype=input.dtype) for _ in range(group_size)]
+        return pieces, None, Handle(msdist.all_gather(pieces, input, group=group, async_op=async_op))
+
+    def reduce_scatter_new(self, input, group, group_size, async_op=False, dim="",
+                           may_overwrite_input=False):
+        if not self._on_cpu:
+            return super().reduce_scatter_new(input, group, group_size, async_op, dim,
+                                              may_overwrite_input)
+        total = input.shape[0]
+        self._record("reduce_scatter", "all_reduce", total * _ITEM_SIZE[input.dtype], dim)
+        if not may_overwrite_input:
+            input = input + 0
+        native = msdist.all_reduce(input, op="sum", group=group, async_op=async_op)
+        chunk = total // group_size
+        start = self.group_rank(group) * chunk
+
+        def keep_own_chunk():
+            handle.result = mint.narrow(input, 0, start, chunk) + 0  # its own memory
 
         handle = Handle(native, on_done=keep_own_chunk)
         if not async_op:
@@ -257,11 +287,9 @@ class MindSporePlatform(Platform):
         return tensor if source == destination else ops.moveaxis(tensor, source, destination)
 
     def narrow(self, tensor, dim, start, length):
-        if length == 0:  # ops.narrow rejects start == size even for an empty slice
-            shape = list(tensor.shape)
-            shape[dim] = 0
-            return mint.zeros(tuple(shape), dtype=tensor.dtype)
-        return ops.narrow(tensor, dim, start, length)
+        # mint.narrow accepts an empty slice at the end, and skips ops.narrow's Python-side
+        # validation, which reads the tensor's ndim: a wait for the whole async pipeline
+        return mint.narrow(tensor, dim, start, length)
 
     def cat(self, tensors, dim=0):
         tensors = list(tensors)
@@ -330,6 +358,12 @@ class MindSporePlatform(Platform):
 
     def local_tensor(self, param):
         return param
+
+    def param_requires_grad(self, param) -> bool:
+        # The Parameter.requires_grad getter waits for the whole async pipeline first; its
+        # setter waits too, so _param_info is always current.
+        info = getattr(param, "_param_info", None)
+        return param.requires_grad if info is None else info.requires_grad
 
     def grad_placeholder(self, param):
         return mint.zeros(param.shape, dtype=param.dtype)
