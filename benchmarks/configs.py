@@ -121,7 +121,7 @@ def _torch(mesh, raf, precision, model, *, quick=False) -> Config:
     if quick:
         return Config("torch", mesh, raf, precision, model, local_batch=8, warmup=1, steps=2,
                       timeout_s=90, impls=TORCH_IMPLS)
-    return Config("torch", mesh, raf, precision, model, local_batch=16, warmup=2, steps=5,
+    return Config("torch", mesh, raf, precision, model, local_batch=16, warmup=2, steps=8,
                   timeout_s=420 if len(mesh) == 2 else 300, impls=TORCH_IMPLS)
 
 
