@@ -59,6 +59,23 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
     return out
 
 
+def pool_rounds(summaries: list[dict]) -> dict:
+    """One implementation's launches of one configuration (run.py's rounds) as one: the
+    measured steps of all rounds pooled (median over all of them), the highest peak; the
+    rest (bytes, raw collectives) from the first launch, as every round does the same."""
+    if len(summaries) == 1 or any("error" in s for s in summaries):
+        failed = [s for s in summaries if "error" in s]
+        return failed[0] if failed else summaries[0]
+    out = dict(summaries[0])
+    steps = [t for s in summaries for t in s["step_max_over_ranks_s"]]
+    peaks = [s["peak_mb"] for s in summaries]
+    out.update(step_s=statistics.median(steps), step_max_over_ranks_s=steps,
+               step_s_per_round=[s["step_s"] for s in summaries],
+               peak_mb=max(peaks) if all(p is not None for p in peaks) else None,
+               launch_s=sum(s.get("launch_s", 0.0) for s in summaries), rounds=len(summaries))
+    return out
+
+
 def _per_step(records: list[dict], steps: int) -> dict:
     """``{op: {dim: {"calls", "bytes", "wire"}}}`` per step."""
     out: dict = {}

@@ -62,6 +62,9 @@ def _parse_args(argv):
                              "blocking (default, ms.runtime.launch_blocking(): on a CPU with about "
                              "one core per rank the async pipeline's waits spin a core and starve "
                              "the ranks) or async (MindSpore's own default)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="launches of hyper_parallel and of its reference per configuration, "
+                             "in alternating order (default 2: A B B A); their steps are pooled")
     parser.add_argument("--list", action="store_true", help="print the selected configurations and exit")
     return parser.parse_args(argv)
 
@@ -112,29 +115,37 @@ def _library_fingerprint() -> dict:
     return out
 
 
-def _launch_order(cfg, index: int) -> list:
-    """hyper_parallel and its reference run back to back, in alternating order from one
-    configuration to the next, so a drift in the machine's load does not favour one side."""
-    order = list(cfg.impls)
+def _launch_plan(cfg, index: int, rounds: int) -> list:
+    """The launches of one configuration in order. hyper_parallel and its reference run
+    back to back ``rounds`` times, the order flipped each round (and from one configuration
+    to the next): A B B A. A drift in the machine's load, or a penalty for whichever launch
+    comes first, then weighs on both sides alike. The other implementations run once."""
     ref = configs.REFERENCE[cfg.backend]
-    if index % 2 == 0 and "hp" in order and ref in order:
-        i, j = order.index("hp"), order.index(ref)
-        order[i], order[j] = order[j], order[i]
-    return order
+    plan = []
+    for round_index in range(rounds):
+        order = list(cfg.impls)
+        if (index + round_index) % 2 == 0 and "hp" in order and ref in order:
+            i, j = order.index("hp"), order.index(ref)
+            order[i], order[j] = order[j], order[i]
+        plan += [impl for impl in order if round_index == 0 or impl in ("hp", ref)]
+    return plan
 
 
 def _run_config(index: int, total: int, cfg, cache: dict, t_run: float,
-                ms_pipeline: str) -> tuple[dict, int]:
+                ms_pipeline: str, rounds: int) -> tuple[dict, int]:
     """Launch (or reuse) every implementation of ``cfg``; return its row and the failures."""
     print(f"[{index}/{total}] {cfg.name} ({cfg.world_size} ranks, {len(cfg.dims) - 1} blocks): "
           f"start (run {time.monotonic() - t_run:.0f} s)", flush=True)
     started = time.monotonic()
-    launches, sources, failures = {}, {}, 0
-    for impl in _launch_order(cfg, index):
+    plan = _launch_plan(cfg, index, rounds)
+    rounds_of: dict = {}
+    sources, failures = {}, 0
+    for impl in plan:
         key = configs.Impl(cfg, impl).run_key
         if key in cache:
-            launches[impl], sources[impl] = cache[key]
-            print(f"    {configs.IMPL_LABELS[impl]}: reused from {sources[impl]}", flush=True)
+            if impl not in sources:
+                rounds_of[impl], sources[impl] = [cache[key][0]], cache[key][1]
+                print(f"    {configs.IMPL_LABELS[impl]}: reused from {sources[impl]}", flush=True)
             continue
         t0 = time.monotonic()
         # the minimal schedule the rank times as its raw collectives: the same list the
@@ -150,9 +161,12 @@ def _run_config(index: int, total: int, cfg, cache: dict, t_run: float,
             summary, failures = {"error": str(exc)}, failures + 1
             detail = "FAILED: " + str(exc).splitlines()[0]
         summary["launch_s"] = time.monotonic() - t0
-        cache[key] = (summary, cfg.name)
-        launches[impl], sources[impl] = summary, cfg.name
+        rounds_of.setdefault(impl, []).append(summary)
+        sources[impl] = cfg.name
         print(f"    {configs.IMPL_LABELS[impl]}: {summary['launch_s']:.1f} s, {detail}", flush=True)
+    launches = {impl: analysis.pool_rounds(summaries) for impl, summaries in rounds_of.items()}
+    for impl, summary in launches.items():
+        cache.setdefault(configs.Impl(cfg, impl).run_key, (summary, sources[impl]))
     figures = analysis.derive(cfg, launches)
     hp = figures.get("hp", {})
     ratio = hp.get("step_vs_ref")
@@ -160,13 +174,16 @@ def _run_config(index: int, total: int, cfg, cache: dict, t_run: float,
           + (f" (hp/{configs.IMPL_LABELS[configs.REFERENCE[cfg.backend]]} time {ratio:.2f})"
              if ratio is not None else ""), flush=True)
     row = {"config": cfg.to_json(), "figures": figures, "launches": launches,
-           "launch_order": _launch_order(cfg, index),
+           "launch_order": plan,
            "launch_source": sources}
     return row, failures
 
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
+    if args.rounds < 1:
+        print(f"--rounds must be >= 1, got {args.rounds}", file=sys.stderr)
+        return 2
     grid = _select(args)
     if not grid:
         print("no configuration matches the filters", file=sys.stderr)
@@ -185,12 +202,14 @@ def main(argv=None) -> int:
     cache: dict = {}
     rows, failures = [], 0
     for index, cfg in enumerate(grid, 1):
-        row, failed = _run_config(index, len(grid), cfg, cache, t_run, args.ms_pipeline)
+        row, failed = _run_config(index, len(grid), cfg, cache, t_run, args.ms_pipeline,
+                                  args.rounds)
         rows.append(row)
         failures += failed
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "grid": "quick" if args.quick else args.grid,
+        "rounds": args.rounds,
         "grid_note": None if args.quick or args.grid == "full" else configs.PRUNING_NOTE,
         "filters": {"backend": args.backend, "only": args.only},
         "wall_s": time.monotonic() - t_run,

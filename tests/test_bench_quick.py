@@ -24,3 +24,13 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
     data = json.loads(results[0].read_text())
     assert data, "the results file is empty"
     assert "|" in proc.stdout, "no markdown table printed"
+    for row in data["configurations"]:
+        cfg, launches = row["config"], row["launches"]
+        ref = "fsdp2" if cfg["backend"] == "torch" else "dp"
+        for impl in ("hp", ref):
+            # two rounds pooled: every measured step of both launches, order A B B A
+            assert launches[impl]["rounds"] == 2, (cfg["name"], impl)
+            assert len(launches[impl]["step_max_over_ranks_s"]) == 2 * cfg["steps"]
+        assert row["launch_order"].count("hp") == 2 and row["launch_order"].count(ref) == 2
+        first, second = (row["launch_order"].index(x) for x in ("hp", ref))
+        assert row["launch_order"][-2:] == ([ref, "hp"] if first < second else ["hp", ref])

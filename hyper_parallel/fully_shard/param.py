@@ -72,12 +72,13 @@ class FSDPParam:
             moved = p.cat([moved, p.zeros((missing, *self.row_shape), dtype)], 0)
         return p.reshape(moved, (self.padded_numel,))
 
-    def full_from_whole(self, whole: Any) -> Any:
-        """The full parameter out of its own all-gather's flat output: a view of it where the
-        layout allows (dim-0 shards), no copy."""
+    def full_from_whole(self, whole: Any, offset: int) -> Any:
+        """The full parameter read in place from a flat all-gather output where it is one
+        contiguous stretch at ``offset`` (alone in the buffer, or one rank): a view of it
+        where the layout allows (dim-0 shards), no copy."""
         p = self.platform
-        rows = p.reshape(whole, (self.shard_size * self.chunk_rows, *self.row_shape))
-        return self._unpad(rows)
+        stretch = p.narrow(whole, 0, offset, self.shard_size * self.padded_numel)
+        return self._unpad(p.reshape(stretch, (self.shard_size * self.chunk_rows, *self.row_shape)))
 
     def full_from_pieces(self, pieces: list, offset: int) -> Any:
         """The full parameter out of a fused all-gather's per-rank pieces: one concatenation

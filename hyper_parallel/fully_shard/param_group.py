@@ -116,11 +116,12 @@ class FSDPParamGroup:
         p = self.platform
         fulls = {}
         for leg, pieces, whole in self._finish_gather():
-            if whole is not None and len(leg.params) == 1:
-                fulls[id(leg.params[0])] = leg.params[0].full_from_whole(whole)
-                continue
+            # Each parameter is one contiguous stretch of ``whole`` when it has the buffer
+            # to itself or there is one rank: then it is read in place, else concatenated.
+            in_place = whole is not None and (len(leg.params) == 1 or self.mesh_info.shard_size == 1)
             for fp, offset in zip(leg.params, leg.offsets):
-                fulls[id(fp)] = fp.full_from_pieces(pieces, offset)
+                fulls[id(fp)] = (fp.full_from_whole(whole, offset) if in_place
+                                 else fp.full_from_pieces(pieces, offset))
         return [fulls[id(fp)] if fp.is_sharded else
                 fp.full_from_local(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
                 for fp in self.params]
