@@ -216,6 +216,10 @@ class FSDPState:
         """The unshard node's backward: start the reduction (or accumulate locally) and
         return what autograd should see for the shards (see reduction.py)."""
         self.iteration.ensure_final_callback()
+        if self.reshard_after_backward:
+            # Free the full parameters before the reduction allocates its buffers, so
+            # those can take their memory (FSDP2 reshards first too).
+            self.reshard()
         p, group = self.platform, self.group
         dtype = resolve_reduce_dtype(group.reduce_dtype, group.param_dtype, p.dtype_of(full_grads[0]))
         full_grads = [p.cast(g, dtype) for g in full_grads]
@@ -237,8 +241,6 @@ class FSDPState:
                                       self.to_main_grad,
                                       async_op=not self.iteration.sync_collectives)
             self.iteration.enqueue(reduction, self.requires_all_reduce)
-        if self.reshard_after_backward:
-            self.reshard()
         return result
 
     def finish_backward(self) -> None:
