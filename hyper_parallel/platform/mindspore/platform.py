@@ -184,21 +184,15 @@ class MindSporePlatform(Platform):
         return handle
 
     def reduce_scatter(self, output, input, group, async_op=False, dim=""):
-        nbytes = input.numel() * _ITEM_SIZE[input.dtype]
         if not self._on_cpu:
-            self._record("reduce_scatter", "reduce_scatter", nbytes, dim)
+            self._record("reduce_scatter", "reduce_scatter", input.numel() * _ITEM_SIZE[input.dtype], dim)
             return Handle(msdist.reduce_scatter_tensor(output, input, group=group,
                                                        async_op=async_op))
-        self._record("reduce_scatter", "all_reduce", nbytes, dim)
-        input = input + 0  # all-reduce a private copy: the caller's input stays as it was
-        native = msdist.all_reduce(input, op="sum", group=group, async_op=async_op)
-        chunk = output.numel()
-        start = self.group_rank(group) * chunk
-
-        def keep_own_chunk():
-            output.copy_(input[start:start + chunk] + 0)
-
-        handle = Handle(native, on_done=keep_own_chunk)
+        # The composition of reduce_scatter_new (on a private copy: the caller's input stays
+        # as it was), its result copied into the caller's output.
+        composed = self.reduce_scatter_new(input, group, self.group_size(group), async_op=True,
+                                           dim=dim)
+        handle = Handle(composed, on_done=lambda: output.copy_(composed.result))
         if not async_op:
             handle.wait()
         return handle
