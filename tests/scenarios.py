@@ -9,6 +9,8 @@ suite pays the process start-up once per (backend, world size).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 import hyper_parallel as hp
@@ -27,6 +29,9 @@ def _build(kit, name):
         if name == "tied":
             kit.tie(blocks[1].fc1, blocks[1].fc2)
         return model
+    if name == "own_even":  # every block row count divides by 2 and 4: no padding
+        blocks = [kit.Block(D_IN, 48, 32), kit.Block(32, 40, 24)]
+        return kit.Stack(blocks, kit.linear(24, D_OUT))
     blocks = [kit.Block(D_IN, 53, 29), kit.Block(29, 41, 23)]
     return kit.Stack(blocks, kit.linear(23, D_OUT))
 
@@ -58,7 +63,7 @@ def _wrap(kit, model, name):
         for block in model.blocks:
             hp.fully_shard(block, shard_placement_fn=pick)
         hp.fully_shard(model, shard_placement_fn=pick)
-    elif name == "own_collectives":  # every sharded parameter in its own collectives
+    elif name in ("own_collectives", "own_even"):  # every sharded parameter alone
         for block in model.blocks:
             hp.fully_shard(block, own_collective_bytes=0)
         hp.fully_shard(model, own_collective_bytes=0)
@@ -91,7 +96,7 @@ def run_scenario(name: str, seed: int = 0) -> dict:
     losses, ref_losses = [], []
     for step, (x, y) in enumerate(make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=seed + 7)):
         local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-        with hp.track_comms() as comms:
+        with hp.track_comms() as comms, _counting(platform, "copy_into_slice") as refill_copies:
             losses.append(kit.train_step(model, opt, x[local], y[local]))
         ref_losses.append(kit.train_step(ref, ref_opt, x, y))
     full = hp.gather_full_state_dict(model)
@@ -103,7 +108,24 @@ def run_scenario(name: str, seed: int = 0) -> dict:
         "last_step_comms": {op: e["calls"] for op, e in comms.summary().items()},
         "wire": {op: e["wire"] for op, e in comms.summary().items()},
         "can_release": platform.can_release_storage,
+        "refill_copies": refill_copies[0],  # last step: rank pieces copied into fulls
     }
+
+
+@contextlib.contextmanager
+def _counting(platform, method: str):
+    """Count calls of one platform method (it still runs) in a one-element list."""
+    calls, original = [0], getattr(platform, method)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(platform, method, counted)
+    try:
+        yield calls
+    finally:
+        delattr(platform, method)
 
 
 def _named(kit, model):

@@ -18,7 +18,7 @@ from tests.multirank import run_ranks
 
 BACKENDS = ["torch", "mindspore"]
 SCENARIOS = ["nested", "nested_adamw", "nested_keep", "list_unit", "tied", "twice", "ignored",
-             "shard_dim1", "own_collectives", "own_mixed"]
+             "shard_dim1", "own_collectives", "own_mixed", "own_even"]
 ATOL = 1e-5
 # AdamW's first steps move each weight by about lr * sign(grad): a gradient element that is
 # zero up to rounding (summed in another order on N ranks) moves differently in two correct
@@ -77,6 +77,25 @@ def test_collective_counts_per_step(backend):
     assert own["last_step_comms"] == {"all_gather": 10 + backward_gathers, "reduce_scatter": 10}
     expected_wire = "reduce_scatter" if backend == "torch" else "all_reduce"
     assert per_rank[0]["wire"]["reduce_scatter"] == [expected_wire]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_regather_writes_straight_into_unpadded_parameters(backend, world_size):
+    """reshard_after_forward=True, own collectives: a parameter whose dim-0 shards need no
+    padding is re-gathered before backward straight into its released full tensor (no copy
+    out of a gather buffer); padded ones are copied in (which shows the count can fail)."""
+    results = _results(backend, world_size, tuple(SCENARIOS))
+    if not results[0]["nested"]["can_release"]:
+        pytest.skip(f"{backend} cannot release memory autograd holds: no re-gather before "
+                    "backward (docs/platforms.md, 'Memory')")
+    for r in results:
+        even, padded = r["own_even"], r["own_collectives"]
+        assert even["last_step_comms"]["all_gather"] == 10 + 8  # forward + re-gathers
+        assert even["refill_copies"] == 0
+        assert padded["last_step_comms"]["all_gather"] == 10 + 8
+        assert padded["refill_copies"] > 0
 
 
 @pytest.mark.timeout(300)

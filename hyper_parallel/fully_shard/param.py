@@ -60,6 +60,13 @@ class FSDPParam:
         for module, name in slots:
             platform.register_param(module, name, self.sharded_param)
 
+    @property
+    def gathers_in_place(self) -> bool:
+        """Whether a flat all-gather of the shards is exactly the full parameter's memory
+        (dim-0 shards, no padding), so a re-gather can write straight into it."""
+        return self.shard_dim == 0 and self.shard_size > 1 and \
+            self.shard_size * self.chunk_rows == self.rows
+
     # ---------------------------------------------------------------- unshard pieces
     def padded_flat_shard(self, local: Any, dtype: Any) -> Any:
         """This rank's piece of the all-gather input: the shard, padded, flat, in ``dtype``."""

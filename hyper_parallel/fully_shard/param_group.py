@@ -73,7 +73,7 @@ class FSDPParamGroup:
             self.legs.append(Leg(small, FusedAllReduce(
                 platform, info.data_parallel_group, info.data_parallel_size, "data_parallel"),
                 sharded=False))
-        self._pending_gather = None  # [(leg, pieces, whole, handle)] of all-gathers in flight
+        self._pending_gather = None  # [(leg, pieces, whole, handle, full)] in flight
 
     def local_shards(self) -> list:
         return [self.platform.local_tensor(p.sharded_param) for p in self.params]
@@ -82,40 +82,56 @@ class FSDPParamGroup:
         return self.param_dtype if self.param_dtype is not None else fsdp_param.orig_dtype
 
     # ---------------------------------------------------------------- all-gather
-    def issue_gather(self, async_op: bool) -> None:
-        """Start the all-gathers of the current shards (no-op if they are already in flight)."""
+    def issue_gather(self, async_op: bool, released: list | None = None) -> None:
+        """Start the all-gathers of the current shards (no-op if they are already in flight).
+
+        ``released``: this unit's full parameters (``params`` order) whose memory was
+        released, for a re-gather before backward: a leg whose parameter ``gathers_in_place``
+        is gathered straight into its full tensor (see ``refill``)."""
         if self._pending_gather is not None or not self.sharded_legs:
             return
+        into = {id(fp): full for fp, full in zip(self.params, released or ())}
         with self.platform.no_grad():
-            self._pending_gather = [self._issue_leg_gather(leg, async_op)
+            self._pending_gather = [self._issue_leg_gather(leg, async_op, into)
                                     for leg in self.sharded_legs]
 
-    def _issue_leg_gather(self, leg: Leg, async_op: bool) -> tuple:
+    def _issue_leg_gather(self, leg: Leg, async_op: bool, into: dict) -> tuple:
+        """``(leg, pieces, whole, handle, full)``; ``full`` is the released full tensor the
+        gather writes into, or None when it gathers into new memory."""
         p, size = self.platform, self.mesh_info.shard_size
         pieces = [fp.padded_flat_shard(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
                   for fp in leg.params]
         if size == 1:
             whole = p.cat(pieces, 0)  # cat copies: the fulls must not alias the shards
-            return leg, [whole], whole, None
+            return leg, [whole], whole, None, None
+        full = into.get(id(leg.params[0])) if len(leg.params) == 1 else None
+        if full is not None and leg.params[0].gathers_in_place:
+            handle = p.all_gather_into_released(full, pieces[0], self.mesh_info.shard_group,
+                                                async_op=async_op, dim="shard")
+            return leg, None, None, handle, full
         flat = pieces[0] if len(pieces) == 1 else p.cat(pieces, 0)
         return (leg, *p.all_gather_pieces(flat, self.mesh_info.shard_group, size,
-                                          async_op=async_op, dim="shard"))
+                                          async_op=async_op, dim="shard"), None)
 
     def has_pending_gather(self) -> bool:
         return self._pending_gather is not None
 
     def discard_gather(self) -> None:
-        """Drop all-gathers nobody consumed (their values may be stale by the next use)."""
+        """Drop all-gathers nobody consumed (their values may be stale by the next use);
+        a full tensor one was writing into is released again."""
         pending, self._pending_gather = self._pending_gather, None
-        for *_, handle in pending or ():
+        for *_, handle, full in pending or ():
             if handle is not None:
                 handle.wait()
+            if full is not None:
+                self.platform.release_storage(full)
 
     def wait_gather(self) -> list:
         """Finish the all-gathers; return new full tensors in ``params`` order."""
         p = self.platform
         fulls = {}
-        for leg, pieces, whole in self._finish_gather():
+        # (a gather into released fulls is never pending here: reshard discards it first)
+        for leg, pieces, whole, _ in self._finish_gather():
             # Each parameter is one contiguous stretch of ``whole`` when it has the buffer
             # to itself or there is one rank: then it is read in place, else concatenated.
             in_place = whole is not None and (len(leg.params) == 1 or self.mesh_info.shard_size == 1)
@@ -127,29 +143,32 @@ class FSDPParamGroup:
                 for fp in self.params]
 
     def refill(self, fulls: list) -> None:
-        """Finish the all-gathers into ``fulls`` (``params`` order), whose memory was released."""
+        """Finish the all-gathers into ``fulls`` (``params`` order), whose memory was
+        released: a parameter gathered in place needs nothing more, the others are copied
+        from the gathered pieces, one rank's rows at a time."""
         p = self.platform
         sources = {}
-        for leg, pieces, _ in self._finish_gather():
-            for fp, offset in zip(leg.params, leg.offsets):
-                sources[id(fp)] = (pieces, offset)
+        for leg, pieces, _, into in self._finish_gather(released=fulls):
+            if into is None:
+                for fp, offset in zip(leg.params, leg.offsets):
+                    sources[id(fp)] = (pieces, offset)
         for fp, full in zip(self.params, fulls):
             p.restore_storage(full)
-            if fp.is_sharded:
+            if id(fp) in sources:
                 fp.refill_from_gathered(full, *sources[id(fp)])
-            else:
+            elif not fp.is_sharded:
                 p.copy_into(full, p.cast(p.local_tensor(fp.sharded_param), self.compute_dtype(fp)))
 
-    def _finish_gather(self) -> list:
-        """[(leg, per-rank pieces, whole buffer or None)] of finished all-gathers, issued
-        synchronously if nobody prefetched them."""
+    def _finish_gather(self, released: list | None = None) -> list:
+        """[(leg, per-rank pieces, whole buffer or None, full gathered into or None)] of
+        finished all-gathers, issued synchronously if nobody prefetched them."""
         if self._pending_gather is None:
-            self.issue_gather(async_op=False)
+            self.issue_gather(async_op=False, released=released)
         pending, self._pending_gather = self._pending_gather or [], None
-        for *_, handle in pending:
+        for *_, handle, _ in pending:
             if handle is not None:
                 handle.wait()
-        return [(leg, pieces, whole) for leg, pieces, whole, _ in pending]
+        return [(leg, pieces, whole, into) for leg, pieces, whole, _, into in pending]
 
     # ---------------------------------------------------------------- gradient layout
     def flat_gradients(self, leg: Leg, grads_by_param: dict, dtype: Any) -> tuple:

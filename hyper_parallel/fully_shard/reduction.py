@@ -26,10 +26,11 @@ logger = logging.getLogger("hyper_parallel.fully_shard")
 
 
 class _LegInFlight:
-    def __init__(self, leg: Leg, buffer: Any, handle: Any):
+    def __init__(self, leg: Leg, buffer: Any, handle: Any, owned: bool):
         self.leg = leg
         self.buffer = buffer
         self.handle = handle
+        self.owned = owned  # the buffer is the core's own memory: scaling may overwrite it
         self.deferred = False
 
 
@@ -50,14 +51,14 @@ class UnitReduction:
         for leg in group.legs:
             flat, owned = group.flat_gradients(leg, by_param, dtype)
             if plan.pre_scale != 1.0:
-                flat, owned = p.scale(flat, plan.pre_scale), True
+                flat, owned = p.scale(flat, plan.pre_scale, may_overwrite=owned), True
             handle = None
             if leg.sharded and group.mesh_info.shard_size > 1:
                 handle = p.reduce_scatter_new(flat, group.mesh_info.shard_group,
                                               group.mesh_info.shard_size, async_op=async_op,
                                               dim="shard", may_overwrite_input=owned)
-                flat = None  # handle.result, once waited
-            self.legs.append(_LegInFlight(leg, flat, handle))
+                flat, owned = None, True  # handle.result (new memory), once waited
+            self.legs.append(_LegInFlight(leg, flat, handle, owned))
         if group.sharded_legs and group.mesh_info.shard_size > 1:
             logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")
 
@@ -68,7 +69,8 @@ class UnitReduction:
                 leg.handle.wait()
                 leg.buffer, leg.handle = leg.handle.result, None
             if self.plan.post_scale != 1.0:
-                leg.buffer = p.scale(leg.buffer, self.plan.post_scale)
+                leg.buffer, leg.owned = p.scale(leg.buffer, self.plan.post_scale,
+                                                may_overwrite=leg.owned), True
 
     def start_all_reduce(self, requires_all_reduce: bool) -> None:
         replicated = self.group.mesh_info.replicate_size > 1

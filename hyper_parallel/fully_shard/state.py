@@ -210,7 +210,8 @@ class FSDPState:
         if self.group is not None and self._full is not None and not self._storage_live \
                 and not self.group.has_pending_gather():
             logger.debug("%s: prefetch re-gather issued", self.name)
-            self.group.issue_gather(async_op=True)  # its own pre-backward waits for it
+            # its own pre-backward waits for it
+            self.group.issue_gather(async_op=True, released=self._full)
 
     def _post_backward(self, full_grads: list) -> list:
         """The unshard node's backward: start the reduction (or accumulate locally) and

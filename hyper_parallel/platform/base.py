@@ -160,6 +160,16 @@ class Platform(abc.ABC):
         return handle
 
     @abc.abstractmethod
+    def all_gather_into_released(self, full: Any, input: Any, group: Any, async_op: bool = False,
+                                 dim: str = "") -> Handle:
+        """Restore the memory of ``full`` (freed by ``release_storage``) and all-gather the
+        1-D ``input`` straight into it: rank r's input becomes the r-th of ``group_size``
+        equal stretches of ``full``'s elements (row-major). Like ``copy_into``, autograd's
+        bookkeeping of ``full`` is not disturbed. Re-gathering a parameter before backward
+        this way costs no copy out of a gather buffer. Only called where
+        ``can_release_storage``."""
+
+    @abc.abstractmethod
     def all_reduce(self, tensor: Any, group: Any, op: str = "sum", async_op: bool = False,
                    dim: str = "") -> Handle:
         """Reduce ``tensor`` in place over ``group`` ("sum", "avg", "max", "min")."""
@@ -247,8 +257,10 @@ class Platform(abc.ABC):
         """A new tensor with the same values and its own memory."""
 
     @abc.abstractmethod
-    def scale(self, tensor: Any, factor: float) -> Any:
-        """A new tensor ``tensor * factor``."""
+    def scale(self, tensor: Any, factor: float, may_overwrite: bool = False) -> Any:
+        """``tensor * factor``. ``may_overwrite``: nobody else reads ``tensor`` (a buffer the
+        core owns), so a platform whose in-place arithmetic writes through may scale it in
+        place and return it, which saves an allocation the size of the tensor."""
 
     @abc.abstractmethod
     def add(self, a: Any, b: Any) -> Any:

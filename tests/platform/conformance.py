@@ -626,6 +626,14 @@ def check_scale(ctx):
                   f"scale({name}, {factor}) must return a new tensor: writing it changed the input")
     view = p.narrow(p.from_numpy(_arange(8)), 0, 3, 4)
     _same(_values(ctx, p.scale(view, 2.0)), _arange(8)[3:7] * 2, "scale of a narrow")
+    # may_overwrite: the value is the same whether or not the platform scales in place
+    for name in ("float32", "float16"):
+        own = p.cast(p.from_numpy(base), p.dtype(name))
+        out = p.scale(own, 0.5, may_overwrite=True)
+        _check(p.dtype_of(out) == p.dtype(name), f"scale(may_overwrite) of {name} gave "
+               f"{p.dtype_of(out)}")
+        _same(_values(ctx, p.cast(out, p.dtype("float32"))), base * 0.5,
+              f"scale({name}, 0.5, may_overwrite=True) values")
 
 
 @local_check
@@ -1381,6 +1389,41 @@ def check_all_gather_pieces(ctx):
                   f"all_gather_pieces whole buffer (async_op={async_op})")
         p.copy_into(source, _f32(ctx, np.zeros(n)))
         _same(_values(ctx, pieces[r]), expected[r], "all_gather_pieces: a piece aliases the input")
+
+
+@collective_check()
+def check_all_gather_into_released(ctx):
+    """The re-gather before backward: a full tensor autograd saved is released, then
+    gathered into in place (sync and async); backward sees the gathered values and
+    autograd does not complain about the write."""
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    if not p.can_release_storage:
+        raise Skip(f"{p.name}: can_release_storage is False")
+    rows = np.stack([_arange(3, start=10 * k) for k in range(w)])   # rank k's row
+    coef = _arange(w, 3) * 0.1 + 1
+    for async_op in (False, True):
+        gathered = []
+
+        def loss_fn(inputs):
+            full = p.zeros((w, 3), p.dtype("float32"))
+            product = inputs[0] * full  # autograd saves ``full`` for the gradient of inputs[0]
+
+            def before_backward():
+                handle = p.all_gather_into_released(full, _f32(ctx, rows[r]),
+                                                    ctx.mesh1.get_group(0), async_op=async_op)
+                _check(isinstance(handle, Handle),
+                       f"all_gather_into_released returned {type(handle).__name__}")
+                handle.wait()
+                gathered.append(_values(ctx, full))
+            p.register_grad_hook(product, before_backward)
+            p.release_storage(full)
+            return ctx.side.weighted_sum(product, coef)
+
+        _, (grad,), _ = ctx.side.backward(loss_fn, [np.ones((w, 3), np.float32)])
+        how = f"(async_op={async_op})"
+        _check(len(gathered) == 1, f"grad hook ran {len(gathered)} times {how}")
+        _same(gathered[0], rows, f"all_gather_into_released values {how}")
+        _same(grad, rows * coef, f"gradient through a tensor gathered in place {how}", tol=1e-6)
 
 
 @collective_check()

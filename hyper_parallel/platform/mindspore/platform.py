@@ -298,8 +298,8 @@ class MindSporePlatform(Platform):
     def clone(self, tensor):
         return tensor + 0  # Tensor.clone has no CPU kernel
 
-    def scale(self, tensor, factor):
-        return tensor * factor
+    def scale(self, tensor, factor, may_overwrite=False):
+        return tensor * factor  # in-place arithmetic does not write through (platform-facts)
 
     def add(self, a, b):
         return a + b
@@ -319,6 +319,9 @@ class MindSporePlatform(Platform):
         raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
 
     def restore_storage(self, tensor) -> None:
+        raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
+
+    def all_gather_into_released(self, full, input, group, async_op=False, dim=""):
         raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
 
     def storage_bytes(self, tensor) -> int:

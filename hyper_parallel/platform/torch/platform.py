@@ -115,6 +115,16 @@ class TorchPlatform(Platform):
                                     async_op=async_op)
         return Handle(work)
 
+    def all_gather_into_released(self, full, input, group, async_op=False, dim=""):
+        self.restore_storage(full)
+        # The collective bumps the version counter autograd checks for ``full`` (saved by
+        # the forward), when it is issued or, async, when it is waited: put it back after
+        # both. Writing the values ``full`` had is not the modification that guards.
+        keep = torch.autograd._unsafe_preserve_version_counter(full)
+        with torch.no_grad(), keep:
+            handle = self.all_gather_into(full.view(-1), input, group, async_op=async_op, dim=dim)
+        return Handle(handle, on_done=lambda: keep.__exit__(None, None, None))
+
     def all_reduce(self, tensor, group, op="sum", async_op=False, dim=""):
         self._record("all_reduce", "all_reduce", tensor.numel() * tensor.element_size(), dim)
         work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
@@ -184,7 +194,10 @@ class TorchPlatform(Platform):
     def clone(self, tensor):
         return tensor.clone()
 
-    def scale(self, tensor, factor):
+    def scale(self, tensor, factor, may_overwrite=False):
+        if may_overwrite:
+            with torch.no_grad():
+                return tensor.mul_(factor)
         return tensor * factor
 
     def add(self, a, b):
