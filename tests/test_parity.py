@@ -82,20 +82,20 @@ def test_collective_counts_per_step(backend):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_regather_writes_straight_into_unpadded_parameters(backend, world_size):
-    """reshard_after_forward=True, own collectives: a parameter whose dim-0 shards need no
-    padding is re-gathered before backward straight into its released full tensor (no copy
-    out of a gather buffer); padded ones are copied in (which shows the count can fail)."""
+def test_regather_writes_straight_into_dim0_sharded_parameters(backend, world_size):
+    """reshard_after_forward=True, own collectives: a parameter sharded on dim 0 (padded or
+    not) is re-gathered before backward straight into its released full tensor, with no
+    copy out of a gather buffer; dim-1 shards are copied in (which shows the count can
+    fail)."""
     results = _results(backend, world_size, tuple(SCENARIOS))
     if not results[0]["nested"]["can_release"]:
         pytest.skip(f"{backend} cannot release memory autograd holds: no re-gather before "
                     "backward (docs/platforms.md, 'Memory')")
     for r in results:
-        even, padded = r["own_even"], r["own_collectives"]
-        assert even["last_step_comms"]["all_gather"] == 10 + 8  # forward + re-gathers
-        assert even["refill_copies"] == 0
-        assert padded["last_step_comms"]["all_gather"] == 10 + 8
-        assert padded["refill_copies"] > 0
+        for name in ("own_even", "own_collectives"):  # unpadded, padded
+            assert r[name]["last_step_comms"]["all_gather"] == 10 + 8  # forward + re-gathers
+            assert r[name]["refill_copies"] == 0, name
+        assert r["own_mixed"]["refill_copies"] > 0  # block 1: dim-1 shards, fused biases
 
 
 @pytest.mark.timeout(300)

@@ -62,10 +62,10 @@ class FSDPParam:
 
     @property
     def gathers_in_place(self) -> bool:
-        """Whether a flat all-gather of the shards is exactly the full parameter's memory
-        (dim-0 shards, no padding), so a re-gather can write straight into it."""
-        return self.shard_dim == 0 and self.shard_size > 1 and \
-            self.shard_size * self.chunk_rows == self.rows
+        """Whether the full parameter, read in place from its own all-gather output
+        (``full_from_whole``), is a prefix of that output: dim-0 shards, where the padding
+        is only ever at the end. A re-gather can then write straight into its memory."""
+        return self.shard_dim == 0 and self.shard_size > 1
 
     # ---------------------------------------------------------------- unshard pieces
     def padded_flat_shard(self, local: Any, dtype: Any) -> Any:

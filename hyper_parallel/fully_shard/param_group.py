@@ -107,7 +107,7 @@ class FSDPParamGroup:
         full = into.get(id(leg.params[0])) if len(leg.params) == 1 else None
         if full is not None and leg.params[0].gathers_in_place:
             handle = p.all_gather_into_released(full, pieces[0], self.mesh_info.shard_group,
-                                                async_op=async_op, dim="shard")
+                                                size, async_op=async_op, dim="shard")
             return leg, None, None, handle, full
         flat = pieces[0] if len(pieces) == 1 else p.cat(pieces, 0)
         return (leg, *p.all_gather_pieces(flat, self.mesh_info.shard_group, size,

@@ -160,14 +160,16 @@ class Platform(abc.ABC):
         return handle
 
     @abc.abstractmethod
-    def all_gather_into_released(self, full: Any, input: Any, group: Any, async_op: bool = False,
-                                 dim: str = "") -> Handle:
-        """Restore the memory of ``full`` (freed by ``release_storage``) and all-gather the
-        1-D ``input`` straight into it: rank r's input becomes the r-th of ``group_size``
-        equal stretches of ``full``'s elements (row-major). Like ``copy_into``, autograd's
-        bookkeeping of ``full`` is not disturbed. Re-gathering a parameter before backward
-        this way costs no copy out of a gather buffer. Only called where
-        ``can_release_storage``."""
+    def all_gather_into_released(self, full: Any, input: Any, group: Any, group_size: int,
+                                 async_op: bool = False, dim: str = "") -> Handle:
+        """Gather every rank's 1-D ``input`` straight into the memory behind ``full``, a
+        tensor whose memory ``release_storage`` freed: that memory is restored to hold the
+        ``group_size * numel(input)`` gathered elements (rank-major) from ``full``'s first
+        element on, so ``full`` reads the first ``numel(full)`` of them; any tail beyond it
+        (padding) lies in memory no tensor reads but the one ``full`` was a prefix of.
+        Like ``copy_into``, autograd's bookkeeping of ``full`` is not disturbed.
+        Re-gathering a parameter before backward this way costs no copy out of a gather
+        buffer. Only called where ``can_release_storage``."""
 
     @abc.abstractmethod
     def all_reduce(self, tensor: Any, group: Any, op: str = "sum", async_op: bool = False,

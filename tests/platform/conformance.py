@@ -1395,22 +1395,24 @@ def check_all_gather_pieces(ctx):
 def check_all_gather_into_released(ctx):
     """The re-gather before backward: a full tensor autograd saved is released, then
     gathered into in place (sync and async); backward sees the gathered values and
-    autograd does not complain about the write."""
+    autograd does not complain about the write. Padded: the full tensor is a prefix of
+    the gathered rows (the last rank's row is padding)."""
     p, w, r = ctx.p, ctx.world, ctx.rank
     if not p.can_release_storage:
         raise Skip(f"{p.name}: can_release_storage is False")
     rows = np.stack([_arange(3, start=10 * k) for k in range(w)])   # rank k's row
-    coef = _arange(w, 3) * 0.1 + 1
-    for async_op in (False, True):
+    for async_op, kept in ((False, w), (True, w), (False, w - 1), (True, w - 1)):
         gathered = []
+        coef = _arange(kept, 3) * 0.1 + 1
 
         def loss_fn(inputs):
-            full = p.zeros((w, 3), p.dtype("float32"))
+            buffer = p.zeros((w, 3), p.dtype("float32"))
+            full = p.narrow(buffer, 0, 0, kept)
             product = inputs[0] * full  # autograd saves ``full`` for the gradient of inputs[0]
 
             def before_backward():
                 handle = p.all_gather_into_released(full, _f32(ctx, rows[r]),
-                                                    ctx.mesh1.get_group(0), async_op=async_op)
+                                                    ctx.mesh1.get_group(0), w, async_op=async_op)
                 _check(isinstance(handle, Handle),
                        f"all_gather_into_released returned {type(handle).__name__}")
                 handle.wait()
@@ -1419,11 +1421,12 @@ def check_all_gather_into_released(ctx):
             p.release_storage(full)
             return ctx.side.weighted_sum(product, coef)
 
-        _, (grad,), _ = ctx.side.backward(loss_fn, [np.ones((w, 3), np.float32)])
-        how = f"(async_op={async_op})"
+        _, (grad,), _ = ctx.side.backward(loss_fn, [np.ones((kept, 3), np.float32)])
+        how = f"(async_op={async_op}, {kept} of {w} rows)"
         _check(len(gathered) == 1, f"grad hook ran {len(gathered)} times {how}")
-        _same(gathered[0], rows, f"all_gather_into_released values {how}")
-        _same(grad, rows * coef, f"gradient through a tensor gathered in place {how}", tol=1e-6)
+        _same(gathered[0], rows[:kept], f"all_gather_into_released values {how}")
+        _same(grad, rows[:kept] * coef, f"gradient through a tensor gathered in place {how}",
+              tol=1e-6)
 
 
 @collective_check()

@@ -115,15 +115,18 @@ class TorchPlatform(Platform):
                                     async_op=async_op)
         return Handle(work)
 
-    def all_gather_into_released(self, full, input, group, async_op=False, dim=""):
-        self.restore_storage(full)
-        # The collective bumps the version counter autograd checks for ``full`` (saved by
-        # the forward), when it is issued or, async, when it is waited: put it back after
-        # both. Writing the values ``full`` had is not the modification that guards.
-        keep = torch.autograd._unsafe_preserve_version_counter(full)
-        with torch.no_grad(), keep:
-            handle = self.all_gather_into(full.view(-1), input, group, async_op=async_op, dim=dim)
-        return Handle(handle, on_done=lambda: keep.__exit__(None, None, None))
+    def all_gather_into_released(self, full, input, group, group_size, async_op=False, dim=""):
+        total = group_size * input.numel()
+        storage = full.untyped_storage()
+        needed = (full.storage_offset() + total) * full.element_size()
+        if storage.size() < needed:
+            storage.resize_(needed)
+        # A new tensor on the same memory, not a view of ``full``: the collective's write
+        # then leaves the version counter autograd checks for ``full`` alone (it was saved
+        # by the forward, and refilling the values it had is no modification).
+        with torch.no_grad():
+            flat = full.new_empty(0).set_(storage, full.storage_offset(), (total,))
+        return self.all_gather_into(flat, input, group, async_op=async_op, dim=dim)
 
     def all_reduce(self, tensor, group, op="sum", async_op=False, dim=""):
         self._record("all_reduce", "all_reduce", tensor.numel() * tensor.element_size(), dim)
