@@ -127,18 +127,28 @@ class FSDPParam:
         return cast if cast is not local else p.clone(local)
 
     # ---------------------------------------------------------------- reduce pieces
-    def reduce_scatter_flat(self, full_grad: Any, dtype: Any) -> Any:
-        """The gradient as a flat ``[shard_size * padded_numel]`` buffer, rank-major (the
-        ``padded_numel`` elements at ``r * padded_numel`` go to rank r): a view of the
-        gradient itself where no cast, padding or move is needed."""
+    def gradient_pieces(self, full_grad: Any, dtype: Any) -> list:
+        """The gradient in ``dtype`` as ``shard_size`` flat pieces of ``padded_numel``
+        elements, piece r for rank r: views of the gradient where rank r's rows are all
+        there, new memory only for a piece that needs padding (or is all padding)."""
         p = self.platform
         moved = p.movedim(p.cast(full_grad, dtype), self.shard_dim, 0)
-        missing = self.shard_size * self.chunk_rows - self.rows
-        if missing:
-            moved = p.cat([moved, p.zeros((missing, *self.row_shape), dtype)], 0)
-        elif self.shard_dim != 0:
+        if self.shard_dim != 0:  # dim 0 is contiguous already (and asking waits on MindSpore)
             moved = p.contiguous(moved)
-        return p.reshape(moved, (self.shard_size * self.padded_numel,))
+        flat = p.reshape(moved, (self.rows * self.row_numel,))
+        pieces = []
+        for rank in range(self.shard_size):
+            first = rank * self.chunk_rows
+            rows = max(0, min(self.chunk_rows, self.rows - first))
+            if rows == self.chunk_rows:
+                pieces.append(p.narrow(flat, 0, first * self.row_numel, self.padded_numel))
+            elif rows == 0:
+                pieces.append(p.zeros((self.padded_numel,), dtype))
+            else:
+                padding = p.zeros(((self.chunk_rows - rows) * self.row_numel,), dtype)
+                pieces.append(p.cat([p.narrow(flat, 0, first * self.row_numel,
+                                              rows * self.row_numel), padding], 0))
+        return pieces
 
     def sharded_grad_from(self, reduced: Any, offset: int) -> Any:
         """This rank's gradient shard out of the flat reduce-scatter output."""

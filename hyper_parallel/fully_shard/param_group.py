@@ -7,13 +7,14 @@ flat gradient buffer and one all-reduce bucket (all_reduce.py).
 - The fused leg: the all-gather input is the concatenation of every parameter's padded
   flat shard (``total`` elements per rank); each full parameter is concatenated from its
   columns of the per-rank pieces of the output (``Platform.all_gather_pieces``). The
-  reduce-scatter input is rank-major: rank 0's padded pieces of every parameter's gradient
-  in order, then rank 1's, and so on; the output is one flat buffer, the leg's bucket.
+  reduce-scatter input is rank-major, one piece per rank (``Platform.
+  reduce_scatter_pieces``): rank r's padded pieces of every parameter's gradient in order;
+  the output is one flat buffer, the leg's bucket.
 - Own legs: a sharded parameter of at least ``own_collective_bytes`` (all-gather piece in
   the compute dtype) travels alone. Then nothing is concatenated: its shard is the
   all-gather input as it is, the output buffer is the full parameter (a view on torch,
-  sharding on dim 0), its gradient is the reduce-scatter input and the output its gradient
-  shard. One more call per such parameter buys three full-size copies fewer per step
+  sharding on dim 0), its gradient is the reduce-scatter input (per-rank views of it; only
+  a piece that needs padding is copied) and the output its gradient shard. One more call per such parameter buys three full-size copies fewer per step
   (FSDP2 always fuses and always copies). With a shard group of one rank there is no
   collective, and the full tensors are private copies (they must never alias the shards).
 - The small leg: unsharded (below ``shard_threshold_bytes``) parameters skip the gather and
@@ -171,19 +172,17 @@ class FSDPParamGroup:
         return [(leg, pieces, whole, into) for leg, pieces, whole, _, into in pending]
 
     # ---------------------------------------------------------------- gradient layout
-    def flat_gradients(self, leg: Leg, grads_by_param: dict, dtype: Any) -> tuple:
-        """``(buffer, owned)``: the leg's gradients as one flat rank-major ``[shard_size *
-        total]`` buffer in ``dtype``, and whether it is new memory nobody else reads (a leg
-        of one parameter that is reduce-scattered uses the gradient as it is, a view)."""
+    def gradient_pieces(self, leg: Leg, grads_by_param: dict, dtype: Any) -> list:
+        """The leg's gradients in ``dtype`` as one flat piece per rank of its shard group:
+        rank r's padded pieces of every parameter in order (the reduce-scatter input, laid
+        out rank-major). A leg of one parameter passes its pieces on as they are, mostly
+        views of the gradient; a fused leg concatenates each rank's (one copy)."""
         p = self.platform
-        flats = [fp.reduce_scatter_flat(grads_by_param[id(fp)], dtype) for fp in leg.params]
-        size = leg.params[0].shard_size
-        if len(flats) == 1 and size > 1:
-            return flats[0], False
-        # rank r's padded pieces of every parameter in order, then rank r + 1's: contiguous
-        # reads, where concatenating [shard_size, padded] blocks on dim 1 would be strided
-        return p.cat([p.narrow(flat, 0, r * fp.padded_numel, fp.padded_numel)
-                      for r in range(size) for fp, flat in zip(leg.params, flats)], 0), True
+        per_param = [fp.gradient_pieces(grads_by_param[id(fp)], dtype) for fp in leg.params]
+        if len(per_param) == 1:
+            return per_param[0]
+        return [p.cat([pieces[rank] for pieces in per_param], 0)
+                for rank in range(leg.params[0].shard_size)]
 
     def sharded_gradients(self, leg: Leg, reduced: Any) -> list:
         """Per-parameter gradient shards (each parameter's dtype) out of a reduced buffer."""

@@ -1,8 +1,9 @@
 """One unit's gradients on their way from full to sharded, in three stages.
 
 [Note: the stages and who drives them]
-1. ``UnitReduction(...)`` (the unit's post-backward): scale once (``pre_scale``), lay the
-   gradients out flat, issue the reduce-scatter over the shard group (async).
+1. ``UnitReduction(...)`` (the unit's post-backward): lay the gradients out as one piece
+   per rank (param_group.py), scale once (``pre_scale``), issue the reduce-scatter over
+   the shard group (async).
 2. ``finish_reduce_scatter`` + ``start_all_reduce`` (driven by the IterationContext when the
    next unit's post-backward runs, or at the end of backward): wait the reduce-scatter,
    apply ``post_scale``, then either issue the bucket's all-reduce over the replicate
@@ -26,11 +27,10 @@ logger = logging.getLogger("hyper_parallel.fully_shard")
 
 
 class _LegInFlight:
-    def __init__(self, leg: Leg, buffer: Any, handle: Any, owned: bool):
+    def __init__(self, leg: Leg, buffer: Any, handle: Any):
         self.leg = leg
-        self.buffer = buffer
+        self.buffer = buffer  # the core's own memory: scaling may overwrite it
         self.handle = handle
-        self.owned = owned  # the buffer is the core's own memory: scaling may overwrite it
         self.deferred = False
 
 
@@ -49,16 +49,17 @@ class UnitReduction:
         by_param = {id(fp): g for fp, g in zip(group.params, full_grads)}
         self.legs = []
         for leg in group.legs:
-            flat, owned = group.flat_gradients(leg, by_param, dtype)
+            pieces = group.gradient_pieces(leg, by_param, dtype)
             if plan.pre_scale != 1.0:
-                flat, owned = p.scale(flat, plan.pre_scale, may_overwrite=owned), True
-            handle = None
+                pieces = [p.scale(piece, plan.pre_scale) for piece in pieces]
             if leg.sharded and group.mesh_info.shard_size > 1:
-                handle = p.reduce_scatter_new(flat, group.mesh_info.shard_group,
-                                              group.mesh_info.shard_size, async_op=async_op,
-                                              dim="shard", may_overwrite_input=owned)
-                flat, owned = None, True  # handle.result (new memory), once waited
-            self.legs.append(_LegInFlight(leg, flat, handle, owned))
+                handle = p.reduce_scatter_pieces(pieces, group.mesh_info.shard_group,
+                                                 async_op=async_op, dim="shard")
+                flat = None  # handle.result (new memory), once waited
+            else:
+                # no reduce-scatter: the bucket's buffer, the core's own (all-reduced in place)
+                flat, handle = p.cat(pieces, 0), None
+            self.legs.append(_LegInFlight(leg, flat, handle))
         if group.sharded_legs and group.mesh_info.shard_size > 1:
             logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")
 
@@ -69,8 +70,7 @@ class UnitReduction:
                 leg.handle.wait()
                 leg.buffer, leg.handle = leg.handle.result, None
             if self.plan.post_scale != 1.0:
-                leg.buffer, leg.owned = p.scale(leg.buffer, self.plan.post_scale,
-                                                may_overwrite=leg.owned), True
+                leg.buffer = p.scale(leg.buffer, self.plan.post_scale, may_overwrite=True)
 
     def start_all_reduce(self, requires_all_reduce: bool) -> None:
         replicated = self.group.mesh_info.replicate_size > 1

@@ -1430,6 +1430,34 @@ def check_all_gather_into_released(ctx):
 
 
 @collective_check()
+def check_reduce_scatter_pieces(ctx):
+    """One piece per rank, as views of one gradient and as separate tensors; the pieces
+    stay as they were and the result is memory of its own."""
+    p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
+    k = np.arange(w * n, dtype=np.float32)
+    mine = k * (r + 1) + r
+    total = sum(k * (q + 1) + q for q in range(w))
+    for async_op in (False, True):
+        whole = _f32(ctx, mine)
+        for how, pieces in (("views", [p.narrow(whole, 0, q * n, n) for q in range(w)]),
+                            ("tensors", [_f32(ctx, mine[q * n:(q + 1) * n]) for q in range(w)])):
+            handle = p.reduce_scatter_pieces(pieces, ctx.mesh1.get_group(0), async_op=async_op)
+            _check(isinstance(handle, Handle),
+                   f"reduce_scatter_pieces returned {type(handle).__name__}")
+            handle.wait()
+            what = f"({how}, async_op={async_op})"
+            _same(_values(ctx, handle.result), total[r * n:(r + 1) * n],
+                  f"reduce_scatter_pieces chunk {what}")
+            for q, piece in enumerate(pieces):
+                _same(_values(ctx, piece), mine[q * n:(q + 1) * n],
+                      f"reduce_scatter_pieces changed piece {q} {what}")
+            p.all_reduce(handle.result, ctx.mesh1.get_group(0))  # its own memory
+            _same(_values(ctx, handle.result), total.reshape(w, n).sum(0),
+                  f"all_reduce of the reduce_scatter_pieces result {what}")
+            _same(_values(ctx, whole), mine, f"reduce_scatter_pieces changed the gradient {what}")
+
+
+@collective_check()
 def check_reduce_scatter_new(ctx):
     p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
     k = np.arange(w * n, dtype=np.float32)
