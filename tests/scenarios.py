@@ -14,6 +14,7 @@ import contextlib
 import numpy as np
 
 import hyper_parallel as hp
+from hyper_parallel.fully_shard.state import STATE_ATTR
 from tests.kit import get_kit, make_batches
 
 STEPS = 5
@@ -109,7 +110,18 @@ def run_scenario(name: str, seed: int = 0) -> dict:
         "wire": {op: e["wire"] for op, e in comms.summary().items()},
         "can_release": platform.can_release_storage,
         "refill_copies": refill_copies[0],  # last step: rank pieces copied into fulls
+        "backed_shards": _backed_shards(platform, model),
     }
+
+
+def _backed_shards(platform, model) -> list:
+    """For every shard kept at the start of its padded piece: does the parameter still
+    live there after the optimizer's steps (so the all-gather reads it without a copy)?"""
+    states = {id(s): s for _, m in platform.named_modules(model)
+              if (s := m.__dict__.get(STATE_ATTR)) is not None and s.group is not None}
+    return [platform.starts_with(fp._padded_shard, platform.local_tensor(fp.sharded_param))
+            for state in states.values() for fp in state.group.params
+            if fp._padded_shard is not None]
 
 
 @contextlib.contextmanager

@@ -48,15 +48,21 @@ class FSDPParam:
         self.local_rows = min(self.chunk_rows, self.rows - start)
         self.stored_rows = self.chunk_rows if platform.pads_local_shards else self.local_rows
         self.orig_dtype = platform.dtype_of(param)
+        self._padded_shard = None  # see padded_flat_shard
         with platform.no_grad():
             local = platform.narrow(platform.movedim(param, shard_dim, 0), 0, start, self.local_rows)
+            padding = (self.chunk_rows - self.local_rows, *self.row_shape)
             if self.stored_rows > self.local_rows:
-                padding = (self.stored_rows - self.local_rows, *self.row_shape)
                 local = platform.cat([local, platform.zeros(padding, self.orig_dtype)], 0)
+            elif shard_dim == 0 and 0 < self.local_rows < self.chunk_rows:
+                # the shard lives at the start of its padded piece, which the all-gather
+                # then reads as it is (as FSDP2 keeps its padded shard)
+                self._padded_shard = platform.cat([local, platform.zeros(padding, self.orig_dtype)], 0)
+                local = platform.narrow(self._padded_shard, 0, 0, self.local_rows)
             local = platform.contiguous(platform.movedim(local, 0, shard_dim))
             self.sharded_param = platform.make_sharded_param(
                 param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim,
-                shard_dim if is_sharded else None, self.full_shape)
+                shard_dim if is_sharded else None, self.full_shape, backing=self._padded_shard)
         for module, name in slots:
             platform.register_param(module, name, self.sharded_param)
 
@@ -69,10 +75,15 @@ class FSDPParam:
 
     # ---------------------------------------------------------------- unshard pieces
     def padded_flat_shard(self, local: Any, dtype: Any) -> Any:
-        """This rank's piece of the all-gather input: the shard, padded, flat, in ``dtype``."""
+        """This rank's piece of the all-gather input: the shard, padded, flat, in ``dtype``.
+        A shard kept at the start of its padded piece (``make_sharded_param(backing=...)``)
+        is read in place, unless something replaced the parameter's memory since."""
         p = self.platform
         if self.stored_rows == 0:
             return p.zeros((self.padded_numel,), dtype)
+        if self._padded_shard is not None and dtype == self.orig_dtype and \
+                p.starts_with(self._padded_shard, local):
+            return p.reshape(self._padded_shard, (self.padded_numel,))  # no copy
         moved = p.movedim(p.cast(local, dtype), self.shard_dim, 0)
         missing = self.chunk_rows - self.stored_rows
         if missing:

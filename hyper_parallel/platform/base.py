@@ -332,12 +332,25 @@ class Platform(abc.ABC):
 
     @abc.abstractmethod
     def make_sharded_param(self, orig_param: Any, local_shard: Any, native_mesh: Any,
-                           shard_mesh_dim: int, shard_dim: int, full_shape: tuple) -> Any:
+                           shard_mesh_dim: int, shard_dim: int, full_shape: tuple,
+                           backing: Any = None) -> Any:
         """A new parameter holding a copy of ``local_shard`` (its own memory: a view would keep
         the whole unsharded parameter alive) that replaces ``orig_param`` (same name, same
         ``requires_grad``). On torch it is a DTensor over ``native_mesh`` sharded on
         ``shard_dim`` along mesh dim ``shard_mesh_dim`` and replicated on the others
-        (replicated everywhere when ``shard_dim`` is None)."""
+        (replicated everywhere when ``shard_dim`` is None).
+
+        ``backing``: new memory of the caller's that ``local_shard`` is a leading view of
+        (the shard with padding rows after it). Where views write through, the parameter
+        then keeps that view instead of a copy, so ``backing`` stays the padded shard as the
+        optimizer updates it (``starts_with`` tells whether it still is); elsewhere it is
+        ignored."""
+
+    @abc.abstractmethod
+    def starts_with(self, whole: Any, part: Any) -> bool:
+        """Whether ``part``'s elements are the leading elements of ``whole``'s memory, so
+        that writes to ``part`` are seen in ``whole`` (False where views do not write
+        through)."""
 
     @abc.abstractmethod
     def local_tensor(self, param: Any) -> Any:

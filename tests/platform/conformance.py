@@ -1650,6 +1650,22 @@ def check_make_sharded_param(ctx):
     _check(p.shape(p.local_tensor(replicated)) == (2, 3),
            f"shard_dim=None: local_tensor shape {p.shape(p.local_tensor(replicated))}")
     _same(p.to_numpy(replicated), _arange(2, 3), "shard_dim=None (replicated): to_numpy")
+    # backing: the shard (2 rows) at the start of a padded piece of 3 rows the caller owns
+    backing = p.cat([p.from_numpy(full[2 * r:2 * r + 2]), p.zeros((1, 3), p.dtype("float32"))], 0)
+    backed = p.make_sharded_param(ctx.side.new_param(np.zeros((2 * w, 3), np.float32), "conf.b"),
+                                  p.narrow(backing, 0, 0, 2), mesh.native, 0, 0, (2 * w, 3),
+                                  backing=backing)
+    local = p.local_tensor(backed)
+    _check(p.shape(local) == (2, 3), f"backed shard shape {p.shape(local)}")
+    _same(_values(ctx, local), full[2 * r:2 * r + 2], "backed shard values")
+    _check(p.starts_with(backing, local) is _views_write_through(ctx),
+           "make_sharded_param(backing=...) must keep the shard as a view of its backing "
+           "exactly where views write through")
+    if p.starts_with(backing, local):  # kept as a view: updates reach the padded piece
+        with p.no_grad():
+            p.copy_into(local, p.from_numpy(-full[2 * r:2 * r + 2]))
+        _same(_values(ctx, backing), np.concatenate([-full[2 * r:2 * r + 2], np.zeros((1, 3))]),
+              "an update of a backed shard must reach its backing, padding untouched")
     param = p.make_sharded_param(ctx.side.new_param(np.zeros((2 * w, 3), np.float32), "conf.g"),
                                  p.from_numpy(full[2 * r:2 * r + 2]), mesh.native, 0, 0,
                                  (2 * w, 3))
@@ -1657,6 +1673,34 @@ def check_make_sharded_param(ctx):
     _, _, (grad,) = ctx.side.backward(
         lambda _: ctx.side.weighted_sum(p.local_tensor(param), weights), [], [param])
     _same(grad, weights, "gradient of the sharded param through local_tensor", tol=1e-6)
+
+
+def _views_write_through(ctx) -> bool:
+    """Whether a write into a leading narrow of a tensor reaches the tensor (torch: yes;
+    MindSpore CPU: no, platform-facts: its copy into a narrow even fails)."""
+    p = ctx.p
+    whole = p.from_numpy(_arange(4, 3))
+    try:
+        p.copy_into(p.narrow(whole, 0, 0, 2), p.from_numpy(np.full((2, 3), -1.0, np.float32)))
+        return bool((_values(ctx, whole)[:2] == -1.0).all())
+    except RuntimeError:
+        return False
+
+
+@local_check
+def check_starts_with(ctx):
+    """True exactly for a leading view whose writes reach the whole; never for a copy or a
+    view that starts later."""
+    p = ctx.p
+    whole = p.from_numpy(_arange(4, 3))
+    prefix = p.narrow(whole, 0, 0, 2)
+    writes_through = _views_write_through(ctx)
+    _check(p.starts_with(whole, prefix) is writes_through,
+           f"starts_with(whole, leading narrow) = {p.starts_with(whole, prefix)} but writes to "
+           f"the narrow {'do' if writes_through else 'do not'} reach the whole")
+    _check(p.starts_with(whole, p.narrow(whole, 0, 1, 2)) is False,
+           "starts_with(whole, a narrow from row 1) must be False")
+    _check(p.starts_with(whole, p.clone(prefix)) is False, "starts_with(whole, a clone) must be False")
 
 
 def _sharded(ctx, name, requires_grad=True):

@@ -348,13 +348,16 @@ class MindSporePlatform(Platform):
         module._params[attr_name] = param
 
     def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
-                           shard_dim, full_shape):
+                           shard_dim, full_shape, backing=None):
         # set_data cannot shrink a Parameter: autograd keeps its original shape.
         return Parameter(local_shard + 0, name=orig_param.name,
                          requires_grad=orig_param.requires_grad)
 
     def local_tensor(self, param):
         return param
+
+    def starts_with(self, whole, part) -> bool:
+        return False  # a view never writes through to its base (platform-facts)
 
     def param_requires_grad(self, param) -> bool:
         # The Parameter.requires_grad getter waits for the whole async pipeline first; its

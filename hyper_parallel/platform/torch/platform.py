@@ -267,20 +267,27 @@ class TorchPlatform(Platform):
         module._parameters[attr_name] = param
 
     def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
-                           shard_dim, full_shape):
+                           shard_dim, full_shape, backing=None):
         placements = [Replicate()] * native_mesh.ndim
         if shard_dim is not None:
             placements[shard_mesh_dim] = Shard(shard_dim)
         stride = torch.empty(full_shape, device="meta").stride()
-        # clone: a dim-0 narrow is already contiguous, and a view would keep the whole
-        # unsharded parameter alive behind every shard
-        own = local_shard.detach().clone(memory_format=torch.contiguous_format)
+        if backing is not None:
+            own = local_shard.detach()  # a view of the caller's padded shard, kept as one
+        else:
+            # clone: a dim-0 narrow is already contiguous, and a view would keep the whole
+            # unsharded parameter alive behind every shard
+            own = local_shard.detach().clone(memory_format=torch.contiguous_format)
         dtensor = DTensor.from_local(own, native_mesh, placements,
                                      run_check=False, shape=torch.Size(full_shape), stride=stride)
         return torch.nn.Parameter(dtensor, requires_grad=orig_param.requires_grad)
 
     def local_tensor(self, param):
         return param.to_local()
+
+    def starts_with(self, whole, part) -> bool:
+        return part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() and \
+            part.storage_offset() == whole.storage_offset() and part.is_contiguous()
 
     def grad_placeholder(self, param):
         return None
