@@ -119,9 +119,9 @@ def _backed_shards(platform, model) -> list:
     live there after the optimizer's steps (so the all-gather reads it without a copy)?"""
     states = {id(s): s for _, m in platform.named_modules(model)
               if (s := m.__dict__.get(STATE_ATTR)) is not None and s.group is not None}
-    return [platform.starts_with(fp._padded_shard, platform.local_tensor(fp.sharded_param))
+    return [platform.starts_with(fp.padded_shard, platform.local_tensor(fp.sharded_param))
             for state in states.values() for fp in state.group.params
-            if fp._padded_shard is not None]
+            if fp.padded_shard is not None]
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ class FSDPParam:
         self.local_rows = min(self.chunk_rows, self.rows - start)
         self.stored_rows = self.chunk_rows if platform.pads_local_shards else self.local_rows
         self.orig_dtype = platform.dtype_of(param)
-        self._padded_shard = None  # see padded_flat_shard
+        self.padded_shard = None  # the shard's padded piece, where it lives (torch, see below)
         with platform.no_grad():
             local = platform.narrow(platform.movedim(param, shard_dim, 0), 0, start, self.local_rows)
             padding = (self.chunk_rows - self.local_rows, *self.row_shape)
@@ -57,12 +57,12 @@ class FSDPParam:
             elif shard_dim == 0 and 0 < self.local_rows < self.chunk_rows:
                 # the shard lives at the start of its padded piece, which the all-gather
                 # then reads as it is (as FSDP2 keeps its padded shard)
-                self._padded_shard = platform.cat([local, platform.zeros(padding, self.orig_dtype)], 0)
-                local = platform.narrow(self._padded_shard, 0, 0, self.local_rows)
+                self.padded_shard = platform.cat([local, platform.zeros(padding, self.orig_dtype)], 0)
+                local = platform.narrow(self.padded_shard, 0, 0, self.local_rows)
             local = platform.contiguous(platform.movedim(local, 0, shard_dim))
             self.sharded_param = platform.make_sharded_param(
                 param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim,
-                shard_dim if is_sharded else None, self.full_shape, backing=self._padded_shard)
+                shard_dim if is_sharded else None, self.full_shape, backing=self.padded_shard)
         for module, name in slots:
             platform.register_param(module, name, self.sharded_param)
 
@@ -81,9 +81,9 @@ class FSDPParam:
         p = self.platform
         if self.stored_rows == 0:
             return p.zeros((self.padded_numel,), dtype)
-        if self._padded_shard is not None and dtype == self.orig_dtype and \
-                p.starts_with(self._padded_shard, local):
-            return p.reshape(self._padded_shard, (self.padded_numel,))  # no copy
+        if self.padded_shard is not None and dtype == self.orig_dtype and \
+                p.starts_with(self.padded_shard, local):
+            return p.reshape(self.padded_shard, (self.padded_numel,))  # no copy
         moved = p.movedim(p.cast(local, dtype), self.shard_dim, 0)
         missing = self.chunk_rows - self.stored_rows
         if missing:
@@ -139,9 +139,10 @@ class FSDPParam:
 
     # ---------------------------------------------------------------- reduce pieces
     def gradient_pieces(self, full_grad: Any, dtype: Any) -> list:
-        """The gradient in ``dtype`` as ``shard_size`` flat pieces of ``padded_numel``
-        elements, piece r for rank r: views of the gradient where rank r's rows are all
-        there, new memory only for a piece that needs padding (or is all padding)."""
+        """The gradient in ``dtype`` cut for a reduce-scatter: one list of flat parts per
+        rank, whose concatenation is that rank's ``padded_numel`` elements. Nothing is
+        copied: the parts are views of the gradient, plus zeros where a rank's rows need
+        padding (or it has none); whoever needs one tensor per rank concatenates."""
         p = self.platform
         moved = p.movedim(p.cast(full_grad, dtype), self.shard_dim, 0)
         if self.shard_dim != 0:  # dim 0 is contiguous already (and asking waits on MindSpore)
@@ -151,14 +152,10 @@ class FSDPParam:
         for rank in range(self.shard_size):
             first = rank * self.chunk_rows
             rows = max(0, min(self.chunk_rows, self.rows - first))
-            if rows == self.chunk_rows:
-                pieces.append(p.narrow(flat, 0, first * self.row_numel, self.padded_numel))
-            elif rows == 0:
-                pieces.append(p.zeros((self.padded_numel,), dtype))
-            else:
-                padding = p.zeros(((self.chunk_rows - rows) * self.row_numel,), dtype)
-                pieces.append(p.cat([p.narrow(flat, 0, first * self.row_numel,
-                                              rows * self.row_numel), padding], 0))
+            parts = [p.narrow(flat, 0, first * self.row_numel, rows * self.row_numel)] if rows else []
+            if rows < self.chunk_rows:
+                parts.append(p.zeros(((self.chunk_rows - rows) * self.row_numel,), dtype))
+            pieces.append(parts)
         return pieces
 
     def sharded_grad_from(self, reduced: Any, offset: int) -> Any:

@@ -7,15 +7,16 @@ flat gradient buffer and one all-reduce bucket (all_reduce.py).
 - The fused leg: the all-gather input is the concatenation of every parameter's padded
   flat shard (``total`` elements per rank); each full parameter is concatenated from its
   columns of the per-rank pieces of the output (``Platform.all_gather_pieces``). The
-  reduce-scatter input is rank-major, one piece per rank (``Platform.
-  reduce_scatter_pieces``): rank r's padded pieces of every parameter's gradient in order;
-  the output is one flat buffer, the leg's bucket.
+  reduce-scatter input is rank-major: rank r's padded pieces of every parameter's gradient
+  in order (``Platform.reduce_scatter_pieces``, one concatenation); the output is one flat
+  buffer, the leg's bucket.
 - Own legs: a sharded parameter of at least ``own_collective_bytes`` (all-gather piece in
   the compute dtype) travels alone. Then nothing is concatenated: its shard is the
   all-gather input as it is, the output buffer is the full parameter (a view on torch,
-  sharding on dim 0), its gradient is the reduce-scatter input (per-rank views of it; only
-  a piece that needs padding is copied) and the output its gradient shard. One more call per such parameter buys three full-size copies fewer per step
-  (FSDP2 always fuses and always copies). With a shard group of one rank there is no
+  sharding on dim 0), its gradient is the reduce-scatter input (per-rank views of it, on
+  gloo read where they are) and the output its gradient shard. One more call per such
+  parameter buys three full-size copies fewer per step (FSDP2 always fuses and always
+  copies). With a shard group of one rank there is no
   collective, and the full tensors are private copies (they must never alias the shards).
 - The small leg: unsharded (below ``shard_threshold_bytes``) parameters skip the gather and
   reduce-scatter: each rank holds them whole and their gradients form one bucket
@@ -173,15 +174,12 @@ class FSDPParamGroup:
 
     # ---------------------------------------------------------------- gradient layout
     def gradient_pieces(self, leg: Leg, grads_by_param: dict, dtype: Any) -> list:
-        """The leg's gradients in ``dtype`` as one flat piece per rank of its shard group:
-        rank r's padded pieces of every parameter in order (the reduce-scatter input, laid
-        out rank-major). A leg of one parameter passes its pieces on as they are, mostly
-        views of the gradient; a fused leg concatenates each rank's (one copy)."""
-        p = self.platform
+        """The leg's gradients in ``dtype`` cut for its reduce-scatter: per rank of the
+        shard group, the list of flat parts whose concatenation rank r receives (rank r's
+        padded piece of every parameter in order: the input laid out rank-major). No copy
+        here; ``Platform.reduce_scatter_pieces`` concatenates only where it must."""
         per_param = [fp.gradient_pieces(grads_by_param[id(fp)], dtype) for fp in leg.params]
-        if len(per_param) == 1:
-            return per_param[0]
-        return [p.cat([pieces[rank] for pieces in per_param], 0)
+        return [[part for pieces in per_param for part in pieces[rank]]
                 for rank in range(leg.params[0].shard_size)]
 
     def sharded_gradients(self, leg: Leg, reduced: Any) -> list:

@@ -51,14 +51,14 @@ class UnitReduction:
         for leg in group.legs:
             pieces = group.gradient_pieces(leg, by_param, dtype)
             if plan.pre_scale != 1.0:
-                pieces = [p.scale(piece, plan.pre_scale) for piece in pieces]
+                pieces = [[p.scale(part, plan.pre_scale) for part in parts] for parts in pieces]
             if leg.sharded and group.mesh_info.shard_size > 1:
                 handle = p.reduce_scatter_pieces(pieces, group.mesh_info.shard_group,
                                                  async_op=async_op, dim="shard")
                 flat = None  # handle.result (new memory), once waited
             else:
                 # no reduce-scatter: the bucket's buffer, the core's own (all-reduced in place)
-                flat, handle = p.cat(pieces, 0), None
+                flat, handle = p.cat([part for parts in pieces for part in parts], 0), None
             self.legs.append(_LegInFlight(leg, flat, handle))
         if group.sharded_legs and group.mesh_info.shard_size > 1:
             logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")

@@ -159,15 +159,16 @@ class Platform(abc.ABC):
         handle.result = output
         return handle
 
-    def reduce_scatter_pieces(self, pieces: Sequence[Any], group: Any, async_op: bool = False,
-                              dim: str = "") -> Handle:
-        """``reduce_scatter_new`` of the concatenation of ``pieces`` (one 1-D tensor per rank
-        of ``group``, equal lengths: rank r receives the sum of everyone's ``pieces[r]``),
-        without the caller making that concatenation: where a parameter's gradient needs
-        padding only the padded piece is new memory, the others are views of the gradient.
-        The pieces are left as they were. The default concatenates them (one copy, which a
-        composed reduce-scatter then reduces in place)."""
-        flat = self.cat(list(pieces), 0)
+    def reduce_scatter_pieces(self, pieces: Sequence[Sequence[Any]], group: Any,
+                              async_op: bool = False, dim: str = "") -> Handle:
+        """``reduce_scatter_new`` of an input given in parts, never concatenated by the
+        caller: ``pieces[r]`` is the list of 1-D tensors whose concatenation rank r
+        receives the sum of (equal total lengths). Views of a gradient and zeros for its
+        padding go in as they are; the platform concatenates only what its collective
+        needs, at most once. The parts are left as they were. The default concatenates
+        everything into one flat input (one copy, which a composed reduce-scatter then
+        reduces in place)."""
+        flat = self.cat([part for parts in pieces for part in parts], 0)
         return self.reduce_scatter_new(flat, group, len(pieces), async_op=async_op, dim=dim,
                                        may_overwrite_input=True)
 

@@ -1431,16 +1431,26 @@ def check_all_gather_into_released(ctx):
 
 @collective_check()
 def check_reduce_scatter_pieces(ctx):
-    """One piece per rank, as views of one gradient and as separate tensors; the pieces
-    stay as they were and the result is memory of its own."""
+    """Each rank's part of the input given as views of one gradient, as one tensor, or as
+    several parts (a view plus zeros, the padded case); the parts stay as they were and
+    the result is memory of its own."""
     p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
     k = np.arange(w * n, dtype=np.float32)
     mine = k * (r + 1) + r
+    mine[-1] = 0.0  # the last rank's last element is padding: zero on every rank
     total = sum(k * (q + 1) + q for q in range(w))
+    total[-1] = 0.0
     for async_op in (False, True):
         whole = _f32(ctx, mine)
-        for how, pieces in (("views", [p.narrow(whole, 0, q * n, n) for q in range(w)]),
-                            ("tensors", [_f32(ctx, mine[q * n:(q + 1) * n]) for q in range(w)])):
+        layouts = {
+            "views": [[p.narrow(whole, 0, q * n, n)] for q in range(w)],
+            "tensors": [[_f32(ctx, mine[q * n:(q + 1) * n])] for q in range(w)],
+            "parts": [[p.narrow(whole, 0, q * n, n - 1), _f32(ctx, mine[(q + 1) * n - 1:(q + 1) * n])]
+                      for q in range(w - 1)] + [[p.narrow(whole, 0, (w - 1) * n, n - 1),
+                                                 p.zeros((1,), p.dtype("float32"))]],
+        }
+        for how, pieces in layouts.items():
+            before = [[_values(ctx, t) for t in parts] for parts in pieces]
             handle = p.reduce_scatter_pieces(pieces, ctx.mesh1.get_group(0), async_op=async_op)
             _check(isinstance(handle, Handle),
                    f"reduce_scatter_pieces returned {type(handle).__name__}")
@@ -1448,9 +1458,9 @@ def check_reduce_scatter_pieces(ctx):
             what = f"({how}, async_op={async_op})"
             _same(_values(ctx, handle.result), total[r * n:(r + 1) * n],
                   f"reduce_scatter_pieces chunk {what}")
-            for q, piece in enumerate(pieces):
-                _same(_values(ctx, piece), mine[q * n:(q + 1) * n],
-                      f"reduce_scatter_pieces changed piece {q} {what}")
+            for q, parts in enumerate(pieces):
+                for t, old in zip(parts, before[q]):
+                    _same(_values(ctx, t), old, f"reduce_scatter_pieces changed a part of rank {q} {what}")
             p.all_reduce(handle.result, ctx.mesh1.get_group(0))  # its own memory
             _same(_values(ctx, handle.result), total.reshape(w, n).sum(0),
                   f"all_reduce of the reduce_scatter_pieces result {what}")

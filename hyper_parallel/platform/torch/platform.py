@@ -121,8 +121,9 @@ class TorchPlatform(Platform):
     def reduce_scatter_pieces(self, pieces, group, async_op=False, dim=""):
         if dist.get_backend(group) != "gloo":
             return super().reduce_scatter_pieces(pieces, group, async_op, dim)
-        output = torch.empty_like(pieces[0])
-        handle = self._reduce_scatter_list(output, list(pieces), group, async_op, dim)
+        inputs = [parts[0] if len(parts) == 1 else torch.cat(list(parts)) for parts in pieces]
+        output = torch.empty_like(inputs[0])
+        handle = self._reduce_scatter_list(output, inputs, group, async_op, dim)
         handle.result = output
         return handle
 
