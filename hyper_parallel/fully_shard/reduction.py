@@ -50,15 +50,17 @@ class UnitReduction:
         self.legs = []
         for leg in group.legs:
             pieces = group.gradient_pieces(leg, by_param, dtype)
-            if plan.pre_scale != 1.0:
-                pieces = [[p.scale(part, plan.pre_scale) for part in parts] for parts in pieces]
             if leg.sharded and group.mesh_info.shard_size > 1:
+                if plan.pre_scale != 1.0:
+                    pieces = [[p.scale(part, plan.pre_scale) for part in parts] for parts in pieces]
                 handle = p.reduce_scatter_pieces(pieces, group.mesh_info.shard_group,
                                                  async_op=async_op, dim="shard")
                 flat = None  # handle.result (new memory), once waited
             else:
                 # no reduce-scatter: the bucket's buffer, the core's own (all-reduced in place)
                 flat, handle = p.cat([part for parts in pieces for part in parts], 0), None
+                if plan.pre_scale != 1.0:
+                    flat = p.scale(flat, plan.pre_scale, may_overwrite=True)
             self.legs.append(_LegInFlight(leg, flat, handle))
         if group.sharded_legs and group.mesh_info.shard_size > 1:
             logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")

@@ -31,6 +31,15 @@ _DTYPES = {
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+def _grow_storage(tensor, numel: int):
+    """The tensor's storage, resized if needed to hold ``numel`` elements from its start."""
+    storage = tensor.untyped_storage()
+    needed = (tensor.storage_offset() + numel) * tensor.element_size()
+    if storage.size() < needed:
+        storage.resize_(needed)
+    return storage
+
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
     "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
@@ -137,10 +146,7 @@ class TorchPlatform(Platform):
 
     def all_gather_into_released(self, full, input, group, group_size, async_op=False, dim=""):
         total = group_size * input.numel()
-        storage = full.untyped_storage()
-        needed = (full.storage_offset() + total) * full.element_size()
-        if storage.size() < needed:
-            storage.resize_(needed)
+        storage = _grow_storage(full, total)
         # A new tensor on the same memory, not a view of ``full``: the collective's write
         # then leaves the version counter autograd checks for ``full`` alone (it was saved
         # by the forward, and refilling the values it had is no modification).
@@ -243,10 +249,7 @@ class TorchPlatform(Platform):
 
     def restore_storage(self, tensor) -> None:
         # Several full parameters may be views of one buffer: size it for the furthest.
-        storage = tensor.untyped_storage()
-        needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
-        if storage.size() < needed:
-            storage.resize_(needed)
+        _grow_storage(tensor, tensor.numel())
 
     def storage_bytes(self, tensor) -> int:
         return tensor.untyped_storage().size()
