@@ -97,7 +97,8 @@ def run_scenario(name: str, seed: int = 0) -> dict:
     losses, ref_losses = [], []
     for step, (x, y) in enumerate(make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=seed + 7)):
         local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-        with hp.track_comms() as comms, _counting(platform, "copy_into_slice") as refill_copies:
+        with hp.track_comms() as comms, _counting(platform, "copy_into_slice") as refill_copies, \
+                _counting(platform, "grad_placeholder") as placeholders:
             losses.append(kit.train_step(model, opt, x[local], y[local]))
         ref_losses.append(kit.train_step(ref, ref_opt, x, y))
     full = hp.gather_full_state_dict(model)
@@ -111,17 +112,26 @@ def run_scenario(name: str, seed: int = 0) -> dict:
         "can_release": platform.can_release_storage,
         "refill_copies": refill_copies[0],  # last step: rank pieces copied into fulls
         "backed_shards": _backed_shards(platform, model),
+        "placeholders": placeholders[0],  # last step: gradients filled in after backward
+        "managed_params": sum(len(s.group.params) for s in _states(platform, model)),
+        "reduces_in_backward": platform.returns_grads_from_backward
+                               and not platform.collectives_overlap_compute(),
     }
 
 
 def _backed_shards(platform, model) -> list:
     """For every shard kept at the start of its padded piece: does the parameter still
     live there after the optimizer's steps (so the all-gather reads it without a copy)?"""
+    return [platform.starts_with(fp.padded_shard, platform.local_tensor(fp.sharded_param))
+            for state in _states(platform, model) for fp in state.group.params
+            if fp.padded_shard is not None]
+
+
+def _states(platform, model) -> list:
+    """The fully_shard states with parameters under ``model``, each once."""
     states = {id(s): s for _, m in platform.named_modules(model)
               if (s := m.__dict__.get(STATE_ATTR)) is not None and s.group is not None}
-    return [platform.starts_with(fp.padded_shard, platform.local_tensor(fp.sharded_param))
-            for state in states.values() for fp in state.group.params
-            if fp.padded_shard is not None]
+    return list(states.values())
 
 
 @contextlib.contextmanager

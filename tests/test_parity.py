@@ -114,6 +114,20 @@ def test_padded_shards_stay_in_their_all_gather_input(backend):
             assert backed and all(backed), (scenario, backed)
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_returned_by_backward_need_no_placeholder(backend):
+    """Where backward's return value is the user's gradient and collectives cannot overlap
+    compute (MindSpore on CPU), each unit reduces inside its backward and returns the
+    reduced shards: no zero placeholder to fill later. Elsewhere (torch; MindSpore with
+    the pipeline, tested bitwise against this path in test_hsdp.py) every managed parameter
+    gets one per backward."""
+    for r in _results(backend, 2, tuple(SCENARIOS)):
+        nested = r["nested"]
+        expected = 0 if nested["reduces_in_backward"] else nested["managed_params"]
+        assert nested["managed_params"] > 0 and nested["placeholders"] == expected, nested
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_models_in_one_process_train_independently(backend):

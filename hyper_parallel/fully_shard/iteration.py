@@ -13,6 +13,15 @@ backward (the root's final callback) everything left is drained, before the opti
 see a gradient. ``HP_SYNC_COLLECTIVES=1`` in the environment (read when the root
 initializes) runs every gradient-reduction collective synchronously instead, for
 debugging (all-gathers issued early by a prefetch or ``unshard(async_op=True)`` stay async).
+Unset, it follows ``Platform.collectives_overlap_compute``: MindSpore on CPU, whose
+collectives do not overlap compute, reduces synchronously; ``HP_SYNC_COLLECTIVES=0`` forces
+the pipeline there too.
+
+[Note: gradients returned from backward]
+Where backward's return value is what the user receives (MindSpore ``value_and_grad``) and
+a unit's reduction runs synchronously, its post-backward returns the reduced shards
+themselves. Otherwise it returns zero placeholders that the drain fills in place: three
+more full-shard operations per parameter (zeros, a snapshot, the copy).
 
 [Note: implicit prefetch]
 Each iteration records the order in which units start their forward. From the second
@@ -36,6 +45,15 @@ from typing import Any
 logger = logging.getLogger("hyper_parallel.fully_shard")
 
 
+def _sync_collectives(platform: Any) -> bool:
+    """``HP_SYNC_COLLECTIVES`` when set ("0"/"" off, anything else on), else whether the
+    platform's collectives cannot overlap compute anyway."""
+    flag = os.environ.get("HP_SYNC_COLLECTIVES")
+    if flag is None:
+        return not platform.collectives_overlap_compute()
+    return flag not in ("", "0")
+
+
 class IterationContext:
     """All units of one root, in pre-order (root first), and their collectives in flight."""
 
@@ -43,7 +61,7 @@ class IterationContext:
         self.platform = platform
         self.states = states
         self.root = states[0]
-        self.sync_collectives = os.environ.get("HP_SYNC_COLLECTIVES", "0") not in ("", "0")
+        self.sync_collectives = _sync_collectives(platform)
         self.pending_reduce_scatter = None   # (UnitReduction, requires_all_reduce)
         self.pending_all_reduce: list = []
         self._final_callback_queued = False
@@ -81,15 +99,17 @@ class IterationContext:
             self._final_callback_queued = True
             self.platform.queue_backward_final_callback(self.finish_backward)
 
-    def enqueue(self, reduction: Any, requires_all_reduce: bool) -> None:
-        """A unit's reduce-scatter was issued: advance the one issued before it."""
+    def enqueue(self, reduction: Any, requires_all_reduce: bool) -> list | None:
+        """A unit's reduce-scatter was issued: advance the one issued before it. With
+        synchronous collectives run all the unit's stages now and return what
+        ``UnitReduction.finish`` returns."""
         if self.sync_collectives:
             reduction.finish_reduce_scatter()
             reduction.start_all_reduce(requires_all_reduce)
-            reduction.finish()
-            return
+            return reduction.finish()
         self._advance()
         self.pending_reduce_scatter = (reduction, requires_all_reduce)
+        return None
 
     def _advance(self) -> None:
         if self.pending_reduce_scatter is not None:

@@ -10,7 +10,9 @@
    group (async) or defer the bucket (``set_requires_all_reduce(False)``).
 3. ``finish`` (end of backward): wait the all-reduces and deliver each gradient shard
    through ``Platform.write_grad`` (torch: accumulate into ``.grad``; MindSpore: fill the
-   tensor that ``value_and_grad`` returned for it), or into ``main_grad``.
+   tensor that ``value_and_grad`` returned for it), or into ``main_grad``. A synchronous
+   reduction without placeholders returns the shards instead, for the unit's backward to
+   return (iteration.py, "gradients returned from backward").
 Running every collective synchronously goes through the same three stages, so both modes
 produce bitwise-identical gradients.
 """
@@ -38,7 +40,7 @@ class UnitReduction:
     """Reduce one unit's full gradients for one backward."""
 
     def __init__(self, name: str, group: FSDPParamGroup, full_grads: list, dtype: Any,
-                 plan: ReducePlan, placeholders: list, to_main_grad: bool, async_op: bool):
+                 plan: ReducePlan, placeholders: list | None, to_main_grad: bool, async_op: bool):
         self.name = name
         self.group = group
         self.plan = plan
@@ -86,10 +88,13 @@ class UnitReduction:
             if leg.handle is not None:
                 logger.debug("%s: %s all-reduce issued", self.name, leg.leg.bucket.dim)
 
-    def finish(self) -> None:
+    def finish(self) -> list | None:
+        """Wait the all-reduces and deliver the gradient shards: through ``write_grad``, or,
+        without placeholders, as the returned list (``params`` order) that backward hands
+        to the user, a zero placeholder where nothing is delivered now (a deferred bucket,
+        a frozen parameter)."""
         p = self.group.platform
-        by_param = {id(fp): ph for fp, ph in zip(self.group.params, self.placeholders)}
-        written = 0
+        delivered = {}
         for leg in self.legs:
             if leg.handle is not None:
                 leg.handle.wait()
@@ -97,6 +102,12 @@ class UnitReduction:
                 continue
             for fp, grad in zip(leg.leg.params, self.group.sharded_gradients(leg.leg, leg.buffer)):
                 if p.param_requires_grad(fp.sharded_param):
-                    p.write_grad(fp.sharded_param, by_param[id(fp)], grad, self.to_main_grad)
-                    written += 1
-        logger.debug("%s: %d gradient shards written", self.name, written)
+                    delivered[id(fp)] = grad
+        logger.debug("%s: %d gradient shards delivered", self.name, len(delivered))
+        if self.placeholders is None:
+            return [delivered[id(fp)] if id(fp) in delivered else p.grad_placeholder(fp.sharded_param)
+                    for fp in self.group.params]
+        for fp, placeholder in zip(self.group.params, self.placeholders):
+            if id(fp) in delivered:
+                p.write_grad(fp.sharded_param, placeholder, delivered[id(fp)], self.to_main_grad)
+        return None

@@ -237,11 +237,14 @@ class FSDPState:
                                   scaling_factor=self.scaling_factor,
                                   reduce_in_fp16=dtype == p.dtype("float16"),
                                   force_sum=self.force_sum_reduction)
-            result = [p.grad_placeholder(fp.sharded_param) for fp in group.params]
-            reduction = UnitReduction(self.name, group, full_grads, dtype, plan, result,
-                                      self.to_main_grad,
-                                      async_op=not self.iteration.sync_collectives)
-            self.iteration.enqueue(reduction, self.requires_all_reduce)
+            sync = self.iteration.sync_collectives
+            returned = sync and p.returns_grads_from_backward and not self.to_main_grad
+            placeholders = None if returned else [p.grad_placeholder(fp.sharded_param)
+                                                  for fp in group.params]
+            reduction = UnitReduction(self.name, group, full_grads, dtype, plan, placeholders,
+                                      self.to_main_grad, async_op=not sync)
+            delivered = self.iteration.enqueue(reduction, self.requires_all_reduce)
+            result = delivered if returned else placeholders
         return result
 
     def finish_backward(self) -> None:

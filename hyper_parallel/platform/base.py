@@ -357,6 +357,16 @@ class Platform(abc.ABC):
     def local_tensor(self, param: Any) -> Any:
         """The differentiable local shard of a parameter made by ``make_sharded_param``."""
 
+    #: True where backward's return value is the gradient the user receives (MindSpore
+    #: ``value_and_grad``); False where gradients accumulate on the parameters (torch).
+    returns_grads_from_backward: bool = False
+
+    def collectives_overlap_compute(self) -> bool:
+        """Whether an async collective progresses while the host issues more work. Where it
+        does not, the core reduces each unit's gradients inside its own backward (no
+        pipeline to keep, iteration.py) unless ``HP_SYNC_COLLECTIVES=0`` asks otherwise."""
+        return True
+
     @abc.abstractmethod
     def grad_placeholder(self, param: Any) -> Any:
         """What backward returns for ``param`` while its reduced gradient is still on the

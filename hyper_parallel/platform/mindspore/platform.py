@@ -68,6 +68,7 @@ class MindSporePlatform(Platform):
     name = "mindspore"
     can_release_storage = False
     pads_local_shards = True  # its optimizers cannot create state for an empty parameter
+    returns_grads_from_backward = True  # value_and_grad returns what the bprops returned
 
     def __init__(self) -> None:
         _check_version()
@@ -364,6 +365,12 @@ class MindSporePlatform(Platform):
         # setter waits too, so _param_info is always current.
         info = getattr(param, "_param_info", None)
         return param.requires_grad if info is None else info.requires_grad
+
+    def collectives_overlap_compute(self) -> bool:
+        # On CPU async_op changes nothing: sync and async collectives are queued alike on
+        # the kernel pipeline (platform-facts), so a reduction pipeline would only add the
+        # placeholder copies. On Ascend HCCL runs on its own stream.
+        return not self._on_cpu
 
     def grad_placeholder(self, param):
         return mint.zeros(param.shape, dtype=param.dtype)
