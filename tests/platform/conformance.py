@@ -31,6 +31,7 @@ the op itself unless the platform composes it; ``COMPOSED_WIRE`` lists the known
 
 from __future__ import annotations
 
+import itertools
 import time
 import traceback
 
@@ -379,6 +380,17 @@ def check_default_own_collective_bytes(ctx):
     value = ctx.p.default_own_collective_bytes()
     _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0),
            f"default_own_collective_bytes() = {value!r}: want None or an int >= 0")
+
+
+@local_check
+def check_gradient_delivery_flags(ctx):
+    """The two flags the core's choice of delivery reads (iteration.py) are plain booleans
+    (check_grad_placeholder_write_grad matches the second against grad_placeholder)."""
+    p = ctx.p
+    overlap = p.collectives_overlap_compute()
+    _check(isinstance(overlap, bool), f"collectives_overlap_compute() = {overlap!r}: want a bool")
+    returns = p.returns_grads_from_backward
+    _check(isinstance(returns, bool), f"returns_grads_from_backward = {returns!r}: want a bool")
 
 
 @local_check
@@ -1323,17 +1335,24 @@ def check_all_gather_into_view_input(ctx):
               "(3, 4) tensor")
 
 
+def _chunk_sizes(world: int) -> tuple:
+    """Per-rank chunk lengths whose fp32 inputs fall on both sides of 1 MiB, where a
+    platform may switch collective algorithms by size (torch on gloo does)."""
+    return 3, (1 << 18) // world + 5
+
+
 @collective_check()
 def check_reduce_scatter(ctx):
-    p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
-    k = np.arange(w * n, dtype=np.float32)
-    mine = k * (r + 1) + r
-    out = p.zeros((n,), p.dtype("float32"))
-    handle = p.reduce_scatter(out, _f32(ctx, mine), ctx.mesh1.get_group(0))
-    _check(isinstance(handle, Handle), f"reduce_scatter returned {type(handle).__name__}")
-    handle.wait()
-    total = k * (w * (w + 1) / 2) + w * (w - 1) / 2
-    _same(_values(ctx, out), total[r * n:(r + 1) * n], f"reduce_scatter chunk of rank {r}")
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    for n in _chunk_sizes(w):
+        k = np.arange(w * n, dtype=np.float32)
+        mine = k * (r + 1) + r
+        out = p.zeros((n,), p.dtype("float32"))
+        handle = p.reduce_scatter(out, _f32(ctx, mine), ctx.mesh1.get_group(0))
+        _check(isinstance(handle, Handle), f"reduce_scatter returned {type(handle).__name__}")
+        handle.wait()
+        total = k * (w * (w + 1) / 2) + w * (w - 1) / 2
+        _same(_values(ctx, out), total[r * n:(r + 1) * n], f"reduce_scatter chunk of rank {r} (n={n})")
 
 
 @collective_check()
@@ -1434,13 +1453,13 @@ def check_reduce_scatter_pieces(ctx):
     """Each rank's part of the input given as views of one gradient, as one tensor, or as
     several parts (a view plus zeros, the padded case); the parts stay as they were and
     the result is memory of its own."""
-    p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
-    k = np.arange(w * n, dtype=np.float32)
-    mine = k * (r + 1) + r
-    mine[-1] = 0.0  # the last rank's last element is padding: zero on every rank
-    total = sum(k * (q + 1) + q for q in range(w))
-    total[-1] = 0.0
-    for async_op in (False, True):
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    for n, async_op in itertools.product(_chunk_sizes(w), (False, True)):
+        k = np.arange(w * n, dtype=np.float32)
+        mine = k * (r + 1) + r
+        mine[-1] = 0.0  # the last rank's last element is padding: zero on every rank
+        total = sum(k * (q + 1) + q for q in range(w))
+        total[-1] = 0.0
         whole = _f32(ctx, mine)
         layouts = {
             "views": [[p.narrow(whole, 0, q * n, n)] for q in range(w)],
@@ -1455,7 +1474,7 @@ def check_reduce_scatter_pieces(ctx):
             _check(isinstance(handle, Handle),
                    f"reduce_scatter_pieces returned {type(handle).__name__}")
             handle.wait()
-            what = f"({how}, async_op={async_op})"
+            what = f"({how}, n={n}, async_op={async_op})"
             _same(_values(ctx, handle.result), total[r * n:(r + 1) * n],
                   f"reduce_scatter_pieces chunk {what}")
             for q, parts in enumerate(pieces):
@@ -1735,6 +1754,10 @@ def check_grad_placeholder_write_grad(ctx):
     g1, g2 = _arange(2, 3, start=1), _arange(2, 3, start=-3) * 0.5
     param = _sharded(ctx, "conf.wg")
     placeholder = p.grad_placeholder(param)
+    _check((placeholder is not None) == p.returns_grads_from_backward,
+           f"returns_grads_from_backward is {p.returns_grads_from_backward}, but grad_placeholder "
+           f"gave {placeholder!r}: a platform whose backward returns the user's gradients "
+           f"needs a tensor placeholder, one that accumulates them on the parameter None")
     if placeholder is not None:
         _check(p.shape(placeholder) == (2, 3) and p.dtype_of(placeholder) == p.dtype_of(param),
                f"grad_placeholder: shape {p.shape(placeholder)} dtype {p.dtype_of(placeholder)}, "
