@@ -13,6 +13,13 @@
 * overhead = step - (compute + raw collectives), also in % of the step; negative means
   communication was overlapped with compute;
 * exposed communication = step - compute;
+* CPU overhead = step CPU - (compute CPU + raw collectives CPU), per rank (CPU time of the
+  whole process, every thread), also in % of the step's CPU. Wall-clock overhead mixes the
+  work an implementation adds with how the ranks' threads share the cores; the CPU
+  figure counts only the work, so it stays meaningful where the ranks oversubscribe the
+  machine. ``raw_cpu_per_wall`` says how busy the raw collectives keep a rank: near the
+  cores each rank has, communication cannot hide behind compute, and the wall-clock
+  overhead cannot go far below zero;
 * loss check: the largest relative difference of rank 0's per-step losses to the reference
   implementation's. Same weights, data and averaging, so it should be ~1e-6 (fp32) or
   ~1e-2 (bf16); a large value means the comparison is not like for like.
@@ -33,6 +40,7 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
     per_rank = [r["timing"]["step_s"] for r in ranks]
     step_max = [max(times) for times in zip(*per_rank)]
     peaks = [r["timing"]["peak_mb"] for r in ranks]
+    cpu_per_rank = [r["timing"].get("cpu_s") for r in ranks]
     out = {
         "step_s": statistics.median(step_max),
         "step_max_over_ranks_s": step_max,
@@ -44,6 +52,9 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
         "losses_rank0": ranks[0]["timing"]["losses"],
         "setup_s": max(r["setup_s"] for r in ranks),
     }
+    if all(cpu_per_rank):  # per step, the mean over ranks: the work one rank does
+        out["step_cpu_per_step_s"] = [statistics.fmean(c) for c in zip(*cpu_per_rank)]
+        out["step_cpu_s"] = statistics.median(out["step_cpu_per_step_s"])
     if "comm" in ranks[0]:
         out["comm_source"] = ranks[0].get("comm_source")
         out["comm_per_step"] = _per_step(ranks[0]["comm"], steps)
@@ -54,6 +65,9 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
             out[name] = {"s": statistics.median(rounds), "round_max_over_ranks_s": rounds,
                          "comm_per_round": _per_step(ranks[0][name]["comm"],
                                                      ranks[0][name]["rounds_counted"])}
+            if all("round_cpu_s" in r[name] for r in ranks):
+                out[name]["cpu_s"] = statistics.median(
+                    statistics.fmean(c) for c in zip(*(r[name]["round_cpu_s"] for r in ranks)))
     if "ddp_bucket_bytes" in ranks[0]:
         out["ddp_bucket_bytes"] = ranks[0]["ddp_bucket_bytes"]
     return out
@@ -69,6 +83,9 @@ def pool_rounds(summaries: list[dict]) -> dict:
     out = dict(summaries[0])
     steps = [t for s in summaries for t in s["step_max_over_ranks_s"]]
     peaks = [s["peak_mb"] for s in summaries]
+    if all("step_cpu_per_step_s" in s for s in summaries):
+        cpu = [t for s in summaries for t in s["step_cpu_per_step_s"]]
+        out.update(step_cpu_s=statistics.median(cpu), step_cpu_per_step_s=cpu)
     out.update(step_s=statistics.median(steps), step_max_over_ranks_s=steps,
                step_s_per_round=[s["step_s"] for s in summaries],
                peak_mb=max(peaks) if all(p is not None for p in peaks) else None,
@@ -107,6 +124,7 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
     ref_name = configs.REFERENCE[cfg.backend]
     ref = launches.get(ref_name, {})
     compute = launches.get("compute", {}).get("step_s")
+    compute_cpu = launches.get("compute", {}).get("step_cpu_s")
     raw_of = {"hp": "hp", "fsdp2": "hp", "ddp": "ddp", "dp": "dp"}
     figures = {}
     for impl, launch in launches.items():
@@ -122,11 +140,18 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
         if impl != "compute" and compute is not None:
             fig["compute_s"] = compute
             fig["exposed_comm_s"] = step - compute
-            raw = launches.get(raw_of.get(impl, ""), {}).get("raw", {}).get("s")
+            raw_launch = launches.get(raw_of.get(impl, ""), {}).get("raw", {})
+            raw = raw_launch.get("s")
             if raw is not None:
                 fig["raw_collectives_s"] = raw
                 fig["overhead_s"] = step - (compute + raw)
                 fig["overhead_pct"] = 100.0 * fig["overhead_s"] / step
+            step_cpu, raw_cpu = launch.get("step_cpu_s"), raw_launch.get("cpu_s")
+            if None not in (step_cpu, raw_cpu, compute_cpu) and step_cpu > 0:
+                fig["step_cpu_s"], fig["compute_cpu_s"], fig["raw_cpu_s"] = step_cpu, compute_cpu, raw_cpu
+                fig["raw_cpu_per_wall"] = raw_cpu / raw
+                fig["cpu_overhead_s"] = step_cpu - (compute_cpu + raw_cpu)
+                fig["cpu_overhead_pct"] = 100.0 * fig["cpu_overhead_s"] / step_cpu
         if "comm_per_step" in launch:
             minimum = workload.schedule_bytes(minimum_schedule(cfg, impl))
             fig["bytes_vs_min"] = _bytes_ratio(launch["comm_per_step"], minimum)

@@ -86,9 +86,10 @@ def timed_steps(step, warmup: int, steps: int, barrier=None, measured_context=No
     ``step(i)`` runs step i and returns its loss as a float; ``barrier()`` (None for a
     process without peers) aligns the ranks before each step, outside the timed region.
     ``measured_context`` (a context manager, e.g. ``hp.track_comms()``) is entered around
-    the measured steps only, after the warm-up.
+    the measured steps only, after the warm-up. ``cpu_s``: the CPU time of the whole process
+    (every thread: the framework's communication threads too) per measured step.
     """
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for i in range(warmup):
         if barrier is not None:
             barrier()
@@ -99,11 +100,12 @@ def timed_steps(step, warmup: int, steps: int, barrier=None, measured_context=No
         for i in range(warmup, warmup + steps):
             if barrier is not None:
                 barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loss = step(i)
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
             losses.append(loss)
-    return {"step_s": times, "losses": losses,
+    return {"step_s": times, "cpu_s": cpu, "losses": losses,
             "peak_mb": peak_memory_mb() if peak_reset else None,
             "rss_before_mb": baseline, "rss_after_mb": resident_mb()}
 

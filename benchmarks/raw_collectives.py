@@ -16,11 +16,17 @@ negative. On MindSpore CPU the primitives are the platform's composed ones (redu
 = all-reduce + own chunk, all-gather = list all-gather + concatenation), so this floor is
 the platform's, not an ideal network's.
 
+Each round's CPU time (the whole process, communication threads included) is kept too:
+collectives that keep the CPU busy cannot be hidden behind compute on a machine whose cores
+the ranks already fill (analysis.py, "CPU overhead").
+
 Buffers are allocated once per distinct (op, size, dtype) and reused by every call of that
 shape: the calls are synchronous, so sharing is safe and the memory stays small.
 """
 
 from __future__ import annotations
+
+import time
 
 import measure
 
@@ -60,8 +66,15 @@ def time_schedule(hp, schedule: list[dict], groups: dict, warmup: int, rounds: i
         if finish is not None:
             finish()
 
+    cpu = []
+
+    def cpu_timed_round():
+        start = time.process_time()
+        one_round()
+        cpu.append(time.process_time() - start)
+
     with hp.track_comms() as window:
-        times = measure.timed_rounds(one_round, warmup, rounds, barrier)
-    return {"round_s": times, "rounds_counted": warmup + rounds,
+        times = measure.timed_rounds(cpu_timed_round, warmup, rounds, barrier)
+    return {"round_s": times, "round_cpu_s": cpu[warmup:], "rounds_counted": warmup + rounds,
             "comm": measure.comm_records(window)}
 

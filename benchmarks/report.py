@@ -42,16 +42,21 @@ def _bytes_ratios(fig: dict) -> dict:
     return out
 
 
-def _overhead(fig: dict) -> str:
-    if fig.get("overhead_s") is None:
+def _overhead(fig: dict, kind: str = "") -> str:
+    if fig.get(f"{kind}overhead_s") is None:
         return "—"
-    return f"{fig['overhead_s'] * 1000:.0f} ({fig['overhead_pct']:+.0f}%)"
+    return f"{fig[f'{kind}overhead_s'] * 1000:.0f} ({fig[f'{kind}overhead_pct']:+.0f}%)"
+
+
+def _share(fig: dict) -> str:
+    return "—" if fig.get("raw_cpu_per_wall") is None else f"{fig['raw_cpu_per_wall']:.2f}"
 
 
 def summary_table(doc: dict) -> str:
     head = ("| configuration | ranks | hp step ms | ref | ref step ms | **hp/ref time** | DDP ms | "
             "compute ms | hp peak MB | ref peak MB | **hp/ref mem** | hp AG/min | hp RS/min | "
-            "hp AR/min | raw coll ms | hp overhead ms (% step) | hp exposed ms |")
+            "hp AR/min | raw coll ms | hp overhead ms (% step) | hp CPU overhead ms (% step CPU) | "
+            "hp exposed ms |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in doc["configurations"]:
         cfg, figs = row["config"], row["figures"]
@@ -65,15 +70,15 @@ def summary_table(doc: dict) -> str:
             _ms(figs.get("ddp", {}).get("step_s")), _ms(figs.get("compute", {}).get("step_s")),
             _mb(hp.get("peak_mb")), _mb(ref.get("peak_mb")), _ratio(hp.get("peak_vs_ref")),
             ratios["AG"], ratios["RS"], ratios["AR"], _ms(hp.get("raw_collectives_s")),
-            _overhead(hp), _ms(hp.get("exposed_comm_s")),
+            _overhead(hp), _overhead(hp, "cpu_"), _ms(hp.get("exposed_comm_s")),
         ]) + " |")
     return "\n".join(lines)
 
 
 def detail_table(doc: dict) -> str:
     head = ("| configuration | implementation | step ms | vs ref | peak MB | vs ref | compute ms | "
-            "raw coll ms | overhead ms (% step) | exposed ms | AG/min | RS/min | AR/min | "
-            "loss Δ vs ref |")
+            "raw coll ms | overhead ms (% step) | step CPU ms | CPU overhead ms (% step CPU) | "
+            "raw CPU/wall | exposed ms | AG/min | RS/min | AR/min | loss Δ vs ref |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in doc["configurations"]:
         cfg, figs = row["config"], row["figures"]
@@ -85,6 +90,7 @@ def detail_table(doc: dict) -> str:
                 cfg["name"], configs.IMPL_LABELS[impl], _err_or(fig, _ms(fig.get("step_s"))),
                 _ratio(fig.get("step_vs_ref")), _mb(fig.get("peak_mb")), _ratio(fig.get("peak_vs_ref")),
                 _ms(fig.get("compute_s")), _ms(fig.get("raw_collectives_s")), _overhead(fig),
+                _ms(fig.get("step_cpu_s")), _overhead(fig, "cpu_"), _share(fig),
                 _ms(fig.get("exposed_comm_s")), ratios["AG"], ratios["RS"], ratios["AR"],
                 "—" if loss is None else f"{loss:.1e}",
             ]) + " |")
@@ -108,6 +114,11 @@ def notes(doc: dict) -> str:
              "(HSDP RS/AR are over 'shard'/'replicate').",
              "- overhead = step − (compute + raw collectives); negative = communication "
              "overlapped with compute. exposed = step − compute.",
+             "- CPU overhead = step CPU − (compute CPU + raw collectives CPU), per rank, CPU time of "
+             "the whole process: the work an implementation adds, without the effect of ranks "
+             "sharing cores. raw CPU/wall: cores a rank keeps busy during the raw collectives "
+             f"({env['cpu_count']} cores here); near the cores each rank has, communication "
+             "cannot hide behind compute.",
              f"- MindSpore pipeline: {env.get('mindspore_pipeline', 'async')} for every MindSpore "
              f"implementation alike (benchmarks/README.md, 'MindSpore pipeline')"]
     if doc.get("grid_note"):

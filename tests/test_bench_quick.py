@@ -34,3 +34,8 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
         assert row["launch_order"].count("hp") == 2 and row["launch_order"].count(ref) == 2
         first, second = (row["launch_order"].index(x) for x in ("hp", ref))
         assert row["launch_order"][-2:] == ([ref, "hp"] if first < second else ["hp", ref])
+        # CPU figures: pooled over both rounds, and the overhead is their difference
+        hp = row["figures"]["hp"]
+        assert len(launches["hp"]["step_cpu_per_step_s"]) == 2 * cfg["steps"]
+        assert hp["step_cpu_s"] > 0 and hp["raw_cpu_s"] > 0 and hp["compute_cpu_s"] > 0
+        assert abs(hp["cpu_overhead_s"] - (hp["step_cpu_s"] - hp["compute_cpu_s"] - hp["raw_cpu_s"])) < 1e-9
