@@ -54,6 +54,17 @@ def _check_version() -> None:
             f"{torch.__version__}; upgrade with: pip install 'torch>=2.4'")
 
 
+# gloo's list reduce-scatter reads one tensor per rank (no flat input to build) and
+# measured ~20% faster than its flat reduce_scatter_tensor at 16 MiB (2 ranks, same bytes).
+# A small one costs more: 4 KiB per rank took 1.6 ms of CPU per call listed, 1.0 ms flat
+# (2 ranks; 2.6 vs 1.7 ms wall).
+_GLOO_LIST_REDUCE_SCATTER_BYTES = 1 << 20
+
+
+def _uses_list_reduce_scatter(group, input_bytes: int) -> bool:
+    return dist.get_backend(group) == "gloo" and input_bytes >= _GLOO_LIST_REDUCE_SCATTER_BYTES
+
+
 class TorchPlatform(Platform):
     name = "torch"
     can_release_storage = True
@@ -119,7 +130,7 @@ class TorchPlatform(Platform):
         return Handle(work)
 
     def reduce_scatter(self, output, input, group, async_op=False, dim=""):
-        if dist.get_backend(group) == "gloo":
+        if _uses_list_reduce_scatter(group, input.numel() * input.element_size()):
             return self._reduce_scatter_list(output, list(input.chunk(self.group_size(group))),
                                              group, async_op, dim)
         self._record("reduce_scatter", "reduce_scatter", input.numel() * input.element_size(), dim)
@@ -128,7 +139,8 @@ class TorchPlatform(Platform):
         return Handle(work)
 
     def reduce_scatter_pieces(self, pieces, group, async_op=False, dim=""):
-        if dist.get_backend(group) != "gloo":
+        nbytes = sum(part.numel() * part.element_size() for parts in pieces for part in parts)
+        if not _uses_list_reduce_scatter(group, nbytes):
             return super().reduce_scatter_pieces(pieces, group, async_op, dim)
         inputs = [parts[0] if len(parts) == 1 else torch.cat(list(parts)) for parts in pieces]
         output = torch.empty_like(inputs[0])
@@ -137,8 +149,6 @@ class TorchPlatform(Platform):
         return handle
 
     def _reduce_scatter_list(self, output, pieces, group, async_op, dim) -> Handle:
-        # gloo's list reduce-scatter reads one tensor per rank: no flat input to build, and
-        # measured ~20% faster than its flat reduce_scatter_tensor on 2 ranks (same bytes).
         self._record("reduce_scatter", "reduce_scatter",
                      sum(t.numel() for t in pieces) * output.element_size(), dim)
         return Handle(dist.reduce_scatter(output, pieces, op=dist.ReduceOp.SUM, group=group,
