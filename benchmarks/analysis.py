@@ -13,6 +13,9 @@
 * overhead = step - (compute + raw collectives), also in % of the step; negative means
   communication was overlapped with compute;
 * exposed communication = step - compute;
+* round spread = (slowest - fastest launch's median step) / step, where an implementation
+  was launched more than once (run.py's rounds): the noise of this run, which a difference
+  between implementations or an overhead has to exceed to mean something;
 * CPU overhead = step CPU - (compute CPU + raw collectives CPU), per rank (CPU time of the
   whole process, every thread), also in % of the step's CPU. Wall-clock overhead mixes the
   work an implementation adds with how the ranks' threads share the cores; the CPU
@@ -133,6 +136,10 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
             continue
         step = launch["step_s"]
         fig = {"step_s": step, "peak_mb": launch["peak_mb"]}
+        rounds = launch.get("step_s_per_round")
+        if rounds and len(rounds) > 1:
+            # how far this run's own launches disagree: the noise any difference must beat
+            fig["round_spread_pct"] = 100.0 * (max(rounds) - min(rounds)) / step
         if ref.get("step_s") and impl != ref_name:
             fig["step_vs_ref"] = step / ref["step_s"]
         if ref.get("peak_mb") and launch.get("peak_mb"):

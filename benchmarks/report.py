@@ -48,6 +48,10 @@ def _overhead(fig: dict, kind: str = "") -> str:
     return f"{fig[f'{kind}overhead_s'] * 1000:.0f} ({fig[f'{kind}overhead_pct']:+.0f}%)"
 
 
+def _spread(fig: dict) -> str:
+    return "—" if fig.get("round_spread_pct") is None else f"{fig['round_spread_pct']:.0f}%"
+
+
 def _share(fig: dict) -> str:
     return "—" if fig.get("raw_cpu_per_wall") is None else f"{fig['raw_cpu_per_wall']:.2f}"
 
@@ -56,7 +60,7 @@ def summary_table(doc: dict) -> str:
     head = ("| configuration | ranks | hp step ms | ref | ref step ms | **hp/ref time** | DDP ms | "
             "compute ms | hp peak MB | ref peak MB | **hp/ref mem** | hp AG/min | hp RS/min | "
             "hp AR/min | raw coll ms | hp overhead ms (% step) | hp CPU overhead ms (% step CPU) | "
-            "hp exposed ms |")
+            "hp exposed ms | hp round spread |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in doc["configurations"]:
         cfg, figs = row["config"], row["figures"]
@@ -70,7 +74,7 @@ def summary_table(doc: dict) -> str:
             _ms(figs.get("ddp", {}).get("step_s")), _ms(figs.get("compute", {}).get("step_s")),
             _mb(hp.get("peak_mb")), _mb(ref.get("peak_mb")), _ratio(hp.get("peak_vs_ref")),
             ratios["AG"], ratios["RS"], ratios["AR"], _ms(hp.get("raw_collectives_s")),
-            _overhead(hp), _overhead(hp, "cpu_"), _ms(hp.get("exposed_comm_s")),
+            _overhead(hp), _overhead(hp, "cpu_"), _ms(hp.get("exposed_comm_s")), _spread(hp),
         ]) + " |")
     return "\n".join(lines)
 
@@ -119,6 +123,9 @@ def notes(doc: dict) -> str:
              "sharing cores. raw CPU/wall: cores a rank keeps busy during the raw collectives "
              f"({env['cpu_count']} cores here); near the cores each rank has, communication "
              "cannot hide behind compute.",
+             "- round spread: how far hyper_parallel's own launches of one configuration "
+             "disagree (slowest minus fastest launch median, % of the pooled step): the noise "
+             "of this run.",
              f"- MindSpore pipeline: {env.get('mindspore_pipeline', 'async')} for every MindSpore "
              f"implementation alike (benchmarks/README.md, 'MindSpore pipeline')"]
     if doc.get("grid_note"):

@@ -39,3 +39,5 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
         assert len(launches["hp"]["step_cpu_per_step_s"]) == 2 * cfg["steps"]
         assert hp["step_cpu_s"] > 0 and hp["raw_cpu_s"] > 0 and hp["compute_cpu_s"] > 0
         assert abs(hp["cpu_overhead_s"] - (hp["step_cpu_s"] - hp["compute_cpu_s"] - hp["raw_cpu_s"])) < 1e-9
+        per_round = launches["hp"]["step_s_per_round"]
+        assert hp["round_spread_pct"] == 100.0 * (max(per_round) - min(per_round)) / hp["step_s"]
