@@ -44,23 +44,32 @@ class TorchKit:
         self.torch, self.nn = torch, nn
 
         class Block(nn.Module):
-            def __init__(self, d_in, d_hidden, d_out):
+            """``view_output``: returns a view of its result (FSDP2 then only warns that an
+            in-place op on it skips the re-gather before backward)."""
+
+            def __init__(self, d_in, d_hidden, d_out, view_output=False):
                 super().__init__()
                 self.fc1, self.fc2 = nn.Linear(d_in, d_hidden), nn.Linear(d_hidden, d_out)
+                self.view_output = view_output
 
             def forward(self, x):
-                return self.fc2(torch.relu(self.fc1(x)))
+                out = self.fc2(torch.relu(self.fc1(x)))
+                return out.view(-1, out.shape[-1]) if self.view_output else out
 
         class Stack(nn.Module):
-            """blocks in sequence, then a head; ``twice`` calls the last block twice."""
+            """blocks in sequence, then a head; ``twice`` calls the last block twice;
+            ``in_place`` adds 1 to each block's output in place."""
 
-            def __init__(self, blocks, head, twice=False):
+            def __init__(self, blocks, head, twice=False, in_place=False):
                 super().__init__()
                 self.blocks, self.head, self.twice = nn.ModuleList(blocks), head, twice
+                self.in_place = in_place
 
             def forward(self, x):
                 for i, block in enumerate(self.blocks):
                     x = block(x)
+                    if self.in_place:
+                        x += 1.0
                     if self.twice and i == len(self.blocks) - 1:
                         x = block(torch.tanh(x))
                 return self.head(x)
@@ -130,21 +139,26 @@ class MindSporeKit:
         self.ms, self.nn, self.ops = ms, nn, ops
 
         class Block(nn.Cell):
-            def __init__(self, d_in, d_hidden, d_out):
+            def __init__(self, d_in, d_hidden, d_out, view_output=False):
                 super().__init__()
                 self.fc1, self.fc2 = nn.Dense(d_in, d_hidden), nn.Dense(d_hidden, d_out)
+                self.view_output = view_output
 
             def construct(self, x):
-                return self.fc2(ops.relu(self.fc1(x)))
+                out = self.fc2(ops.relu(self.fc1(x)))
+                return out.view(-1, out.shape[-1]) if self.view_output else out
 
         class Stack(nn.Cell):
-            def __init__(self, blocks, head, twice=False):
+            def __init__(self, blocks, head, twice=False, in_place=False):
                 super().__init__()
                 self.blocks, self.head, self.twice = nn.CellList(blocks), head, twice
+                self.in_place = in_place
 
             def construct(self, x):
                 for i, block in enumerate(self.blocks):
                     x = block(x)
+                    if self.in_place:
+                        x += 1.0
                     if self.twice and i == len(self.blocks) - 1:
                         x = block(ops.tanh(x))
                 return self.head(x)

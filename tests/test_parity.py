@@ -18,7 +18,7 @@ from tests.multirank import run_ranks
 
 BACKENDS = ["torch", "mindspore"]
 SCENARIOS = ["nested", "nested_adamw", "nested_keep", "list_unit", "tied", "twice", "ignored",
-             "shard_dim1", "own_collectives", "own_mixed", "own_even"]
+             "shard_dim1", "own_collectives", "own_mixed", "own_even", "inplace_view"]
 ATOL = 1e-5
 # AdamW's first steps move each weight by about lr * sign(grad): a gradient element that is
 # zero up to rounding (summed in another order on N ranks) moves differently in two correct

@@ -407,7 +407,9 @@ class Platform(abc.ABC):
 
     @abc.abstractmethod
     def register_grad_hook(self, tensor: Any, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` when the gradient of ``tensor`` is computed in backward."""
+        """Call ``fn()`` when the gradient of ``tensor`` is computed in backward, also when
+        ``tensor`` is a view that the caller later changes in place. ``fn`` may then run
+        more than once in one backward and must be idempotent."""
 
     @abc.abstractmethod
     def queue_backward_final_callback(self, fn: Callable[[], None]) -> None:

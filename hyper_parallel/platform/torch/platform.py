@@ -338,8 +338,16 @@ class TorchPlatform(Platform):
         ]
 
     def register_grad_hook(self, tensor, fn) -> None:
-        if tensor.requires_grad:
-            tensor.register_hook(lambda grad: fn())
+        if not tensor.requires_grad:
+            return
+        tensor.register_hook(lambda grad: fn())
+        # An in-place op on a view moves the view's history onto its base, and a hook on the
+        # view never fires (FSDP2 warns and then fails in backward on freed parameters).
+        # The base's gradient is computed either way. Only a non-leaf base: a hook on a leaf
+        # (a user's tensor) would outlive this backward and fire in every later one.
+        base = tensor._base
+        if base is not None and base.requires_grad and base.grad_fn is not None:
+            base.register_hook(lambda grad: fn())
 
     def queue_backward_final_callback(self, fn) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(fn)
