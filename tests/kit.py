@@ -40,6 +40,7 @@ class TorchKit:
     def __init__(self):
         import torch
         import torch.nn as nn
+        from torch.utils.checkpoint import checkpoint
 
         self.torch, self.nn = torch, nn
 
@@ -58,16 +59,22 @@ class TorchKit:
 
         class Stack(nn.Module):
             """blocks in sequence, then a head; ``twice`` calls the last block twice;
-            ``in_place`` adds 1 to each block's output in place."""
+            ``in_place`` adds 1 to each block's output in place; ``recompute`` ("reentrant"
+            or "non_reentrant") runs every block but the first under activation
+            checkpointing (reentrant checkpointing cannot differentiate a block whose input,
+            the data, needs no gradient)."""
 
-            def __init__(self, blocks, head, twice=False, in_place=False):
+            def __init__(self, blocks, head, twice=False, in_place=False, recompute=None):
                 super().__init__()
                 self.blocks, self.head, self.twice = nn.ModuleList(blocks), head, twice
-                self.in_place = in_place
+                self.in_place, self.recompute = in_place, recompute
 
             def forward(self, x):
                 for i, block in enumerate(self.blocks):
-                    x = block(x)
+                    if self.recompute and i > 0:
+                        x = checkpoint(block, x, use_reentrant=self.recompute == "reentrant")
+                    else:
+                        x = block(x)
                     if self.in_place:
                         x += 1.0
                     if self.twice and i == len(self.blocks) - 1:
@@ -149,14 +156,17 @@ class MindSporeKit:
                 return out.view(-1, out.shape[-1]) if self.view_output else out
 
         class Stack(nn.Cell):
-            def __init__(self, blocks, head, twice=False, in_place=False):
+            def __init__(self, blocks, head, twice=False, in_place=False, recompute=None):
                 super().__init__()
                 self.blocks, self.head, self.twice = nn.CellList(blocks), head, twice
-                self.in_place = in_place
+                self.in_place, self.recompute = in_place, recompute
 
             def construct(self, x):
                 for i, block in enumerate(self.blocks):
-                    x = block(x)
+                    if self.recompute and i > 0:  # see the torch kit's Stack
+                        x = ms.recompute(block, x, use_reentrant=self.recompute == "reentrant")
+                    else:
+                        x = block(x)
                     if self.in_place:
                         x += 1.0
                     if self.twice and i == len(self.blocks) - 1:

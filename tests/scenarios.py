@@ -33,6 +33,9 @@ def _build(kit, name):
     if name == "inplace_view":  # blocks return views that the stack then changes in place
         blocks = [kit.Block(D_IN, 53, 29, view_output=True), kit.Block(29, 41, 23, view_output=True)]
         return kit.Stack(blocks, kit.linear(23, D_OUT), in_place=True)
+    if name.startswith("recompute_"):  # blocks 1 and 2 under activation checkpointing
+        blocks = [kit.Block(D_IN, 53, 29), kit.Block(29, 41, 23), kit.Block(23, 31, 23)]
+        return kit.Stack(blocks, kit.linear(23, D_OUT), recompute=name.removeprefix("recompute_"))
     if name == "own_even":  # every block row count divides by 2 and 4: no padding
         blocks = [kit.Block(D_IN, 48, 32), kit.Block(32, 40, 24)]
         return kit.Stack(blocks, kit.linear(24, D_OUT))
@@ -42,7 +45,8 @@ def _build(kit, name):
 
 def _wrap(kit, model, name):
     platform = hp.get_platform()
-    if name in ("nested", "nested_adamw", "twice", "inplace_view"):
+    if name in ("nested", "nested_adamw", "twice", "inplace_view", "recompute_reentrant",
+                "recompute_non_reentrant"):
         for block in model.blocks:
             hp.fully_shard(block)
         hp.fully_shard(model)

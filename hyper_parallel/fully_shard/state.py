@@ -89,6 +89,11 @@ class FSDPState:
     def pre_forward(self, module: Any, args: tuple, kwargs: dict):
         if self.is_root is None:
             self._lazy_init(module)
+        if self.platform.in_backward():
+            # Activation checkpointing recomputes this forward inside backward: the full
+            # parameters are needed, nothing else is (no prefetch, no order to record).
+            self.unshard()
+            return self._cast_inputs(args, kwargs)
         if self.is_root:
             self.iteration.begin_forward()
         self.iteration.record_forward(self)
@@ -98,21 +103,35 @@ class FSDPState:
             targets = self.iteration.neighbours(self, step=1)
         for target in targets:
             target.prefetch()
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict):
         if self.cast_forward_inputs and self.param_dtype is not None:
             args, kwargs = self._cast_tree((args, kwargs), self.param_dtype)
         return args, kwargs
 
     def post_forward(self, module: Any, args: tuple, kwargs: dict, output: Any):
+        if not self.platform.in_backward():  # else a recomputation: backward reshards
+            self._after_forward(output)
+        if self.output_dtype is not None:
+            output = self._cast_tree(output, self.output_dtype)
+        return output
+
+    def _after_forward(self, output: Any) -> None:
         self._forwards_done += 1
         if self._forwards_done >= len(self.modules):
             self._forwards_done = 0
             if not self.platform.is_grad_enabled():
                 self.reshard()
-            elif self.reshard_after_forward and not self.is_root:
+            elif self.is_root:
+                # Queue the end-of-backward callback from the first gradient of backward, so
+                # it belongs to the outermost backward: queued first from a unit inside a
+                # nested backward (reentrant activation checkpointing), it would reshard
+                # every unit when that nested backward ends.
+                for tensor in self._tensors_in(output):
+                    self.platform.register_grad_hook(tensor, self.iteration.ensure_final_callback)
+            elif self.reshard_after_forward:
                 self._reshard_after_forward(output)
-        if self.output_dtype is not None:
-            output = self._cast_tree(output, self.output_dtype)
-        return output
 
     def begin_iteration(self) -> None:
         self._forwards_done = 0

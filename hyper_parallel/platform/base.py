@@ -314,6 +314,11 @@ class Platform(abc.ABC):
     def is_grad_enabled(self) -> bool:
         """Whether operations run now are recorded for a later backward."""
 
+    @abc.abstractmethod
+    def in_backward(self) -> bool:
+        """Whether autograd is running a backward pass now. A module's forward called then is
+        a recomputation (activation checkpointing), not a new iteration's forward."""
+
     # ------------------------------------------------------------------ parameters
     @abc.abstractmethod
     def named_modules(self, module: Any) -> list:

@@ -1234,6 +1234,24 @@ def check_register_grad_hook(ctx):
     _check(gw is not None and gw.shape == (3, 4), f"parameter gradient {gw!r}")
 
 
+@local_check
+def check_in_backward(ctx):
+    """False outside backward, True in a hook that backward runs: fully_shard tells a
+    recomputed forward (activation checkpointing) from a new iteration's by it."""
+    p = ctx.p
+    _check(p.in_backward() is False, f"in_backward() outside backward is {p.in_backward()!r}")
+    seen = []
+
+    def loss_fn(inputs):
+        hidden = p.scale(inputs[0], 3.0)
+        p.register_grad_hook(hidden, lambda: seen.append(p.in_backward()))
+        return ctx.side.weighted_sum(hidden, np.ones(2, np.float32))
+
+    ctx.side.backward(loss_fn, [np.ones(2, np.float32)])
+    _check(seen == [True], f"in_backward() in a grad hook during backward gave {seen}")
+    _check(p.in_backward() is False, "in_backward() is still True after backward returned")
+
+
 # ====================================================================== process groups, collectives
 def _only(window, op, wire, dim, nbytes, what):
     """The CommStats window holds exactly one call of (op, wire, dim) with nbytes."""

@@ -338,6 +338,11 @@ class MindSporePlatform(Platform):
 
         return bool(_pynative_executor.enable_grad())
 
+    def in_backward(self) -> bool:
+        from mindspore.common.api import _pynative_executor
+
+        return _pynative_executor.get_current_autodiff_engine_id() != -1  # -1: no backward
+
     # ------------------------------------------------------------------ parameters
     def named_modules(self, module):
         return [(name, cell) for name, cell in module.cells_and_names()]

@@ -281,6 +281,9 @@ class TorchPlatform(Platform):
     def is_grad_enabled(self) -> bool:
         return torch.is_grad_enabled()
 
+    def in_backward(self) -> bool:
+        return torch._C._current_graph_task_id() != -1  # -1: no backward on this thread
+
     # ------------------------------------------------------------------ parameters
     def named_modules(self, module):
         return list(module.named_modules(remove_duplicate=False))
