@@ -333,7 +333,6 @@ class TorchPlatform(Platform):
     def differentiable_call(self, inputs, forward_fn, backward_fn):
         return run_differentiable(inputs, forward_fn, backward_fn)
 
-
     def register_forward_hooks(self, module, pre_hook, post_hook):
         return [
             module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
