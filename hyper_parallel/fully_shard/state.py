@@ -7,6 +7,8 @@ reduces. The node is created at the unit's first forward of an iteration; a seco
 the same module in that forward reuses its outputs (refilling them if they were freed), so
 autograd sums the gradients of every use and calls the backward once: tied parameters and
 modules called twice need no special casing, and no gradient is dropped or counted twice.
+A forward recomputed inside backward (activation checkpointing) is the one exception: see
+``_unshard_for_recompute``.
 
 [Note: freeing full parameters between forward and backward]
 Autograd keeps the full parameters alive (a Linear saves its weight). Where the platform can
