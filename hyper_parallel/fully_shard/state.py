@@ -7,8 +7,9 @@ reduces. The node is created at the unit's first forward of an iteration; a seco
 the same module in that forward reuses its outputs (refilling them if they were freed), so
 autograd sums the gradients of every use and calls the backward once: tied parameters and
 modules called twice need no special casing, and no gradient is dropped or counted twice.
-A forward recomputed inside backward (activation checkpointing) is the one exception: see
-``_unshard_for_recompute``.
+A forward recomputed inside backward (activation checkpointing) reuses them too. The node
+saves nothing through the user's saved-tensor hooks (``Platform.differentiable_call``), so
+a recomputation that makes no node saves what its forward saved.
 
 [Note: freeing full parameters between forward and backward]
 Autograd keeps the full parameters alive (a Linear saves its weight). Where the platform can
@@ -94,7 +95,7 @@ class FSDPState:
         if self.platform.in_backward():
             # Activation checkpointing recomputes this forward inside backward: the full
             # parameters are needed, nothing else is (no prefetch, no order to record).
-            self._unshard_for_recompute()
+            self.unshard()
             return self._cast_inputs(args, kwargs)
         if self.is_root:
             self.iteration.begin_forward()
@@ -163,23 +164,6 @@ class FSDPState:
         elif not self._storage_live:
             self._refill()
         for fsdp_param, full in zip(self.group.params, self._full):
-            fsdp_param.attach(full)
-
-    def _unshard_for_recompute(self) -> None:
-        """Full parameters for a forward recomputed inside backward. Parameters freed by a
-        no_grad forward (reentrant checkpointing) are gathered by a new node, whose backward
-        reduces. Live ones are not gathered again, but still come out of a node (of
-        aliases, never run backward): the recomputation must save for backward what the
-        forward saved, and the forward's unshard node did (MindSpore's non-reentrant
-        recompute matches saved tensors by position)."""
-        if self.group is None or self._full is None or not self._storage_live:
-            self.unshard()
-            return
-        kept = self._full
-        aliases = self.platform.differentiable_call(
-            self.group.local_shards(), lambda _: [self.platform.alias(t) for t in kept],
-            self._post_backward)
-        for fsdp_param, full in zip(self.group.params, aliases):
             fsdp_param.attach(full)
 
     def prefetch(self) -> None:

@@ -403,7 +403,9 @@ class Platform(abc.ABC):
                             backward_fn: Callable) -> list:
         """Run ``forward_fn(inputs) -> outputs`` (a list of tensors) so that autograd calls
         ``backward_fn(output_grads) -> input_grads`` exactly once per backward, after the
-        gradients of *all* outputs (every use) have been summed."""
+        gradients of *all* outputs (every use) have been summed. Whatever the node saves
+        for backward bypasses the user's saved-tensor hooks (activation checkpointing
+        matches saved tensors by position, and a recomputation makes no node)."""
 
     @abc.abstractmethod
     def register_forward_hooks(self, module: Any, pre_hook: Callable, post_hook: Callable) -> list:

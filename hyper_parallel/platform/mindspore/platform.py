@@ -24,6 +24,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.communication import GlobalComm
+from mindspore.graph.api import _disable_saved_tensors_hooks
 from mindspore.mint import distributed as msdist
 
 from hyper_parallel.platform.base import Handle, Platform
@@ -390,7 +391,12 @@ class MindSporePlatform(Platform):
 
     # ------------------------------------------------------------------ autograd and hooks
     def differentiable_call(self, inputs, forward_fn, backward_fn):
-        return list(_CoreDefinedCell(forward_fn, backward_fn)(*inputs))
+        # A custom-bprop Cell saves its inputs and outputs for backward. Kept out of the
+        # user's saved-tensor hooks: non-reentrant mindspore.recompute matches saved tensors
+        # by position, and the recomputed forward finds the parameters there and makes no node.
+        with _disable_saved_tensors_hooks("hyper_parallel: unshard node",
+                                          is_error_on_outer_hook=False):
+            return list(_CoreDefinedCell(forward_fn, backward_fn)(*inputs))
 
     def register_forward_hooks(self, module, pre_hook, post_hook):
         self._ensure_pynative()  # hooks and custom bprop Cells need PyNative
