@@ -7,9 +7,11 @@ reduces. The node is created at the unit's first forward of an iteration; a seco
 the same module in that forward reuses its outputs (refilling them if they were freed), so
 autograd sums the gradients of every use and calls the backward once: tied parameters and
 modules called twice need no special casing, and no gradient is dropped or counted twice.
-A forward recomputed inside backward (activation checkpointing) reuses them too. The node
-saves nothing through the user's saved-tensor hooks (``Platform.differentiable_call``), so
-a recomputation that makes no node saves what its forward saved.
+A forward recomputed inside backward (activation checkpointing) reuses them too when they
+are there (non-reentrant); after a no_grad first forward (reentrant), which kept no node, it
+makes the iteration's node. The node saves nothing through the user's saved-tensor hooks
+(``Platform.differentiable_call``), so a recomputation that makes no node still saves what
+its forward saved.
 
 [Note: freeing full parameters between forward and backward]
 Autograd keeps the full parameters alive (a Linear saves its weight). Where the platform can

@@ -405,7 +405,8 @@ class Platform(abc.ABC):
         ``backward_fn(output_grads) -> input_grads`` exactly once per backward, after the
         gradients of *all* outputs (every use) have been summed. Whatever the node saves
         for backward bypasses the user's saved-tensor hooks (activation checkpointing
-        matches saved tensors by position, and a recomputation makes no node)."""
+        matches saved tensors by position, and a recomputation that finds the parameters
+        there makes no node)."""
 
     @abc.abstractmethod
     def register_forward_hooks(self, module: Any, pre_hook: Callable, post_hook: Callable) -> list:
