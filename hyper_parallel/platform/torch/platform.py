@@ -72,7 +72,7 @@ class TorchPlatform(Platform):
     def __init__(self) -> None:
         _check_version()
         super().__init__()
-        self._final_barrier = None  # see destroy_process_group
+        self._last_barrier = None  # see barrier
 
     def default_own_collective_bytes(self):
         # CPU (gloo): a call costs tens of microseconds, copying 1 MiB in and out about as
@@ -95,16 +95,6 @@ class TorchPlatform(Platform):
         return False  # torchrun sets RANK/WORLD_SIZE/MASTER_*: the generic path joins
 
     def destroy_process_group(self) -> None:
-        # A gloo worker thread releases a finished collective a moment after wait() returns
-        # in the caller. If that release frees a tensor Python made, it needs the GIL, and
-        # once the interpreter is finalizing, taking the GIL ends the thread inside C++ code
-        # that may not unwind: the process aborts ("terminate called without an active
-        # exception"; docs/platforms.md, "Leaving", has the evidence). A barrier's work holds
-        # every collective still in flight when it was issued; kept referenced from Python
-        # until the process ends, it makes the main thread, not a worker, release them.
-        final_barrier = dist.barrier(async_op=True)
-        final_barrier.wait()
-        self._final_barrier = final_barrier
         dist.destroy_process_group()
 
     def rank(self) -> int:
@@ -185,7 +175,17 @@ class TorchPlatform(Platform):
         dist.broadcast(tensor, src, group=group)
 
     def barrier(self, group=None) -> None:
-        dist.barrier(group=group)
+        # A gloo worker thread releases a finished collective a moment after wait() returns
+        # in the caller. If that release frees a tensor Python made, it needs the GIL, and
+        # once the interpreter is finalizing, taking the GIL ends the thread inside C++ code
+        # that may not unwind: the process aborts ("terminate called without an active
+        # exception"; docs/platforms.md, "Leaving", has the evidence). A barrier's work holds
+        # every collective still in flight when it was issued; kept referenced from Python
+        # until the next barrier (or the process end), it makes the main thread, not a
+        # worker, release them. destroy_distributed's final barrier is the one that matters.
+        work = dist.barrier(group=group, async_op=True)
+        work.wait()
+        self._last_barrier = work
 
     # ------------------------------------------------------------------ tensors
     def dtype(self, name):
