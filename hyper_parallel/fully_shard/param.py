@@ -49,6 +49,7 @@ class FSDPParam:
         self.stored_rows = self.chunk_rows if platform.pads_local_shards else self.local_rows
         self.orig_dtype = platform.dtype_of(param)
         self.padded_shard = None  # the shard's padded piece, where it lives (torch, see below)
+        self._padding_zeros = {}  # (numel, dtype) -> zeros, see gradient_pieces
         with platform.no_grad():
             local = platform.narrow(platform.movedim(param, shard_dim, 0), 0, start, self.local_rows)
             padding = (self.chunk_rows - self.local_rows, *self.row_shape)
@@ -142,7 +143,11 @@ class FSDPParam:
         """The gradient in ``dtype`` cut for a reduce-scatter: one list of flat parts per
         rank, whose concatenation is that rank's ``padded_numel`` elements. Nothing is
         copied: the parts are views of the gradient, plus zeros where a rank's rows need
-        padding (or it has none); whoever needs one tensor per rank concatenates."""
+        padding (or it has none); whoever needs one tensor per rank concatenates. The zeros
+        are made once and reused every step (the parts are read-only to the collectives):
+        on MindSpore each ``zeros`` is an op launch per parameter and step. They exist only
+        for parameters whose rows do not divide evenly, and hold less than two padded
+        pieces (two shards) per such parameter."""
         p = self.platform
         moved = p.movedim(p.cast(full_grad, dtype), self.shard_dim, 0)
         if self.shard_dim != 0:  # dim 0 is contiguous already (and asking waits on MindSpore)
@@ -154,9 +159,15 @@ class FSDPParam:
             rows = max(0, min(self.chunk_rows, self.rows - first))
             parts = [p.narrow(flat, 0, first * self.row_numel, rows * self.row_numel)] if rows else []
             if rows < self.chunk_rows:
-                parts.append(p.zeros(((self.chunk_rows - rows) * self.row_numel,), dtype))
+                parts.append(self._zeros((self.chunk_rows - rows) * self.row_numel, dtype))
             pieces.append(parts)
         return pieces
+
+    def _zeros(self, numel: int, dtype: Any) -> Any:
+        key = (numel, dtype)
+        if key not in self._padding_zeros:
+            self._padding_zeros[key] = self.platform.zeros((numel,), dtype)
+        return self._padding_zeros[key]
 
     def sharded_grad_from(self, reduced: Any, offset: int) -> Any:
         """This rank's gradient shard out of the flat reduce-scatter output."""

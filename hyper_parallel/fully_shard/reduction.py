@@ -5,8 +5,9 @@
    per rank (param_group.py), scale once (``pre_scale``), issue the reduce-scatter over
    the shard group (async).
 2. ``finish_reduce_scatter`` + ``start_all_reduce`` (driven by the IterationContext when the
-   next unit's post-backward runs, or at the end of backward): wait the reduce-scatter,
-   apply ``post_scale``, then either issue the bucket's all-reduce over the replicate
+   next unit's post-backward runs, or at the end of backward): wait the reduce-scatter
+   (which applied ``post_scale`` to its result; a leg with no reduce-scatter is scaled
+   here), then either issue the bucket's all-reduce over the replicate
    group (async) or defer the bucket (``set_requires_all_reduce(False)``).
 3. ``finish`` (end of backward): wait the all-reduces and deliver each gradient shard
    through ``Platform.write_grad`` (torch: accumulate into ``.grad``; MindSpore: fill the
@@ -55,9 +56,12 @@ class UnitReduction:
             if leg.sharded and group.mesh_info.shard_size > 1:
                 if plan.pre_scale != 1.0:
                     pieces = [[p.scale(part, plan.pre_scale) for part in parts] for parts in pieces]
+                # post_scale goes with the collective: a platform that copies the chunk
+                # out anyway scales in the same pass
                 handle = p.reduce_scatter_pieces(pieces, group.mesh_info.shard_group,
-                                                 async_op=async_op, dim="shard")
-                flat = None  # handle.result (new memory), once waited
+                                                 async_op=async_op, dim="shard",
+                                                 scale=plan.post_scale)
+                flat = None  # handle.result (new memory, post-scaled), once waited
             else:
                 # no reduce-scatter: the bucket's buffer, the core's own (all-reduced in place)
                 flat, handle = p.cat([part for parts in pieces for part in parts], 0), None
@@ -70,10 +74,10 @@ class UnitReduction:
     def finish_reduce_scatter(self) -> None:
         p = self.group.platform
         for leg in self.legs:
-            if leg.handle is not None:
+            if leg.handle is not None:  # reduce-scattered: post-scaled already
                 leg.handle.wait()
                 leg.buffer, leg.handle = leg.handle.result, None
-            if self.plan.post_scale != 1.0:
+            elif self.plan.post_scale != 1.0:
                 leg.buffer = p.scale(leg.buffer, self.plan.post_scale, may_overwrite=True)
 
     def start_all_reduce(self, requires_all_reduce: bool) -> None:

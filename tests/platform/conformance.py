@@ -1470,14 +1470,17 @@ def check_all_gather_into_released(ctx):
 def check_reduce_scatter_pieces(ctx):
     """Each rank's part of the input given as views of one gradient, as one tensor, or as
     several parts (a view plus zeros, the padded case); the parts stay as they were and
-    the result is memory of its own."""
+    the result, multiplied by ``scale``, is memory of its own."""
     p, w, r = ctx.p, ctx.world, ctx.rank
-    for n, async_op in itertools.product(_chunk_sizes(w), (False, True)):
+    # each size and each mode once with a scale (both sides of a size switch, see above)
+    for n, (async_op, scale) in itertools.product(_chunk_sizes(w), ((False, 1.0), (True, 0.25),
+                                                                    (False, 0.25))):
         k = np.arange(w * n, dtype=np.float32)
         mine = k * (r + 1) + r
         mine[-1] = 0.0  # the last rank's last element is padding: zero on every rank
         total = sum(k * (q + 1) + q for q in range(w))
         total[-1] = 0.0
+        total = total * np.float32(scale)  # a power of two: exact
         whole = _f32(ctx, mine)
         layouts = {
             "views": [[p.narrow(whole, 0, q * n, n)] for q in range(w)],
@@ -1488,11 +1491,12 @@ def check_reduce_scatter_pieces(ctx):
         }
         for how, pieces in layouts.items():
             before = [[_values(ctx, t) for t in parts] for parts in pieces]
-            handle = p.reduce_scatter_pieces(pieces, ctx.mesh1.get_group(0), async_op=async_op)
+            handle = p.reduce_scatter_pieces(pieces, ctx.mesh1.get_group(0), async_op=async_op,
+                                             scale=scale)
             _check(isinstance(handle, Handle),
                    f"reduce_scatter_pieces returned {type(handle).__name__}")
             handle.wait()
-            what = f"({how}, n={n}, async_op={async_op})"
+            what = f"({how}, n={n}, async_op={async_op}, scale={scale})"
             _same(_values(ctx, handle.result), total[r * n:(r + 1) * n],
                   f"reduce_scatter_pieces chunk {what}")
             for q, parts in enumerate(pieces):
@@ -1510,19 +1514,21 @@ def check_reduce_scatter_new(ctx):
     k = np.arange(w * n, dtype=np.float32)
     mine = k * (r + 1) + r
     total = sum(k * (q + 1) + q for q in range(w))
-    for async_op, overwrite in ((False, False), (True, False), (False, True), (True, True)):
+    for (async_op, overwrite), scale in zip(((False, False), (True, False), (False, True), (True, True)),
+                                            (1.0, 0.5, 0.25, 1.0)):
         source = p.cat([_f32(ctx, mine)], 0)  # a tensor of the caller's own
         handle = p.reduce_scatter_new(source, ctx.mesh1.get_group(0), w, async_op=async_op,
-                                      may_overwrite_input=overwrite)
+                                      may_overwrite_input=overwrite, scale=scale)
         _check(isinstance(handle, Handle), f"reduce_scatter_new returned {type(handle).__name__}")
         handle.wait()
         out = handle.result
-        how = f"(async_op={async_op}, may_overwrite_input={overwrite})"
-        _same(_values(ctx, out), total[r * n:(r + 1) * n], f"reduce_scatter_new chunk {how}")
+        how = f"(async_op={async_op}, may_overwrite_input={overwrite}, scale={scale})"
+        expected = total * np.float32(scale)  # a power of two: exact
+        _same(_values(ctx, out), expected[r * n:(r + 1) * n], f"reduce_scatter_new chunk {how}")
         if not overwrite:
             _same(_values(ctx, source), mine, f"reduce_scatter_new changed its input {how}")
         p.all_reduce(out, ctx.mesh1.get_group(0))  # its own memory: an in-place write lands
-        _same(_values(ctx, out), total.reshape(w, n).sum(0),
+        _same(_values(ctx, out), expected.reshape(w, n).sum(0),
               f"all_reduce of the reduce_scatter_new result {how}")
 
 

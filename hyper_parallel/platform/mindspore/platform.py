@@ -209,10 +209,10 @@ class MindSporePlatform(Platform):
         return pieces, None, Handle(msdist.all_gather(pieces, input, group=group, async_op=async_op))
 
     def reduce_scatter_new(self, input, group, group_size, async_op=False, dim="",
-                           may_overwrite_input=False):
+                           may_overwrite_input=False, scale=1.0):
         if not self._on_cpu:
             return super().reduce_scatter_new(input, group, group_size, async_op, dim,
-                                              may_overwrite_input)
+                                              may_overwrite_input, scale)
         total = input.shape[0]
         self._record("reduce_scatter", "all_reduce", total * _ITEM_SIZE[input.dtype], dim)
         if not may_overwrite_input:
@@ -222,7 +222,9 @@ class MindSporePlatform(Platform):
         start = self.group_rank(group) * chunk
 
         def keep_own_chunk():
-            handle.result = mint.narrow(input, 0, start, chunk) + 0  # its own memory
+            # its own memory, scaled in the same op (every op costs a launch on CPU)
+            own = mint.narrow(input, 0, start, chunk)
+            handle.result = own * scale if scale != 1.0 else own + 0
 
         handle = Handle(native, on_done=keep_own_chunk)
         if not async_op:

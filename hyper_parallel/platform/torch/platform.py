@@ -139,15 +139,14 @@ class TorchPlatform(Platform):
                                     async_op=async_op)
         return Handle(work)
 
-    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim=""):
+    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim="", scale=1.0):
         nbytes = sum(part.numel() * part.element_size() for parts in pieces for part in parts)
         if not _uses_list_reduce_scatter(group, nbytes):
-            return super().reduce_scatter_pieces(pieces, group, async_op, dim)
+            return super().reduce_scatter_pieces(pieces, group, async_op, dim, scale)
         inputs = [parts[0] if len(parts) == 1 else torch.cat(list(parts)) for parts in pieces]
         output = torch.empty_like(inputs[0])
-        handle = self._reduce_scatter_list(output, inputs, group, async_op, dim)
-        handle.result = output
-        return handle
+        return self._scaled_result(self._reduce_scatter_list(output, inputs, group, async_op, dim),
+                                   output, scale)
 
     def _reduce_scatter_list(self, output, pieces, group, async_op, dim) -> Handle:
         self._record("reduce_scatter", "reduce_scatter",
