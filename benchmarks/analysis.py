@@ -58,6 +58,9 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
     if all(cpu_per_rank):  # per step, the mean over ranks: the work one rank does
         out["step_cpu_per_step_s"] = [statistics.fmean(c) for c in zip(*cpu_per_rank)]
         out["step_cpu_s"] = statistics.median(out["step_cpu_per_step_s"])
+    faults = [r["timing"].get("minor_faults") for r in ranks]
+    if all(f is not None for f in faults):  # per step, the mean over ranks
+        out["minor_faults_per_step"] = statistics.median(statistics.fmean(f) for f in zip(*faults))
     if "comm" in ranks[0]:
         out["comm_source"] = ranks[0].get("comm_source")
         out["comm_per_step"] = _per_step(ranks[0]["comm"], steps)

@@ -34,6 +34,7 @@ import ctypes
 import gc
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -80,6 +81,13 @@ def resident_mb() -> float | None:
     return _status_mb("VmRSS")
 
 
+def minor_faults() -> int:
+    """Page faults served without I/O so far in this process: mostly first touches of
+    freshly mapped memory, which the kernel zeroes page by page (the cost of allocating
+    anew what could have been reused)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def timed_steps(step, warmup: int, steps: int, barrier=None, measured_context=None) -> dict:
     """Run ``warmup + steps`` steps; return measured times, losses and peak memory.
 
@@ -87,9 +95,10 @@ def timed_steps(step, warmup: int, steps: int, barrier=None, measured_context=No
     process without peers) aligns the ranks before each step, outside the timed region.
     ``measured_context`` (a context manager, e.g. ``hp.track_comms()``) is entered around
     the measured steps only, after the warm-up. ``cpu_s``: the CPU time of the whole process
-    (every thread: the framework's communication threads too) per measured step.
+    (every thread: the framework's communication threads too) per measured step;
+    ``minor_faults``: its page faults per measured step (``minor_faults``).
     """
-    times, cpu, losses = [], [], []
+    times, cpu, faults, losses = [], [], [], []
     for i in range(warmup):
         if barrier is not None:
             barrier()
@@ -100,12 +109,14 @@ def timed_steps(step, warmup: int, steps: int, barrier=None, measured_context=No
         for i in range(warmup, warmup + steps):
             if barrier is not None:
                 barrier()
+            start_faults = minor_faults()
             start, start_cpu = time.perf_counter(), time.process_time()
             loss = step(i)
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
+            faults.append(minor_faults() - start_faults)
             losses.append(loss)
-    return {"step_s": times, "cpu_s": cpu, "losses": losses,
+    return {"step_s": times, "cpu_s": cpu, "minor_faults": faults, "losses": losses,
             "peak_mb": peak_memory_mb() if peak_reset else None,
             "rss_before_mb": baseline, "rss_after_mb": resident_mb()}
 
