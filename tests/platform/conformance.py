@@ -1472,9 +1472,11 @@ def check_reduce_scatter_pieces(ctx):
     several parts (a view plus zeros, the padded case); the parts stay as they were and
     the result, multiplied by ``scale``, is memory of its own."""
     p, w, r = ctx.p, ctx.world, ctx.rank
-    # each size and each mode once with a scale (both sides of a size switch, see above)
-    for n, (async_op, scale) in itertools.product(_chunk_sizes(w), ((False, 1.0), (True, 0.25),
-                                                                    (False, 0.25))):
+    # both sizes (both sides of a size switch, see above) in both modes; each mode is
+    # scaled on one size and not on the other
+    small, large = _chunk_sizes(w)
+    for n, async_op, scale in ((small, False, 1.0), (small, True, 0.25),
+                               (large, False, 0.25), (large, True, 1.0)):
         k = np.arange(w * n, dtype=np.float32)
         mine = k * (r + 1) + r
         mine[-1] = 0.0  # the last rank's last element is padding: zero on every rank
