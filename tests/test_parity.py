@@ -17,9 +17,9 @@ import pytest
 from tests.multirank import run_ranks
 
 BACKENDS = ["torch", "mindspore"]
-SCENARIOS = ["nested", "nested_adamw", "nested_keep", "list_unit", "tied", "twice", "ignored",
+SCENARIOS = ("nested", "nested_adamw", "nested_keep", "list_unit", "tied", "twice", "ignored",
              "shard_dim1", "own_collectives", "own_mixed", "own_even", "inplace_view",
-             "recompute_reentrant", "recompute_non_reentrant"]
+             "recompute_reentrant", "recompute_non_reentrant")
 ATOL = 1e-5
 # AdamW's first steps move each weight by about lr * sign(grad): a gradient element that is
 # zero up to rounding (summed in another order on N ranks) moves differently in two correct
@@ -45,7 +45,7 @@ def _assert_parity(per_rank: list, atol: float = ATOL):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parity_with_single_process_reference(backend, world_size, scenario):
-    results = _results(backend, world_size, tuple(SCENARIOS))
+    results = _results(backend, world_size, SCENARIOS)
     per_rank = [r[scenario] for r in results]
     assert per_rank[0]["names_match"], "gathered state dict names differ from the reference's"
     _assert_parity(per_rank, ADAMW_ATOL if scenario == "nested_adamw" else ATOL)
@@ -65,15 +65,15 @@ def test_collective_counts_per_step(backend):
     """2 blocks + root, reshard_after_forward=True: one all-gather per unit in forward, one
     per non-root unit before backward where memory can be released, one reduce-scatter per
     unit; with reshard_after_forward=False no backward all-gather at all."""
-    per_rank = [r["nested"] for r in _results(backend, 2, tuple(SCENARIOS))]
+    per_rank = [r["nested"] for r in _results(backend, 2, SCENARIOS)]
     comms = per_rank[0]["last_step_comms"]
     backward_gathers = 2 if per_rank[0]["can_release"] else 0
     assert comms == {"all_gather": 3 + backward_gathers, "reduce_scatter": 3}
-    keep = [r["nested_keep"] for r in _results(backend, 2, tuple(SCENARIOS))][0]["last_step_comms"]
+    keep = [r["nested_keep"] for r in _results(backend, 2, SCENARIOS)][0]["last_step_comms"]
     assert keep == {"all_gather": 3, "reduce_scatter": 3}
     # own_collective_bytes=0: one all-gather and one reduce-scatter per sharded parameter
     # (4 per block, 2 in the root)
-    own = [r["own_collectives"] for r in _results(backend, 2, tuple(SCENARIOS))][0]
+    own = [r["own_collectives"] for r in _results(backend, 2, SCENARIOS)][0]
     backward_gathers = 8 if own["can_release"] else 0
     assert own["last_step_comms"] == {"all_gather": 10 + backward_gathers, "reduce_scatter": 10}
     expected_wire = "reduce_scatter" if backend == "torch" else "all_reduce"
@@ -90,7 +90,7 @@ def test_activation_checkpointing_adds_no_collective(backend):
     reentrant recomputations gather, as their first forward ran under no_grad and freed the
     parameters. One reduce-scatter per unit: nothing reduced twice or skipped."""
     units, blocks, recomputed = 4, 3, 2
-    for r in _results(backend, 2, tuple(SCENARIOS)):
+    for r in _results(backend, 2, SCENARIOS):
         for name in ("recompute_reentrant", "recompute_non_reentrant"):
             result = r[name]
             if result["can_release"]:
@@ -109,7 +109,7 @@ def test_regather_writes_straight_into_dim0_sharded_parameters(backend, world_si
     not) is re-gathered before backward straight into its released full tensor, with no
     copy out of a gather buffer; dim-1 shards are copied in (which shows the count can
     fail)."""
-    results = _results(backend, world_size, tuple(SCENARIOS))
+    results = _results(backend, world_size, SCENARIOS)
     if not results[0]["nested"]["can_release"]:
         pytest.skip(f"{backend} cannot release memory autograd holds: no re-gather before "
                     "backward (docs/platforms.md, 'Memory')")
@@ -127,7 +127,7 @@ def test_padded_shards_stay_in_their_all_gather_input(backend):
     piece lives at the start of that piece, so its all-gather input needs no copy; after
     five optimizer steps (SGD, AdamW) every such parameter still lives there. MindSpore
     keeps the padding in the parameter itself (pads_local_shards) and has none."""
-    results = _results(backend, 2, tuple(SCENARIOS))
+    results = _results(backend, 2, SCENARIOS)
     for scenario in ("nested", "nested_adamw", "own_collectives"):
         backed = [b for r in results for b in r[scenario]["backed_shards"]]
         if backend == "mindspore":
@@ -144,7 +144,7 @@ def test_gradients_returned_by_backward_need_no_placeholder(backend):
     reduced shards: no zero placeholder to fill later. Elsewhere (torch; MindSpore with
     the pipeline, tested bitwise against this path in test_hsdp.py) every managed parameter
     gets one per backward."""
-    for r in _results(backend, 2, tuple(SCENARIOS)):
+    for r in _results(backend, 2, SCENARIOS):
         nested = r["nested"]
         expected = 0 if nested["reduces_in_backward"] else nested["managed_params"]
         assert nested["managed_params"] > 0 and nested["placeholders"] == expected, nested
