@@ -317,6 +317,15 @@ class Platform(abc.ABC):
     def restore_storage(self, tensor: Any) -> None:
         """Re-allocate the memory ``release_storage`` freed (contents undefined)."""
 
+    def keep_released_memory(self, nbytes: int) -> None:
+        """Allow up to ``nbytes`` (at least; the largest asked for wins) of the memory
+        ``release_storage`` frees to be kept for the next ``restore_storage`` or ``empty``
+        of the same size, where the allocator would otherwise return it to the system and
+        fault it in again page by page (CPU torch, see torch/released_memory.py). The core
+        asks for two units' gathered bytes. The default keeps nothing: an allocator that
+        caches (CUDA, MindSpore's) needs no help, and a platform that cannot release
+        storage has nothing to keep."""
+
     @abc.abstractmethod
     def storage_bytes(self, tensor: Any) -> int:
         """Bytes the tensor's storage holds now (0 once released)."""

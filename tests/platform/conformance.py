@@ -819,6 +819,36 @@ def check_release_storage_of_from_numpy(ctx):
 
 
 @local_check
+def check_kept_released_memory_is_never_shared(ctx):
+    """Memory ``keep_released_memory`` lets a platform keep goes to one tensor at a time:
+    released tensors restored and new ``empty`` tensors of the same size (which a pool
+    would serve from kept blocks) each hold their own values, and a view of a released
+    tensor reads what the restored tensor is refilled with."""
+    p = ctx.p
+    if not p.can_release_storage:
+        raise Skip(f"{p.name}: can_release_storage is False")
+    f32 = p.dtype("float32")
+    p.keep_released_memory(1 << 20)
+    first, second = p.zeros((8, 16), f32), p.zeros((8, 16), f32)
+    view = p.narrow(second, 0, 2, 3)
+    p.release_storage(first)
+    p.release_storage(second)
+    fresh = [p.empty((8, 16), f32), p.empty((128,), f32)]  # same bytes as the released two
+    p.restore_storage(second)
+    p.restore_storage(first)
+    later = p.empty((8, 16), f32)
+    tensors = [first, second, *fresh, later]
+    for k, t in enumerate(tensors):
+        p.copy_into(t, p.from_numpy(_arange(*p.shape(t), start=1000.0 * k)))
+    for k, t in enumerate(tensors):
+        _same(_values(ctx, t), _arange(*p.shape(t), start=1000.0 * k),
+              f"tensor {k} of {len(tensors)} (released+restored or new) lost its values: "
+              "two tensors share memory")
+    _same(_values(ctx, view), _arange(8, 16, start=1000.0)[2:5],
+          "a view of a released tensor does not read it after restore + refill")
+
+
+@local_check
 def check_release_restore_under_autograd(ctx):
     """FSDP2's reshard-after-forward: a tensor autograd saved is released after forward,
     restored and refilled (in a grad hook) before backward uses it; the gradient sees the

@@ -9,6 +9,7 @@ DeviceMesh behind our DeviceMesh, so torch tools written for FSDP2 parameters
 from __future__ import annotations
 
 import datetime
+import math
 import os
 
 import torch
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.torch.released_memory import ReleasedMemory
 from hyper_parallel.platform.torch.unshard_function import run_differentiable
 
 MIN_TORCH = (2, 4)
@@ -30,15 +32,6 @@ _DTYPES = {
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-def _grow_storage(tensor, numel: int):
-    """The tensor's storage, resized if needed to hold ``numel`` elements from its start."""
-    storage = tensor.untyped_storage()
-    needed = (tensor.storage_offset() + numel) * tensor.element_size()
-    if storage.size() < needed:
-        storage.resize_(needed)
-    return storage
-
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
@@ -73,6 +66,12 @@ class TorchPlatform(Platform):
         _check_version()
         super().__init__()
         self._last_barrier = None  # see barrier
+        # CUDA's caching allocator already keeps freed blocks; CPU's malloc does not.
+        self._released = ReleasedMemory() if self.device_type() == "cpu" else None
+
+    def keep_released_memory(self, nbytes: int) -> None:
+        if self._released is not None:
+            self._released.raise_limit(nbytes)
 
     def default_own_collective_bytes(self):
         # CPU (gloo): a call costs tens of microseconds, copying 1 MiB in and out about as
@@ -156,7 +155,7 @@ class TorchPlatform(Platform):
 
     def all_gather_into_released(self, full, input, group, group_size, async_op=False, dim=""):
         total = group_size * input.numel()
-        storage = _grow_storage(full, total)
+        storage = self._grow_storage(full, total)
         # A new tensor on the same memory, not a view of ``full``: the collective's write
         # then leaves the version counter autograd checks for ``full`` alone (it was saved
         # by the forward, and refilling the values it had is no modification).
@@ -209,7 +208,11 @@ class TorchPlatform(Platform):
         return torch.zeros(tuple(shape), dtype=dtype, device=self.device_type())
 
     def empty(self, shape, dtype):
-        return torch.empty(tuple(shape), dtype=dtype, device=self.device_type())
+        shape = tuple(shape)
+        kept = None if self._released is None else self._released.take(math.prod(shape) * dtype.itemsize)
+        if kept is not None:
+            return torch.empty(0, dtype=dtype).set_(kept, 0, shape)
+        return torch.empty(shape, dtype=dtype, device=self.device_type())
 
     def from_numpy(self, array):
         return torch.tensor(array, device=self.device_type())
@@ -264,12 +267,24 @@ class TorchPlatform(Platform):
 
     def release_storage(self, tensor) -> None:
         storage = tensor.untyped_storage()
-        if storage.size() != 0:
+        if self._released is not None:
+            self._released.release(storage)
+        elif storage.size() != 0:
             storage.resize_(0)
 
     def restore_storage(self, tensor) -> None:
         # Several full parameters may be views of one buffer: size it for the furthest.
-        _grow_storage(tensor, tensor.numel())
+        self._grow_storage(tensor, tensor.numel())
+
+    def _grow_storage(self, tensor, numel: int):
+        """The tensor's storage, given memory (kept memory first, see released_memory.py)
+        if needed to hold ``numel`` elements from its start."""
+        storage = tensor.untyped_storage()
+        needed = (tensor.storage_offset() + numel) * tensor.element_size()
+        if storage.size() < needed and not (
+                self._released is not None and self._released.fill(storage, needed)):
+            storage.resize_(needed)
+        return storage
 
     def storage_bytes(self, tensor) -> int:
         return tensor.untyped_storage().size()
