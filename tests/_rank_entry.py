@@ -29,6 +29,10 @@ def _run(workdir: Path, rank: int) -> None:
         import torch  # lazily: a MindSpore rank must not pay for (or depend on) torch
 
         torch.set_num_threads(1)  # ranks share few cores, even if OMP_NUM_THREADS says more
+    elif os.environ.get("HP_TEST_MS_LAUNCH_BLOCKING") == "1":  # see tests/multirank.py
+        import mindspore
+
+        mindspore.runtime.launch_blocking()
     with open(workdir / "args.pkl", "rb") as file:
         payload = pickle.load(file)
     distributed = os.environ.get("HP_TEST_NO_DIST") != "1"

@@ -12,7 +12,12 @@ every multi-rank test of the suite goes through ``run_ranks``.  It reuses the la
 * rank output goes to ``rank<r>.log`` files rather than pipes, so nothing can block and no relay
   threads are needed;
 * a failing rank ends all others at once (a peer blocked in a collective would otherwise wait
-  for the timeout), and the RankFailure raised carries that rank's traceback and log tail.
+  for the timeout), and the RankFailure raised carries that rank's traceback and log tail;
+* MindSpore ranks that outnumber the cores run ``mindspore.runtime.launch_blocking()``
+  (``HP_TEST_MS_LAUNCH_BLOCKING=1``, read by tests/_rank_entry.py): in MindSpore's default
+  asynchronous pipeline a waiting rank spins a core, and 4 ranks on 2 cores took 205 s for
+  the HSDP 2x2 launch against 53 s blocking. Launches with a core per rank keep the default
+  pipeline, so the suite still covers what users run.
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ def run_ranks(target: str, world_size: int, backend: str, *args, timeout_s: floa
 def _rank_envs(world_size: int, backend: str, extra: dict | None) -> list[dict[str, str]]:
     """Environments of all ranks; the repo root leads PYTHONPATH so targets import from it."""
     base = {**os.environ, **(extra or {})}
+    if backend == "mindspore" and world_size > (os.cpu_count() or 1):
+        base.setdefault("HP_TEST_MS_LAUNCH_BLOCKING", "1")
     base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH")) if p)
     port = find_free_port()
     return [rank_environment(rank, rank, world_size, world_size, "127.0.0.1", port, backend, base)
