@@ -80,6 +80,23 @@ class IterationContext:
             self._seen = set()
         for state in self.states:
             state.begin_iteration()
+        self.keep_working_set()
+
+    def keep_working_set(self) -> None:
+        """Let the platform keep the memory a step's gathers will ask for again
+        (``Platform.keep_released_memory``): the full parameters of every unit that keeps
+        them through forward (the root, ``reshard_after_forward=False``), which the step
+        holds at once anyway, plus the two largest units that reshard after forward (one
+        computing, one prefetched). Asked again each iteration: the setting may change."""
+        kept, resharded = 0, []
+        for state in self.states:
+            if state.group is None:
+                continue
+            if state.is_root or not state.reshard_after_forward:
+                kept += state.group.gathered_bytes
+            else:
+                resharded.append(state.group.gathered_bytes)
+        self.platform.keep_released_memory(kept + sum(sorted(resharded)[-2:]))
 
     def record_forward(self, state: Any) -> None:
         if id(state) not in self._seen:

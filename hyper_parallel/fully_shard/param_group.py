@@ -76,10 +76,10 @@ class FSDPParamGroup:
                 platform, info.data_parallel_group, info.data_parallel_size, "data_parallel"),
                 sharded=False))
         self._pending_gather = None  # [(leg, pieces, whole, handle, full)] in flight
-        # The unit computing and the one prefetched: what steady-state gathers reuse.
-        platform.keep_released_memory(2 * sum(
+        # what the unit's full parameters take (see IterationContext.keep_working_set)
+        self.gathered_bytes = sum(
             fp.shard_size * fp.padded_numel * platform.element_size(self.compute_dtype(fp))
-            for fp in params))
+            for fp in params)
 
     def local_shards(self) -> list:
         return [self.platform.local_tensor(p.sharded_param) for p in self.params]

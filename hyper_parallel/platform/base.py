@@ -322,7 +322,8 @@ class Platform(abc.ABC):
         ``release_storage`` frees to be kept for the next ``restore_storage`` or ``empty``
         of the same size, where the allocator would otherwise return it to the system and
         fault it in again page by page (CPU torch, see torch/released_memory.py). The core
-        asks for two units' gathered bytes. The default keeps nothing: an allocator that
+        asks for what one step gathers again (iteration.py, ``keep_working_set``). The
+        default keeps nothing: an allocator that
         caches (CUDA, MindSpore's) needs no help, and a platform that cannot release
         storage has nothing to keep."""
 

@@ -19,10 +19,13 @@ leaves it; restore swaps a kept block back in. A block is only ever in one stora
 reuse can alias nothing that release_storage's own contract would not already forbid
 (no collective may still touch memory being released).
 
-The pool holds at most ``limit`` bytes, which the core sets to what two units gather (the
-one computing and the one prefetched): enough that a steady state of gather, release and
-re-gather never asks malloc, small enough that the memory a sharded model saves is not
-held back. Blocks beyond it are freed as before. Sizes must match exactly: a parameter's
+The pool holds at most ``limit`` bytes, which the core sets to what a step holds at once
+anyway (fully_shard/iteration.py, ``keep_working_set``): the full parameters of units that
+keep them through forward, plus two units that reshard after forward (one computing, one
+prefetched). Enough that a steady state of gather, release and re-gather never asks
+malloc; small enough that the process's peak does not grow and the memory a sharded model
+saves is not held back. Blocks beyond it are freed as before. The limit only rises (the
+largest asked for wins), and the blocks stay with the process until a gather takes them. Sizes must match exactly: a parameter's
 gather and its re-gather ask for the same bytes every step.
 """
 
