@@ -10,6 +10,7 @@ suite pays the process start-up once per (backend, world size).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 
@@ -33,8 +34,11 @@ def _build(kit, name):
     if name == "inplace_view":  # blocks return views that the stack then changes in place
         blocks = [kit.Block(D_IN, 53, 29, view_output=True), kit.Block(29, 41, 23, view_output=True)]
         return kit.Stack(blocks, kit.linear(23, D_OUT), in_place=True)
-    if name.startswith("recompute_"):  # blocks 1 and 2 under activation checkpointing
+    if name.startswith("recompute_") or name == "three_blocks":
         blocks = [kit.Block(D_IN, 53, 29), kit.Block(29, 41, 23), kit.Block(23, 31, 23)]
+        if name == "three_blocks":
+            return kit.Stack(blocks, kit.linear(23, D_OUT))
+        # blocks 1 and 2 under activation checkpointing
         return kit.Stack(blocks, kit.linear(23, D_OUT), recompute=name.removeprefix("recompute_"))
     if name == "own_even":  # every block row count divides by 2 and 4: no padding
         blocks = [kit.Block(D_IN, 48, 32), kit.Block(32, 40, 24)]
@@ -204,13 +208,20 @@ def run_memory() -> dict:
     platform = hp.get_platform()
     out = {}
     for keep in (False, True):
-        model, ref = _build(kit, "nested"), _build(kit, "nested")
+        # three blocks of different sizes: "the two largest" is neither all nor the first two
+        model, ref = _build(kit, "three_blocks"), _build(kit, "three_blocks")
         kit.load(model, 0)
         kit.load(ref, 0)
+        world = platform.world_size()
+        block_bytes = [sum(_gathered_bytes(platform, p, world) for p in kit.params(b))
+                       for b in model.blocks]
+        root_bytes = sum(_gathered_bytes(platform, p, world) for p in kit.params(model)) \
+            - sum(block_bytes)
         for block in model.blocks:
             hp.fully_shard(block, reshard_after_forward=not keep)
         hp.fully_shard(model)
-        held = []
+        held, asked = [], []
+        platform.keep_released_memory = asked.append  # an instance attribute: undone below
 
         def record(module, args, kwargs, output):  # runs after every block's post-forward
             held.append([sum(platform.storage_bytes(t) for t in b.__dict__["_hp_state"]._full)
@@ -222,8 +233,19 @@ def run_memory() -> dict:
         local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
         loss = kit.train_step(model, kit.optimizer(kit.params(model)), x[local], y[local])
         ref_loss = kit.train_step(ref, kit.optimizer(kit.params(ref)), x, y)
-        out["keep" if keep else "reshard"] = {"held": held[0], "loss": loss, "ref_loss": ref_loss}
+        del platform.keep_released_memory
+        # what a step holds at once: the root's and every kept block's full parameters,
+        # or the two largest blocks that reshard after forward
+        expected = root_bytes + (sum(block_bytes) if keep else sum(sorted(block_bytes)[-2:]))
+        out["keep" if keep else "reshard"] = {"held": held[0], "loss": loss, "ref_loss": ref_loss,
+                                               "asked_to_keep": asked, "expected_keep": expected}
     return out
+
+
+def _gathered_bytes(platform, param, shard_size: int) -> int:
+    """Bytes of a full parameter gathered from dim-0 shards padded to equal rows (fp32)."""
+    rows, *rest = platform.shape(param)
+    return -(-rows // shard_size) * shard_size * math.prod(rest) * 4
 
 
 def run_fsdp2_compare(hsdp: bool = False) -> dict:

@@ -169,11 +169,13 @@ def test_reshard_after_forward_releases_full_parameters(backend):
             np.testing.assert_allclose(np.mean([x[mode]["loss"] for x in results]),
                                        r[mode]["ref_loss"], atol=ATOL, rtol=0)
         assert all(held > 0 for held in r["keep"]["held"])
+        for mode in ("reshard", "keep"):  # asked once, at the start of the iteration
+            assert r[mode]["asked_to_keep"] == [r[mode]["expected_keep"]]
         if backend == "mindspore":
             # MindSpore 2.10 cannot free memory autograd holds (docs/platforms.md, "Memory").
             assert r["reshard"]["held"] == r["keep"]["held"]
         else:
-            assert r["reshard"]["held"] == [0, 0]
+            assert r["reshard"]["held"] == [0, 0, 0]
 
 
 @pytest.mark.timeout(300)
