@@ -318,14 +318,13 @@ class Platform(abc.ABC):
         """Re-allocate the memory ``release_storage`` freed (contents undefined)."""
 
     def keep_released_memory(self, nbytes: int) -> None:
-        """Allow up to ``nbytes`` (at least; the largest asked for wins) of the memory
+        """Allow up to ``nbytes`` (the largest asked for wins) of the memory
         ``release_storage`` frees to be kept for the next ``restore_storage`` or ``empty``
         of the same size, where the allocator would otherwise return it to the system and
         fault it in again page by page (CPU torch, see torch/released_memory.py). The core
         asks for what one step gathers again (iteration.py, ``keep_working_set``). The
-        default keeps nothing: an allocator that
-        caches (CUDA, MindSpore's) needs no help, and a platform that cannot release
-        storage has nothing to keep."""
+        default keeps nothing: a caching allocator (CUDA) needs no help, and a platform
+        that cannot release storage (MindSpore) has nothing to keep."""
 
     @abc.abstractmethod
     def storage_bytes(self, tensor: Any) -> int:

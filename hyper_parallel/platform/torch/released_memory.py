@@ -25,8 +25,9 @@ keep them through forward, plus two units that reshard after forward (one comput
 prefetched). Enough that a steady state of gather, release and re-gather never asks
 malloc; small enough that the process's peak does not grow and the memory a sharded model
 saves is not held back. Blocks beyond it are freed as before. The limit only rises (the
-largest asked for wins), and the blocks stay with the process until a gather takes them. Sizes must match exactly: a parameter's
-gather and its re-gather ask for the same bytes every step.
+largest asked for wins), and the blocks stay with the process until a gather takes them.
+Sizes must match exactly: a parameter's gather and its re-gather ask for the same bytes
+every step.
 """
 
 from __future__ import annotations
