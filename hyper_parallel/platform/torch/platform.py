@@ -66,8 +66,10 @@ class TorchPlatform(Platform):
         _check_version()
         super().__init__()
         self._last_barrier = None  # see barrier
-        # CUDA's caching allocator already keeps freed blocks; CPU's malloc does not.
-        self._released = ReleasedMemory() if self.device_type() == "cpu" else None
+        # CUDA's caching allocator already keeps freed blocks; CPU's malloc does not. The
+        # pool moves memory with a private storage method: a torch without it frees.
+        self._released = ReleasedMemory() if self.device_type() == "cpu" and hasattr(
+            torch.UntypedStorage, "_swap_data_ptr_") else None
 
     def keep_released_memory(self, nbytes: int) -> None:
         if self._released is not None:
