@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 
 import numpy as np
@@ -28,7 +27,6 @@ from mindspore.communication import GlobalComm
 from mindspore.graph.api import _disable_saved_tensors_hooks
 from mindspore.mint import distributed as msdist
 
-from hyper_parallel.launch import find_free_port
 from hyper_parallel.platform.base import Handle, Platform
 
 SUPPORTED_MINOR = "2.10"
@@ -114,40 +112,12 @@ class MindSporePlatform(Platform):
 
     def destroy_process_group(self) -> None:
         # Collectives on CPU complete lazily: a rank that tears down while a peer's last
-        # collective is still in flight makes that peer fail ("Broadcast wait sending
-        # failed"). Finish this rank's work, then meet every rank on a store, off the
-        # communicator, before anyone leaves: a last collective would race the same way.
+        # collective is still in flight makes that peer fail. Finish this rank's work, then
+        # meet every rank on the store before anyone leaves.
         self._finish_collectives()
-        if self._store is None and self.world_size() > 1:
-            self._store = self._open_exit_store()  # joined by msrun: no store of our own
         if self._store is not None:
             self._store_rendezvous("hp_exit")
         msdist.destroy_process_group()
-
-    def _open_exit_store(self):
-        """A store for the exit meeting when the job was joined without one (msrun): rank 0
-        serves it on a free port of the interface that reaches msrun's scheduler, and its
-        address reaches the other ranks in one all-reduce (a float32 is exact for octets
-        and ports), which no rank can leave before all have read it."""
-        address = [0.0] * 5
-        store = None
-        if self.rank() == 0:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                # connect() on UDP sends nothing; it picks the route, hence the local address
-                probe.connect((os.environ.get("MS_SCHED_HOST", "127.0.0.1"),
-                               int(os.environ.get("MS_SCHED_PORT", "1"))))
-                host = probe.getsockname()[0]
-            port = find_free_port(host)
-            store = msdist.TCPStore(host, port, world_size=self.world_size(), is_master=True,
-                                    wait_for_workers=False)
-            address = [float(octet) for octet in host.split(".")] + [float(port)]
-        shared = Tensor(np.array(address, np.float32))
-        msdist.all_reduce(shared)
-        octets_and_port = [int(v) for v in shared.asnumpy()]
-        if store is None:
-            host = ".".join(str(v) for v in octets_and_port[:4])
-            store = msdist.TCPStore(host, octets_and_port[4], world_size=self.world_size())
-        return store
 
     def _finish_collectives(self, group=None) -> None:
         token = Tensor(np.ones(1, np.float32))
