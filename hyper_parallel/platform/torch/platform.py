@@ -211,7 +211,7 @@ class TorchPlatform(Platform):
 
     def empty(self, shape, dtype):
         shape = tuple(shape)
-        kept = None if self._released is None else self._released.take(math.prod(shape) * dtype.itemsize)
+        kept = self._released and self._released.take(math.prod(shape) * dtype.itemsize)
         if kept is not None:
             return torch.empty(0, dtype=dtype).set_(kept, 0, shape)
         return torch.empty(shape, dtype=dtype, device=self.device_type())
