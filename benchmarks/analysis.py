@@ -8,10 +8,14 @@
   steps, per collective and mesh dim, and divided by the theoretical minimum of workload.py
   (for DDP and MindSpore's DP baseline: every gradient's fp32 bytes all-reduced once);
 * compute: the compute-only launch's step time (max over its concurrent processes);
-* raw collectives: the minimal schedule issued back to back (raw_collectives.py); FSDP2 and
-  hyper_parallel share it (same schedule), DDP and the DP baseline time their own;
+* raw collectives: the minimal schedule issued back to back (raw_collectives.py), timed by
+  every launch of hyper_parallel after its steps and pooled over them (median over every
+  round of every launch); FSDP2 and hyper_parallel share it (same schedule), DDP and the DP
+  baseline time their own;
 * overhead = step - (compute + raw collectives), also in % of the step; negative means
-  communication was overlapped with compute;
+  communication was overlapped with compute. Per round too (``overhead_pct_per_round``):
+  each launch's median step against its own raw collectives, so a reader sees how far the
+  figure moves between launches of identical code;
 * exposed communication = step - compute;
 * round spread = (slowest - fastest launch's median step) / step, where an implementation
   was launched more than once (run.py's rounds): the noise of this run, which a difference
@@ -72,8 +76,8 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
                          "comm_per_round": _per_step(ranks[0][name]["comm"],
                                                      ranks[0][name]["rounds_counted"])}
             if all("round_cpu_s" in r[name] for r in ranks):
-                out[name]["cpu_s"] = statistics.median(
-                    statistics.fmean(c) for c in zip(*(r[name]["round_cpu_s"] for r in ranks)))
+                cpu = [statistics.fmean(c) for c in zip(*(r[name]["round_cpu_s"] for r in ranks))]
+                out[name].update(cpu_s=statistics.median(cpu), round_cpu_s=cpu)
     if "ddp_bucket_bytes" in ranks[0]:
         out["ddp_bucket_bytes"] = ranks[0]["ddp_bucket_bytes"]
     return out
@@ -81,8 +85,11 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
 
 def pool_rounds(summaries: list[dict]) -> dict:
     """One implementation's launches of one configuration (run.py's rounds) as one: the
-    measured steps of all rounds pooled (median over all of them), the highest peak; the
-    rest (bytes, raw collectives) from the first launch, as every round does the same."""
+    measured steps of all rounds pooled (median over all of them), the highest peak, the
+    raw-collective rounds of all launches pooled the same way (each launch times its own
+    after its steps: pooling them keeps the floor from the same stretch of the run as the
+    steps it is subtracted from); the bytes from the first launch, as every round sends the
+    same."""
     if len(summaries) == 1 or any("error" in s for s in summaries):
         failed = [s for s in summaries if "error" in s]
         return failed[0] if failed else summaries[0]
@@ -92,10 +99,26 @@ def pool_rounds(summaries: list[dict]) -> dict:
     if all("step_cpu_per_step_s" in s for s in summaries):
         cpu = [t for s in summaries for t in s["step_cpu_per_step_s"]]
         out.update(step_cpu_s=statistics.median(cpu), step_cpu_per_step_s=cpu)
+    for name in ("raw", "raw_reduce_scatters", "raw_same_size_all_gathers"):
+        if all(name in s for s in summaries):
+            out[name] = _pool_raw([s[name] for s in summaries])
     out.update(step_s=statistics.median(steps), step_max_over_ranks_s=steps,
                step_s_per_round=[s["step_s"] for s in summaries],
                peak_mb=max(peaks) if all(p is not None for p in peaks) else None,
                launch_s=sum(s.get("launch_s", 0.0) for s in summaries), rounds=len(summaries))
+    return out
+
+
+def _pool_raw(per_launch: list[dict]) -> dict:
+    """One raw-collectives figure from every launch's rounds (``s_per_launch``: each
+    launch's own median, in launch order)."""
+    out = dict(per_launch[0])
+    rounds = [t for raw in per_launch for t in raw["round_max_over_ranks_s"]]
+    out.update(s=statistics.median(rounds), round_max_over_ranks_s=rounds,
+               s_per_launch=[raw["s"] for raw in per_launch])
+    if all("round_cpu_s" in raw for raw in per_launch):
+        cpu = [c for raw in per_launch for c in raw["round_cpu_s"]]
+        out.update(cpu_s=statistics.median(cpu), round_cpu_s=cpu)
     return out
 
 
@@ -156,6 +179,11 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
                 fig["raw_collectives_s"] = raw
                 fig["overhead_s"] = step - (compute + raw)
                 fig["overhead_pct"] = 100.0 * fig["overhead_s"] / step
+                per_launch = raw_launch.get("s_per_launch")
+                if impl == raw_of.get(impl) and rounds and per_launch and len(per_launch) == len(rounds):
+                    # each launch against its own raw rounds: how far the figure itself moves
+                    fig["overhead_pct_per_round"] = [100.0 * (s - compute - r) / s
+                                                     for s, r in zip(rounds, per_launch)]
             step_cpu, raw_cpu = launch.get("step_cpu_s"), raw_launch.get("cpu_s")
             if None not in (step_cpu, raw_cpu, compute_cpu) and step_cpu > 0:
                 fig["step_cpu_s"], fig["compute_cpu_s"], fig["raw_cpu_s"] = step_cpu, compute_cpu, raw_cpu

@@ -48,6 +48,14 @@ def _overhead(fig: dict, kind: str = "") -> str:
     return f"{fig[f'{kind}overhead_s'] * 1000:.0f} ({fig[f'{kind}overhead_pct']:+.0f}%)"
 
 
+def _overhead_with_rounds(fig: dict) -> str:
+    """The pooled overhead and, after several launches, each launch's own (its noise)."""
+    per_round = fig.get("overhead_pct_per_round")
+    if not per_round or len(per_round) < 2:
+        return _overhead(fig)
+    return f"{_overhead(fig)}; rounds {' / '.join(f'{v:+.0f}%' for v in per_round)}"
+
+
 def _spread(fig: dict) -> str:
     return "—" if fig.get("round_spread_pct") is None else f"{fig['round_spread_pct']:.0f}%"
 
@@ -74,7 +82,8 @@ def summary_table(doc: dict) -> str:
             _ms(figs.get("ddp", {}).get("step_s")), _ms(figs.get("compute", {}).get("step_s")),
             _mb(hp.get("peak_mb")), _mb(ref.get("peak_mb")), _ratio(hp.get("peak_vs_ref")),
             ratios["AG"], ratios["RS"], ratios["AR"], _ms(hp.get("raw_collectives_s")),
-            _overhead(hp), _overhead(hp, "cpu_"), _ms(hp.get("exposed_comm_s")), _spread(hp),
+            _overhead_with_rounds(hp), _overhead(hp, "cpu_"), _ms(hp.get("exposed_comm_s")),
+            _spread(hp),
         ]) + " |")
     return "\n".join(lines)
 
@@ -117,7 +126,10 @@ def notes(doc: dict) -> str:
              "slower / bigger / more bytes. AG/RS/AR = bytes per step / theoretical minimum "
              "(HSDP RS/AR are over 'shard'/'replicate').",
              "- overhead = step − (compute + raw collectives); negative = communication "
-             "overlapped with compute. exposed = step − compute.",
+             "overlapped with compute. exposed = step − compute. Raw collectives: every "
+             "hyper_parallel launch times them after its steps, pooled over the launches; "
+             "'rounds' (summary table): each launch's median step against its own raw "
+             "collectives, in launch order.",
              "- CPU overhead = step CPU − (compute CPU + raw collectives CPU), per rank, CPU time of "
              "the whole process: the work an implementation adds, without the effect of ranks "
              "sharing cores. raw CPU/wall: cores a rank keeps busy during the raw collectives "

@@ -41,3 +41,14 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
         assert abs(hp["cpu_overhead_s"] - (hp["step_cpu_s"] - hp["compute_cpu_s"] - hp["raw_cpu_s"])) < 1e-9
         per_round = launches["hp"]["step_s_per_round"]
         assert hp["round_spread_pct"] == 100.0 * (max(per_round) - min(per_round)) / hp["step_s"]
+        # raw collectives: both launches' rounds pooled, each launch's overhead on its own
+        raw = launches["hp"]["raw"]
+        assert len(raw["s_per_launch"]) == 2 and len(raw["round_max_over_ranks_s"]) == 2 * cfg["steps"]
+        assert len(raw["round_cpu_s"]) == 2 * cfg["steps"]
+        assert hp["raw_collectives_s"] == raw["s"]
+        assert hp["overhead_pct_per_round"] == [
+            100.0 * (s - hp["compute_s"] - r) / s for s, r in zip(per_round, raw["s_per_launch"])]
+        if ref == "fsdp2":  # FSDP2 borrows hp's floor: no launch of its own to pair with
+            assert "overhead_pct_per_round" not in row["figures"][ref]
+        else:  # the DP baseline times its own all-reduce in each of its launches
+            assert len(row["figures"][ref]["overhead_pct_per_round"]) == 2
