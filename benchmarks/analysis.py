@@ -26,7 +26,11 @@
   figure counts only the work, so it stays meaningful where the ranks oversubscribe the
   machine. ``raw_cpu_per_wall`` says how busy the raw collectives keep a rank: near the
   cores each rank has, communication cannot hide behind compute, and the wall-clock
-  overhead cannot go far below zero;
+  overhead cannot go far below zero. Split by thread: the same difference for the thread
+  that runs the step (``cpu_overhead_main_s``: Python and hooks, the copies, casts and
+  scaling it does, the cost of issuing collectives) and the remainder, the framework's
+  own threads (``cpu_overhead_threads_s``: mostly communication, e.g. the fixed cost of
+  collectives beyond the minimal schedule's);
 * loss check: the largest relative difference of rank 0's per-step losses to the reference
   implementation's. Same weights, data and averaging, so it should be ~1e-6 (fp32) or
   ~1e-2 (bf16); a large value means the comparison is not like for like.
@@ -40,6 +44,9 @@ import configs
 import workload
 
 SHARDED_IMPLS = ("hp", "fsdp2")
+# CPU time per step as the ranks record it -> its figure: the whole process, the stepping thread
+_STEP_CPU = (("cpu_s", "step_cpu"), ("main_cpu_s", "step_main_cpu"))
+_RAW_CPU = (("round_cpu_s", "cpu_s"), ("round_main_cpu_s", "main_cpu_s"))
 
 
 def summarize_launch(ranks: list[dict], steps: int) -> dict:
@@ -47,7 +54,6 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
     per_rank = [r["timing"]["step_s"] for r in ranks]
     step_max = [max(times) for times in zip(*per_rank)]
     peaks = [r["timing"]["peak_mb"] for r in ranks]
-    cpu_per_rank = [r["timing"].get("cpu_s") for r in ranks]
     out = {
         "step_s": statistics.median(step_max),
         "step_max_over_ranks_s": step_max,
@@ -59,9 +65,11 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
         "losses_rank0": ranks[0]["timing"]["losses"],
         "setup_s": max(r["setup_s"] for r in ranks),
     }
-    if all(cpu_per_rank):  # per step, the mean over ranks: the work one rank does
-        out["step_cpu_per_step_s"] = [statistics.fmean(c) for c in zip(*cpu_per_rank)]
-        out["step_cpu_s"] = statistics.median(out["step_cpu_per_step_s"])
+    for key, name in _STEP_CPU:
+        per_rank_cpu = [r["timing"].get(key) for r in ranks]
+        if all(per_rank_cpu):  # per step, the mean over ranks: the work one rank does
+            out[f"{name}_per_step_s"] = [statistics.fmean(c) for c in zip(*per_rank_cpu)]
+            out[f"{name}_s"] = statistics.median(out[f"{name}_per_step_s"])
     faults = [r["timing"].get("minor_faults") for r in ranks]
     if all(f is not None for f in faults):  # per step, the mean over ranks
         out["minor_faults_per_step"] = statistics.median(statistics.fmean(f) for f in zip(*faults))
@@ -75,9 +83,10 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
             out[name] = {"s": statistics.median(rounds), "round_max_over_ranks_s": rounds,
                          "comm_per_round": _per_step(ranks[0][name]["comm"],
                                                      ranks[0][name]["rounds_counted"])}
-            if all("round_cpu_s" in r[name] for r in ranks):
-                cpu = [statistics.fmean(c) for c in zip(*(r[name]["round_cpu_s"] for r in ranks))]
-                out[name].update(cpu_s=statistics.median(cpu), round_cpu_s=cpu)
+            for key, figure in _RAW_CPU:
+                if all(key in r[name] for r in ranks):
+                    cpu = [statistics.fmean(c) for c in zip(*(r[name][key] for r in ranks))]
+                    out[name].update({figure: statistics.median(cpu), key: cpu})
     if "ddp_bucket_bytes" in ranks[0]:
         out["ddp_bucket_bytes"] = ranks[0]["ddp_bucket_bytes"]
     return out
@@ -96,9 +105,10 @@ def pool_rounds(summaries: list[dict]) -> dict:
     out = dict(summaries[0])
     steps = [t for s in summaries for t in s["step_max_over_ranks_s"]]
     peaks = [s["peak_mb"] for s in summaries]
-    if all("step_cpu_per_step_s" in s for s in summaries):
-        cpu = [t for s in summaries for t in s["step_cpu_per_step_s"]]
-        out.update(step_cpu_s=statistics.median(cpu), step_cpu_per_step_s=cpu)
+    for _, name in _STEP_CPU:
+        if all(f"{name}_per_step_s" in s for s in summaries):
+            cpu = [t for s in summaries for t in s[f"{name}_per_step_s"]]
+            out.update({f"{name}_s": statistics.median(cpu), f"{name}_per_step_s": cpu})
     for name in ("raw", "raw_reduce_scatters", "raw_same_size_all_gathers"):
         if all(name in s for s in summaries):
             out[name] = _pool_raw([s[name] for s in summaries])
@@ -116,9 +126,10 @@ def _pool_raw(per_launch: list[dict]) -> dict:
     rounds = [t for raw in per_launch for t in raw["round_max_over_ranks_s"]]
     out.update(s=statistics.median(rounds), round_max_over_ranks_s=rounds,
                s_per_launch=[raw["s"] for raw in per_launch])
-    if all("round_cpu_s" in raw for raw in per_launch):
-        cpu = [c for raw in per_launch for c in raw["round_cpu_s"]]
-        out.update(cpu_s=statistics.median(cpu), round_cpu_s=cpu)
+    for key, figure in _RAW_CPU:
+        if all(key in raw for raw in per_launch):
+            cpu = [c for raw in per_launch for c in raw[key]]
+            out.update({figure: statistics.median(cpu), key: cpu})
     return out
 
 
@@ -154,6 +165,7 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
     ref = launches.get(ref_name, {})
     compute = launches.get("compute", {}).get("step_s")
     compute_cpu = launches.get("compute", {}).get("step_cpu_s")
+    compute_main_cpu = launches.get("compute", {}).get("step_main_cpu_s")
     raw_of = {"hp": "hp", "fsdp2": "hp", "ddp": "ddp", "dp": "dp"}
     figures = {}
     for impl, launch in launches.items():
@@ -190,6 +202,12 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
                 fig["raw_cpu_per_wall"] = raw_cpu / raw
                 fig["cpu_overhead_s"] = step_cpu - (compute_cpu + raw_cpu)
                 fig["cpu_overhead_pct"] = 100.0 * fig["cpu_overhead_s"] / step_cpu
+                mains = (launch.get("step_main_cpu_s"), compute_main_cpu, raw_launch.get("main_cpu_s"))
+                if None not in mains:
+                    # the same difference for the stepping thread alone; the rest of the CPU
+                    # overhead is the framework's threads (communication)
+                    fig["cpu_overhead_main_s"] = mains[0] - (mains[1] + mains[2])
+                    fig["cpu_overhead_threads_s"] = fig["cpu_overhead_s"] - fig["cpu_overhead_main_s"]
         if "comm_per_step" in launch:
             minimum = workload.schedule_bytes(minimum_schedule(cfg, impl))
             fig["bytes_vs_min"] = _bytes_ratio(launch["comm_per_step"], minimum)

@@ -96,9 +96,11 @@ def timed_steps(step, warmup: int, steps: int, barrier=None, measured_context=No
     ``measured_context`` (a context manager, e.g. ``hp.track_comms()``) is entered around
     the measured steps only, after the warm-up. ``cpu_s``: the CPU time of the whole process
     (every thread: the framework's communication threads too) per measured step;
+    ``main_cpu_s``: the part of it spent by the thread that runs the step (Python, hooks,
+    the kernels it launches), the rest being the framework's own threads;
     ``minor_faults``: its page faults per measured step (``minor_faults``).
     """
-    times, cpu, faults, losses = [], [], [], []
+    times, cpu, main_cpu, faults, losses = [], [], [], [], []
     for i in range(warmup):
         if barrier is not None:
             barrier()
@@ -110,13 +112,15 @@ def timed_steps(step, warmup: int, steps: int, barrier=None, measured_context=No
             if barrier is not None:
                 barrier()
             start_faults = minor_faults()
-            start, start_cpu = time.perf_counter(), time.process_time()
+            start, start_cpu, start_main = time.perf_counter(), time.process_time(), time.thread_time()
             loss = step(i)
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
+            main_cpu.append(time.thread_time() - start_main)
             faults.append(minor_faults() - start_faults)
             losses.append(loss)
-    return {"step_s": times, "cpu_s": cpu, "minor_faults": faults, "losses": losses,
+    return {"step_s": times, "cpu_s": cpu, "main_cpu_s": main_cpu, "minor_faults": faults,
+            "losses": losses,
             "peak_mb": peak_memory_mb() if peak_reset else None,
             "rss_before_mb": baseline, "rss_after_mb": resident_mb()}
 

@@ -16,9 +16,9 @@ negative. On MindSpore CPU the primitives are the platform's composed ones (redu
 = all-reduce + own chunk, all-gather = list all-gather + concatenation), so this floor is
 the platform's, not an ideal network's.
 
-Each round's CPU time (the whole process, communication threads included) is kept too:
-collectives that keep the CPU busy cannot be hidden behind compute on a machine whose cores
-the ranks already fill (analysis.py, "CPU overhead").
+Each round's CPU time (the whole process, communication threads included, and apart the
+calling thread's) is kept too: collectives that keep the CPU busy cannot be hidden behind
+compute on a machine whose cores the ranks already fill (analysis.py, "CPU overhead").
 
 Buffers are allocated once per distinct (op, size, dtype) and reused by every call of that
 shape: the calls are synchronous, so sharing is safe and the memory stays small.
@@ -66,15 +66,17 @@ def time_schedule(hp, schedule: list[dict], groups: dict, warmup: int, rounds: i
         if finish is not None:
             finish()
 
-    cpu = []
+    cpu, main_cpu = [], []
 
     def cpu_timed_round():
-        start = time.process_time()
+        start, start_main = time.process_time(), time.thread_time()
         one_round()
         cpu.append(time.process_time() - start)
+        main_cpu.append(time.thread_time() - start_main)
 
     with hp.track_comms() as window:
         times = measure.timed_rounds(cpu_timed_round, warmup, rounds, barrier)
-    return {"round_s": times, "round_cpu_s": cpu[warmup:], "rounds_counted": warmup + rounds,
+    return {"round_s": times, "round_cpu_s": cpu[warmup:], "round_main_cpu_s": main_cpu[warmup:],
+            "rounds_counted": warmup + rounds,
             "comm": measure.comm_records(window)}
 

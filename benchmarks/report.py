@@ -60,6 +60,12 @@ def _spread(fig: dict) -> str:
     return "—" if fig.get("round_spread_pct") is None else f"{fig['round_spread_pct']:.0f}%"
 
 
+def _cpu_split(fig: dict) -> str:
+    if fig.get("cpu_overhead_main_s") is None:
+        return "—"
+    return f"{_ms(fig['cpu_overhead_main_s'])} / {_ms(fig['cpu_overhead_threads_s'])}"
+
+
 def _share(fig: dict) -> str:
     return "—" if fig.get("raw_cpu_per_wall") is None else f"{fig['raw_cpu_per_wall']:.2f}"
 
@@ -91,7 +97,7 @@ def summary_table(doc: dict) -> str:
 def detail_table(doc: dict) -> str:
     head = ("| configuration | implementation | step ms | vs ref | peak MB | vs ref | compute ms | "
             "raw coll ms | overhead ms (% step) | step CPU ms | CPU overhead ms (% step CPU) | "
-            "raw CPU/wall | exposed ms | AG/min | RS/min | AR/min | loss Δ vs ref |")
+            "CPU overhead: stepping thread / other threads ms | raw CPU/wall | exposed ms | AG/min | RS/min | AR/min | loss Δ vs ref |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in doc["configurations"]:
         cfg, figs = row["config"], row["figures"]
@@ -103,7 +109,7 @@ def detail_table(doc: dict) -> str:
                 cfg["name"], configs.IMPL_LABELS[impl], _err_or(fig, _ms(fig.get("step_s"))),
                 _ratio(fig.get("step_vs_ref")), _mb(fig.get("peak_mb")), _ratio(fig.get("peak_vs_ref")),
                 _ms(fig.get("compute_s")), _ms(fig.get("raw_collectives_s")), _overhead(fig),
-                _ms(fig.get("step_cpu_s")), _overhead(fig, "cpu_"), _share(fig),
+                _ms(fig.get("step_cpu_s")), _overhead(fig, "cpu_"), _cpu_split(fig), _share(fig),
                 _ms(fig.get("exposed_comm_s")), ratios["AG"], ratios["RS"], ratios["AR"],
                 "—" if loss is None else f"{loss:.1e}",
             ]) + " |")
@@ -134,7 +140,9 @@ def notes(doc: dict) -> str:
              "the whole process: the work an implementation adds, without the effect of ranks "
              "sharing cores. raw CPU/wall: cores a rank keeps busy during the raw collectives "
              f"({env['cpu_count']} cores here); near the cores each rank has, communication "
-             "cannot hide behind compute.",
+             "cannot hide behind compute. Detail table: the CPU overhead split between the "
+             "thread that runs the step (hooks, copies, scaling, issuing collectives) and the "
+             "framework's other threads (communication).",
              "- round spread: how far hyper_parallel's own launches of one configuration "
              "disagree (slowest minus fastest launch median, % of the pooled step): the noise "
              "of this run.",

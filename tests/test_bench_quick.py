@@ -39,6 +39,12 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
         assert len(launches["hp"]["step_cpu_per_step_s"]) == 2 * cfg["steps"]
         assert hp["step_cpu_s"] > 0 and hp["raw_cpu_s"] > 0 and hp["compute_cpu_s"] > 0
         assert abs(hp["cpu_overhead_s"] - (hp["step_cpu_s"] - hp["compute_cpu_s"] - hp["raw_cpu_s"])) < 1e-9
+        # ... split into the stepping thread's part and the other threads' (they add up)
+        main = launches["hp"]["step_main_cpu_s"]
+        assert 0 < main <= hp["step_cpu_s"] and len(launches["hp"]["step_main_cpu_per_step_s"]) == 2 * cfg["steps"]
+        assert hp["cpu_overhead_main_s"] == main - (launches["compute"]["step_main_cpu_s"]
+                                                    + launches["hp"]["raw"]["main_cpu_s"])
+        assert abs(hp["cpu_overhead_main_s"] + hp["cpu_overhead_threads_s"] - hp["cpu_overhead_s"]) < 1e-9
         per_round = launches["hp"]["step_s_per_round"]
         assert hp["round_spread_pct"] == 100.0 * (max(per_round) - min(per_round)) / hp["step_s"]
         # raw collectives: both launches' rounds pooled, each launch's overhead on its own
