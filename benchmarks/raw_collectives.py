@@ -16,8 +16,8 @@ negative. On MindSpore CPU the primitives are the platform's composed ones (redu
 = all-reduce + own chunk, all-gather = list all-gather + concatenation), so this floor is
 the platform's, not an ideal network's.
 
-Each round's CPU time (the whole process, communication threads included, and apart the
-calling thread's) is kept too: collectives that keep the CPU busy cannot be hidden behind
+Each round's CPU time (the whole process, communication threads included, and the calling
+thread's alone) is kept too: collectives that keep the CPU busy cannot be hidden behind
 compute on a machine whose cores the ranks already fill (analysis.py, "CPU overhead").
 
 Buffers are allocated once per distinct (op, size, dtype) and reused by every call of that

@@ -97,7 +97,8 @@ def summary_table(doc: dict) -> str:
 def detail_table(doc: dict) -> str:
     head = ("| configuration | implementation | step ms | vs ref | peak MB | vs ref | compute ms | "
             "raw coll ms | overhead ms (% step) | step CPU ms | CPU overhead ms (% step CPU) | "
-            "CPU overhead: stepping thread / other threads ms | raw CPU/wall | exposed ms | AG/min | RS/min | AR/min | loss Δ vs ref |")
+            "CPU overhead: stepping thread / other threads ms | raw CPU/wall | exposed ms | "
+            "AG/min | RS/min | AR/min | loss Δ vs ref |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in doc["configurations"]:
         cfg, figs = row["config"], row["figures"]
