@@ -235,15 +235,23 @@ def _loss_diff(losses: list, ref: list) -> float:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
 
 
+#: wire op of the composed reduce-scatter -> bytes a rank sends / a native (ring)
+#: reduce-scatter's: a ring all-reduce is a reduce-scatter then an all-gather (2x); the
+#: exchange (two ranks only) sends the half the peer owns, as a native one does (1x).
+_SENT_BYTES_FACTOR = {"all_reduce": 2.0, "all_gather_list": 1.0}
+
+
 def _rs_factor(cfg: configs.Config, hp_launch: dict) -> dict:
-    """What composing the reduce-scatter from an all-reduce costs on MindSpore CPU."""
-    out = {"world_size": cfg.world_size}
+    """What composing the reduce-scatter costs on MindSpore CPU (benchmarks/README.md,
+    "MindSpore's composed reduce-scatter")."""
+    out = {"world_size": cfg.world_size, "group_size": cfg.mesh[-1]}
     rs = hp_launch.get("comm_per_step", {}).get("reduce_scatter", {}).get("shard")
     if rs:
-        shard_bytes = rs["bytes"] / cfg.mesh[-1]
         out["wire"] = rs["wire"]
-        # what each rank gets back: the whole all-reduced buffer, vs its chunk natively
-        out["result_bytes_factor"] = rs["bytes"] / shard_bytes
+        # bytes each rank sends against a native (ring) reduce-scatter's (n-1)/n of the input
+        factors = [_SENT_BYTES_FACTOR[w] for w in rs["wire"] if w in _SENT_BYTES_FACTOR]
+        if factors:
+            out["sent_bytes_factor"] = max(factors)
     scat = hp_launch.get("raw_reduce_scatters", {}).get("s")
     gath = hp_launch.get("raw_same_size_all_gathers", {}).get("s")
     if scat and gath:

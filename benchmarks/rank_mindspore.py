@@ -27,8 +27,9 @@ with ``loss.asnumpy()`` as fallback), so the time covers the work, not its dispa
 collectives end each round with the same sync.
 
 [Note: the composed reduce-scatter]
-MindSpore CPU has no reduce-scatter kernel; the platform all-reduces the whole buffer and
-keeps its own chunk. The hp launch times, besides the minimal schedule, the schedule's
+MindSpore CPU has no reduce-scatter kernel; the platform composes one (over two ranks an
+exchange of halves by one all-gather, over more an all-reduce of the whole buffer; see
+README.md). The hp launch times, besides the minimal schedule, the schedule's
 reduce-scatters alone and all-gathers of the same sizes: a native reduce-scatter moves the
 same bytes per rank as an all-gather of its input size, so their time ratio is the measured
 cost factor of the composition.

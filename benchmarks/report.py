@@ -153,11 +153,10 @@ def notes(doc: dict) -> str:
         lines.append(f"- {doc['grid_note']}")
     for row in doc["configurations"]:
         factor = row["figures"].get("hp", {}).get("composed_reduce_scatter")
-        if factor and "result_bytes_factor" in factor:
-            text = (f"- {row['config']['name']}: reduce-scatter runs as {'/'.join(factor['wire'])}; "
-                    f"counted bytes = minimum, but each rank receives the whole reduced buffer: "
-                    f"{factor['result_bytes_factor']:.1f}x a native reduce-scatter's output "
-                    f"(= world size {factor['world_size']})")
+        if factor and "sent_bytes_factor" in factor:
+            text = (f"- {row['config']['name']}: reduce-scatter runs as {'/'.join(factor['wire'])} "
+                    f"over {factor['group_size']} ranks; counted bytes = minimum, each rank sends "
+                    f"{factor['sent_bytes_factor']:.1f}x what a native reduce-scatter sends")
             if "time_factor" in factor:
                 text += (f"; measured time of the composed reduce-scatters "
                          f"{factor['composed_rs_s'] * 1000:.0f} ms vs all-gathers of the same size "

@@ -59,3 +59,9 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
             assert "overhead_pct_per_round" not in row["figures"][ref]
         else:  # the DP baseline times its own all-reduce in each of its launches
             assert len(row["figures"][ref]["overhead_pct_per_round"]) == 2
+            # the composed reduce-scatter is reported as what went on the wire: over a
+            # two-rank shard group, the exchange, which sends what a native one sends
+            composed = hp["composed_reduce_scatter"]
+            assert cfg["mesh"][-1] == 2 and composed["group_size"] == 2
+            assert composed["wire"] == ["all_gather_list"] and composed["sent_bytes_factor"] == 1.0
+            assert composed["time_factor"] == composed["composed_rs_s"] / composed["same_size_all_gather_s"]

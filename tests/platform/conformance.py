@@ -40,9 +40,13 @@ import numpy as np
 import hyper_parallel as hp
 from hyper_parallel.platform.base import Handle
 
-#: (platform name, device type) -> {op: wire op} for collectives a platform composes.
+#: (platform name, device type) -> {op: wire op, or {group size: wire op, None: otherwise}}
+#: for collectives a platform composes.
 COMPOSED_WIRE = {
-    ("mindspore", "cpu"): {"reduce_scatter": "all_reduce", "all_gather": "all_gather_list"},
+    # a reduce-scatter over two ranks is an exchange of the chunks each peer owns (one list
+    # all-gather); over more, an all-reduce
+    ("mindspore", "cpu"): {"reduce_scatter": {2: "all_gather_list", None: "all_reduce"},
+                           "all_gather": "all_gather_list"},
 }
 
 #: name -> bytes per element; every platform must know these names.
@@ -234,9 +238,13 @@ class Ctx:
             self.mesh2 = hp.init_device_mesh(device, (2, self.world // 2),
                                              mesh_dim_names=("replicate", "shard"))
 
-    def wire(self, op: str) -> str:
-        composed = COMPOSED_WIRE.get((self.p.name, self.p.device_type()), {})
-        return composed.get(op, op)
+    def wire(self, op: str, group_size: int | None = None) -> str:
+        """The wire op of ``op`` over a group of ``group_size`` ranks (default: the world)."""
+        wire = COMPOSED_WIRE.get((self.p.name, self.p.device_type()), {}).get(op, op)
+        if isinstance(wire, dict):
+            size = self.world if group_size is None else group_size
+            wire = wire.get(size, wire[None])
+        return wire
 
 
 LOCAL_CHECKS: dict = {}

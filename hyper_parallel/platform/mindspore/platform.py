@@ -1,9 +1,14 @@
 """MindSporePlatform: MindSpore 2.10 in PyNative mode, mccl on CPU, HCCL on Ascend.
 
 [Note: what MindSpore CPU lacks, and how each primitive copes]
-- No reduce-scatter kernel on CPU: ``reduce_scatter`` is an all-reduce (SUM) of the whole
-  input followed by taking this rank's chunk; the counter records the all-reduce that
-  went on the wire. On Ascend the native ``reduce_scatter_tensor`` is used.
+- No reduce-scatter kernel on CPU (nor all-to-all, send/recv or reduce), so it is composed
+  from what there is. Over two ranks: an exchange, one list ``all_gather`` of the chunk
+  the peer owns, plus the own chunk; each rank sends half its input, as a native
+  reduce-scatter would, where an all-reduce sends all of it (docs/platforms.md has the
+  timings). Over n ranks an all-gather exchange would send (n-1)²/n of the input against
+  an all-reduce's 2(n-1)/n, so from three ranks on it is an all-reduce (SUM) of the whole
+  input, then this rank's chunk. The counter records what went on the wire. On Ascend
+  the native ``reduce_scatter_tensor`` is used.
 - No ``all_gather_into_tensor`` kernel on CPU: a list ``all_gather`` then a concatenation
   copied into the output. On Ascend the native kernel is used.
 - In-place arithmetic and views do not write through: the only writes used are a
@@ -208,12 +213,21 @@ class MindSporePlatform(Platform):
         pieces = [mint.empty((numel,), dtype=input.dtype) for _ in range(group_size)]
         return pieces, None, Handle(msdist.all_gather(pieces, input, group=group, async_op=async_op))
 
+    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim="", scale=1.0):
+        if self._on_cpu and len(pieces) == 2:
+            return self._exchange_reduce_scatter(pieces, group, async_op, dim, scale)
+        return super().reduce_scatter_pieces(pieces, group, async_op, dim, scale)
+
     def reduce_scatter_new(self, input, group, group_size, async_op=False, dim="",
                            may_overwrite_input=False, scale=1.0):
         if not self._on_cpu:
             return super().reduce_scatter_new(input, group, group_size, async_op, dim,
                                               may_overwrite_input, scale)
         total = input.shape[0]
+        if group_size == 2:
+            half = total // 2
+            pieces = [[mint.narrow(input, 0, 0, half)], [mint.narrow(input, 0, half, half)]]
+            return self._exchange_reduce_scatter(pieces, group, async_op, dim, scale)
         self._record("reduce_scatter", "all_reduce", total * _ITEM_SIZE[input.dtype], dim)
         if not may_overwrite_input:
             input = input + 0
@@ -227,6 +241,28 @@ class MindSporePlatform(Platform):
             handle.result = own * scale if scale != 1.0 else own + 0
 
         handle = Handle(native, on_done=keep_own_chunk)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _exchange_reduce_scatter(self, pieces, group, async_op, dim, scale):
+        """The reduce-scatter of a two-rank group as one list all-gather: each rank sends
+        only the chunk its peer owns, so each sends half its input, as a native
+        reduce-scatter does, where an all-reduce sends all of it. The received chunk plus
+        the own one is the result (the sum of two terms, as exact as the all-reduce's)."""
+        me = self.group_rank(group)
+        outgoing = self.cat(pieces[1 - me])  # a private contiguous copy of the peer's parts
+        chunk = outgoing.shape[0]
+        self._record("reduce_scatter", "all_gather_list", 2 * chunk * _ITEM_SIZE[outgoing.dtype], dim)
+        received = [mint.empty((chunk,), dtype=outgoing.dtype) for _ in range(2)]
+        native = msdist.all_gather(received, outgoing, group=group, async_op=async_op)
+        own = pieces[me][0] if len(pieces[me]) == 1 else ops.cat(pieces[me], 0)
+
+        def add_own_chunk():
+            total = own + received[1 - me]
+            handle.result = total * scale if scale != 1.0 else total
+
+        handle = Handle(native, on_done=add_own_chunk)
         if not async_op:
             handle.wait()
         return handle
