@@ -195,8 +195,8 @@ class MindSporePlatform(Platform):
             self._record("reduce_scatter", "reduce_scatter", input.numel() * _ITEM_SIZE[input.dtype], dim)
             return Handle(msdist.reduce_scatter_tensor(output, input, group=group,
                                                        async_op=async_op))
-        # The composition of reduce_scatter_new (on a private copy: the caller's input stays
-        # as it was), its result copied into the caller's output.
+        # The composition of reduce_scatter_new (which leaves the caller's input as it was),
+        # its result copied into the caller's output.
         composed = self.reduce_scatter_new(input, group, self.group_size(group), async_op=True,
                                            dim=dim)
         handle = Handle(composed, on_done=lambda: output.copy_(composed.result))
