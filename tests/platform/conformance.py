@@ -238,13 +238,10 @@ class Ctx:
             self.mesh2 = hp.init_device_mesh(device, (2, self.world // 2),
                                              mesh_dim_names=("replicate", "shard"))
 
-    def wire(self, op: str, group_size: int | None = None) -> str:
-        """The wire op of ``op`` over a group of ``group_size`` ranks (default: the world)."""
+    def wire(self, op: str) -> str:
+        """The wire op of ``op`` over the whole world (the checks' group for CommStats)."""
         wire = COMPOSED_WIRE.get((self.p.name, self.p.device_type()), {}).get(op, op)
-        if isinstance(wire, dict):
-            size = self.world if group_size is None else group_size
-            wire = wire.get(size, wire[None])
-        return wire
+        return wire.get(self.world, wire[None]) if isinstance(wire, dict) else wire
 
 
 LOCAL_CHECKS: dict = {}
