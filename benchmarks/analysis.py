@@ -64,6 +64,7 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
         "rss_before_mb_per_rank": [r["timing"].get("rss_before_mb") for r in ranks],
         "losses_rank0": ranks[0]["timing"]["losses"],
         "setup_s": max(r["setup_s"] for r in ranks),
+        "cores_per_rank": [r.get("cores") for r in ranks],  # what each rank was bound to
     }
     for key, name in _STEP_CPU:
         per_rank_cpu = [r["timing"].get(key) for r in ranks]

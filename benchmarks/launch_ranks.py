@@ -14,6 +14,8 @@ in its own session and ends them by process group id (never by name). What diffe
 
 Each rank also gets ``OMP_NUM_THREADS=1`` (the launcher's default, and torch ranks call
 ``torch.set_num_threads(1)``), and ``GLOG_v=3`` which silences MindSpore's C++ logging.
+With ``bind_cores`` (run.py's default) local rank i is bound to ``core_slices(world)[i]``
+from its start, as ``hp-run --bind-cores`` does, for every implementation alike.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hyper_parallel.launch import RankProcesses, find_free_port, rank_environment
+from hyper_parallel.launch import RankProcesses, core_slices, find_free_port, rank_environment
 
 HERE = Path(__file__).resolve().parent
 _TAIL_LINES = 30
@@ -35,7 +37,8 @@ class LaunchFailure(RuntimeError):
     """A rank failed, wrote no result, or the launch timed out."""
 
 
-def launch(script: str, job: dict, world: int, backend: str, timeout_s: float) -> list[dict]:
+def launch(script: str, job: dict, world: int, backend: str, timeout_s: float,
+           bind_cores: bool = True) -> list[dict]:
     """Run ``benchmarks/<script>`` on ``world`` local ranks; return their results by rank."""
     with tempfile.TemporaryDirectory(prefix="hp-bench-") as tmp:
         workdir = Path(tmp)
@@ -50,7 +53,8 @@ def launch(script: str, job: dict, world: int, backend: str, timeout_s: float) -
         ranks = None
         try:
             ranks = RankProcesses([command] * world, envs, cwd=HERE.parent, stdout=logs,
-                                  stderr=[subprocess.STDOUT] * world)
+                                  stderr=[subprocess.STDOUT] * world,
+                                  cores=core_slices(world) if bind_cores else None)
             try:
                 failed = ranks.wait(timeout_s)
             except TimeoutError:

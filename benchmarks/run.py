@@ -65,6 +65,9 @@ def _parse_args(argv):
     parser.add_argument("--rounds", type=int, default=2,
                         help="launches of hyper_parallel and of its reference per configuration, "
                              "in alternating order (default 2: A B B A); their steps are pooled")
+    parser.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
+                        help="leave the ranks unbound (default: every launch binds its local rank i "
+                             "to its own slice of the cores, as hp-run --bind-cores does)")
     parser.add_argument("--list", action="store_true", help="print the selected configurations and exit")
     return parser.parse_args(argv)
 
@@ -132,7 +135,7 @@ def _launch_plan(cfg, index: int, rounds: int) -> list:
 
 
 def _run_config(index: int, total: int, cfg, cache: dict, t_run: float,
-                ms_pipeline: str, rounds: int) -> tuple[dict, int]:
+                ms_pipeline: str, rounds: int, bind_cores: bool) -> tuple[dict, int]:
     """Launch (or reuse) every implementation of ``cfg``; return its row and the failures."""
     print(f"[{index}/{total}] {cfg.name} ({cfg.world_size} ranks, {len(cfg.dims) - 1} blocks): "
           f"start (run {time.monotonic() - t_run:.0f} s)", flush=True)
@@ -154,7 +157,7 @@ def _run_config(index: int, total: int, cfg, cache: dict, t_run: float,
                "schedule": analysis.minimum_schedule(cfg, impl), "ms_pipeline": ms_pipeline}
         try:
             ranks = launch_ranks.launch(RANK_SCRIPTS[cfg.backend], job, cfg.world_size, cfg.backend,
-                                        cfg.timeout_s)
+                                        cfg.timeout_s, bind_cores)
             summary = analysis.summarize_launch(ranks, cfg.steps)
             detail = f"median step {summary['step_s'] * 1000:.0f} ms"
         except launch_ranks.LaunchFailure as exc:
@@ -194,7 +197,8 @@ def main(argv=None) -> int:
         return 0
     stem = "quick" if args.quick or args.tiny else "latest"
     print(f"hyper_parallel benchmark: {len(grid)} configurations on {os.cpu_count()} cores "
-          f"({'quick' if args.quick else args.grid} grid)", flush=True)
+          f"({'quick' if args.quick else args.grid} grid; ranks "
+          f"{'bound to cores' if args.bind_cores else 'unbound'})", flush=True)
     if not args.quick and args.grid == "pruned":
         print(f"note: {configs.PRUNING_NOTE}", flush=True)
     library_at_start = _library_fingerprint()
@@ -203,7 +207,7 @@ def main(argv=None) -> int:
     rows, failures = [], 0
     for index, cfg in enumerate(grid, 1):
         row, failed = _run_config(index, len(grid), cfg, cache, t_run, args.ms_pipeline,
-                                  args.rounds)
+                                  args.rounds, args.bind_cores)
         rows.append(row)
         failures += failed
     doc = {
@@ -215,7 +219,8 @@ def main(argv=None) -> int:
         "wall_s": time.monotonic() - t_run,
         "environment": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                         "machine": platform.machine(), "versions": _versions(),
-                        "mindspore_pipeline": args.ms_pipeline},
+                        "mindspore_pipeline": args.ms_pipeline,
+                        "bind_cores": args.bind_cores},
         "library": {"start": library_at_start, "end": _library_fingerprint()},
         "configurations": rows,
     }

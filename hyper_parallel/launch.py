@@ -14,9 +14,15 @@ Three rules shape the code:
   are terminated (SIGTERM, a grace period, then SIGKILL) rather than awaited.
 * Output is relayed line by line by one thread per pipe, prefixed with the rank, so interleaved
   logs stay readable and no rank ever blocks on a full pipe.
+* ``--bind-cores`` pins local rank i to its own slice of the cores the launcher may use
+  (``core_slices``), set in the child between fork and exec so that every thread the rank
+  ever starts (the framework's kernel and communication threads) inherits it. Unbound, the
+  OS moves ranks' threads between cores, and a thread that spins while waiting for a
+  collective (MindSpore's runtime does) takes a core from another rank's computation.
 
-``find_free_port``, ``rank_environment`` and ``RankProcesses`` are the reusable pieces; the test
-harness (tests/multirank.py) drives them with log files instead of pipes.
+``find_free_port``, ``rank_environment``, ``core_slices`` and ``RankProcesses`` are the reusable
+pieces; the test harness (tests/multirank.py) and the benchmarks drive them with log files
+instead of pipes.
 """
 
 from __future__ import annotations
@@ -62,24 +68,51 @@ def rank_environment(rank: int, local_rank: int, world_size: int, local_world_si
     return env
 
 
+def core_slices(local_world_size: int, cores=None) -> list[frozenset[int]]:
+    """The cores each local rank is bound to: ``cores`` (default: those this process may run
+    on) split into ``local_world_size`` contiguous, disjoint slices of equal size, in core
+    order; cores left over by the division stay unused, so no rank gets more than another.
+    With more ranks than cores, consecutive ranks share a core (ranks 0 and 1 of 4 on 2 cores
+    share the first), since a slice cannot be smaller than one core."""
+    if local_world_size < 1:
+        raise ValueError(f"local_world_size must be at least 1, got {local_world_size}")
+    ordered = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if not ordered:
+        raise ValueError("no cores to bind ranks to")
+    if local_world_size > len(ordered):
+        return [frozenset({ordered[i * len(ordered) // local_world_size]})
+                for i in range(local_world_size)]
+    width = len(ordered) // local_world_size
+    return [frozenset(ordered[i * width:(i + 1) * width]) for i in range(local_world_size)]
+
+
 class RankProcesses:
     """The local ranks' processes (``procs[i]`` is local rank i), each leading its own group."""
 
     def __init__(self, commands: list[list[str]], envs: list[dict[str, str]], *, cwd=None,
-                 stdout: list | None = None, stderr: list | None = None):
+                 stdout: list | None = None, stderr: list | None = None,
+                 cores: list | None = None):
         """Start one process per command.
 
         ``stdout``/``stderr`` are per-rank Popen targets (files, ``subprocess.STDOUT``); the
-        default is pipes, readable as ``procs[i].stdout`` / ``procs[i].stderr``.
+        default is pipes, readable as ``procs[i].stdout`` / ``procs[i].stderr``. ``cores``:
+        per rank, the set of cores it is bound to from before its first instruction (e.g.
+        ``core_slices(len(commands))``); None leaves the ranks unbound.
         """
         count = len(commands)
         stdout = stdout or [subprocess.PIPE] * count
         stderr = stderr or [subprocess.PIPE] * count
+        if cores is not None and (len(cores) != count or not all(cores)):
+            raise ValueError(f"cores must give each of the {count} ranks a non-empty set of "
+                             f"cores, got {cores!r}")
+        binds = [None] * count if cores is None else [_binder(frozenset(c)) for c in cores]
         self.procs: list[subprocess.Popen] = []
         try:
-            for command, env, out, err in zip(commands, envs, stdout, stderr, strict=True):
+            for command, env, out, err, bind in zip(commands, envs, stdout, stderr, binds,
+                                                    strict=True):
                 self.procs.append(subprocess.Popen(command, env=env, cwd=cwd, stdout=out,
-                                                   stderr=err, start_new_session=True))
+                                                   stderr=err, start_new_session=True,
+                                                   preexec_fn=bind))
         except BaseException:
             self.terminate()  # a half-started world would only hang at rendezvous
             raise
@@ -132,6 +165,13 @@ class RankProcesses:
                 pass  # the group is already empty
 
 
+def _binder(cores: frozenset[int]):
+    """What the child runs between fork and exec: one system call, no locks, no imports."""
+    def bind() -> None:
+        os.sched_setaffinity(0, cores)
+    return bind
+
+
 class _Interrupted(BaseException):
     """SIGINT/SIGTERM reached the launcher; unwinds ``main`` so its cleanup ends the ranks."""
 
@@ -181,6 +221,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="rendezvous port (default: a free port; required if --nnodes > 1)")
     parser.add_argument("--timeout", type=float, metavar="SECONDS",
                         help=f"end all ranks and exit {TIMEOUT_EXIT_CODE} after SECONDS")
+    parser.add_argument("--bind-cores", action="store_true",
+                        help="bind each local rank to its own equal slice of the cores hp-run "
+                             "may use (ranks share cores when there are more ranks than cores)")
     parser.add_argument("script", help="Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     args = parser.parse_args(argv)
@@ -207,7 +250,8 @@ def _run(args: argparse.Namespace) -> int:
     envs = [rank_environment(first + i, i, args.nnodes * args.nproc, args.nproc,
                              args.master_addr, port, args.backend) for i in range(args.nproc)]
     command = [sys.executable, args.script, *args.script_args]
-    ranks = RankProcesses([command] * args.nproc, envs)
+    cores = core_slices(args.nproc) if args.bind_cores else None
+    ranks = RankProcesses([command] * args.nproc, envs, cores=cores)
     tails = [collections.deque(maxlen=_TAIL_LINES) for _ in ranks.procs]
     relays: list[threading.Thread] = []
     timed_out, failed = False, None

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from hyper_parallel.launch import core_slices
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,8 +27,11 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
     data = json.loads(results[0].read_text())
     assert data, "the results file is empty"
     assert "|" in proc.stdout, "no markdown table printed"
+    assert data["environment"]["bind_cores"] is True
     for row in data["configurations"]:
         cfg, launches = row["config"], row["launches"]
+        for impl, launch in launches.items():  # every launch bound rank r to its own slice
+            assert launch["cores_per_rank"] == [sorted(c) for c in core_slices(cfg["world_size"])], impl
         ref = "fsdp2" if cfg["backend"] == "torch" else "dp"
         for impl in ("hp", ref):
             # two rounds pooled: every measured step of both launches, order A B B A

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from hyper_parallel.launch import RankProcesses, core_slices
 from tests.multirank import REPO_ROOT, RankFailure, run_ranks
 
 _SCRIPT_HELPERS = """
@@ -100,6 +101,46 @@ def test_hp_run_sets_rank_environment_and_prefixes_output(tmp_path, nodes, first
         ports.add(int(fields["MASTER_PORT"]))
         assert f"[rank {rank}] to stderr" in result.stderr.splitlines()
     assert len(ports) == 1 and (not nodes or ports == {29531})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bind", [True, False])
+def test_hp_run_bind_cores_pins_every_thread_of_each_rank(tmp_path, bind):
+    # A thread the rank starts later (as a framework's kernel or communication threads are)
+    # must carry the binding too, so each rank reports its main thread's and a new thread's.
+    script = _write_script(tmp_path, """
+        import threading
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
+        thread.start(); thread.join()
+        print(f"main={sorted(os.sched_getaffinity(0))} thread={seen[0]}")
+    """)
+    result = _hp_run("--nproc", 3, *(["--bind-cores"] if bind else []), script)
+    assert result.returncode == 0, result.stderr
+    expected = core_slices(3) if bind else [os.sched_getaffinity(0)] * 3
+    for rank, cores in enumerate(expected):
+        (line,) = [line for line in result.stdout.splitlines() if line.startswith(f"[rank {rank}] ")]
+        assert line.split("] ", 1)[1] == f"main={sorted(cores)} thread={sorted(cores)}"
+
+
+def test_core_slices_are_equal_disjoint_and_shared_only_when_short():
+    assert core_slices(2, [3, 1, 2, 0]) == [{0, 1}, {2, 3}]
+    assert core_slices(3, range(8)) == [{0, 1}, {2, 3}, {4, 5}]  # cores 6, 7 stay unused
+    assert core_slices(1, [5, 7]) == [{5, 7}]
+    assert core_slices(4, [0, 1]) == [{0}, {0}, {1}, {1}]  # neighbours share
+    assert core_slices(3, [4, 6]) == [{4}, {4}, {6}]
+    assert core_slices(2) == core_slices(2, os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="at least 1"):
+        core_slices(0)
+    with pytest.raises(ValueError, match="no cores"):
+        core_slices(2, [])
+
+
+@pytest.mark.parametrize("cores", [[{0}], [{0}, set()]])
+def test_rank_processes_rejects_bad_core_sets_before_starting_anything(cores):
+    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with pytest.raises(ValueError, match="non-empty set of cores"):
+        RankProcesses([command] * 2, [dict(os.environ)] * 2, cores=cores)
 
 
 @pytest.mark.timeout(60)
