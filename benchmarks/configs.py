@@ -45,6 +45,11 @@ TORCH_IMPLS = ("hp", "fsdp2", "ddp", "compute")
 MINDSPORE_IMPLS = ("hp", "dp", "compute")
 # The implementation each hyper_parallel time and memory is divided by.
 REFERENCE = {"torch": "fsdp2", "mindspore": "dp"}
+# Launches of hyper_parallel and of its reference per configuration (run.py --rounds).
+# MindSpore gets more: its launches take ~15 s, and on the 2-core machine one launch's steps
+# have run 35% slower than the same code's other launch in the same run (and the DP
+# baseline's likewise), so its medians need more independent launches to pool.
+DEFAULT_ROUNDS = {"torch": 2, "mindspore": 4}
 IMPL_LABELS = {"hp": "hyper_parallel", "fsdp2": "FSDP2", "ddp": "DDP", "dp": "DP baseline",
                "compute": "compute-only"}
 

@@ -128,7 +128,8 @@ def notes(doc: dict) -> str:
              f"torch {env['versions'].get('torch')}, mindspore {env['versions'].get('mindspore')}, "
              f"hyper_parallel {env['versions'].get('hyper_parallel')}"
              f"{_library_note(doc)}; wall time "
-             f"{doc['wall_s']:.0f} s; grid: {doc['grid']}",
+             f"{doc['wall_s']:.0f} s; grid: {doc['grid']}; ranks "
+             f"{'bound to cores (each launch, every implementation)' if env.get('bind_cores') else 'not bound to cores'}",
              "- ref = FSDP2 (torch) or the DP baseline (MindSpore); ratios > 1: hyper_parallel "
              "slower / bigger / more bytes. AG/RS/AR = bytes per step / theoretical minimum "
              "(HSDP RS/AR are over 'shard'/'replicate').",

@@ -62,9 +62,10 @@ def _parse_args(argv):
                              "blocking (default, ms.runtime.launch_blocking(): on a CPU with about "
                              "one core per rank the async pipeline's waits spin a core and starve "
                              "the ranks) or async (MindSpore's own default)")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--rounds", type=int,
                         help="launches of hyper_parallel and of its reference per configuration, "
-                             "in alternating order (default 2: A B B A); their steps are pooled")
+                             "in alternating order (A B B A ...); their steps are pooled "
+                             "(default: 2 for torch, 4 for MindSpore, whose launches are short)")
     parser.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
                         help="leave the ranks unbound (default: every launch binds its local rank i "
                              "to its own slice of the cores, as hp-run --bind-cores does)")
@@ -184,7 +185,7 @@ def _run_config(index: int, total: int, cfg, cache: dict, t_run: float,
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         print(f"--rounds must be >= 1, got {args.rounds}", file=sys.stderr)
         return 2
     grid = _select(args)
@@ -207,13 +208,15 @@ def main(argv=None) -> int:
     rows, failures = [], 0
     for index, cfg in enumerate(grid, 1):
         row, failed = _run_config(index, len(grid), cfg, cache, t_run, args.ms_pipeline,
-                                  args.rounds, args.bind_cores)
+                                  args.rounds or configs.DEFAULT_ROUNDS[cfg.backend],
+                                  args.bind_cores)
         rows.append(row)
         failures += failed
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "grid": "quick" if args.quick else args.grid,
-        "rounds": args.rounds,
+        "rounds": {backend: args.rounds or configs.DEFAULT_ROUNDS[backend]
+                   for backend in sorted({cfg.backend for cfg in grid})},
         "grid_note": None if args.quick or args.grid == "full" else configs.PRUNING_NOTE,
         "filters": {"backend": args.backend, "only": args.only},
         "wall_s": time.monotonic() - t_run,

@@ -33,37 +33,39 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
         for impl, launch in launches.items():  # every launch bound rank r to its own slice
             assert launch["cores_per_rank"] == [sorted(c) for c in core_slices(cfg["world_size"])], impl
         ref = "fsdp2" if cfg["backend"] == "torch" else "dp"
+        rounds = {"torch": 2, "mindspore": 4}[cfg["backend"]]
+        assert data["rounds"][cfg["backend"]] == rounds
         for impl in ("hp", ref):
-            # two rounds pooled: every measured step of both launches, order A B B A
-            assert launches[impl]["rounds"] == 2, (cfg["name"], impl)
-            assert len(launches[impl]["step_max_over_ranks_s"]) == 2 * cfg["steps"]
-        assert row["launch_order"].count("hp") == 2 and row["launch_order"].count(ref) == 2
+            # the backend's rounds pooled: every measured step of every launch, A B B A ...
+            assert launches[impl]["rounds"] == rounds, (cfg["name"], impl)
+            assert len(launches[impl]["step_max_over_ranks_s"]) == rounds * cfg["steps"]
+        assert row["launch_order"].count("hp") == rounds and row["launch_order"].count(ref) == rounds
         first, second = (row["launch_order"].index(x) for x in ("hp", ref))
         assert row["launch_order"][-2:] == ([ref, "hp"] if first < second else ["hp", ref])
-        # CPU figures: pooled over both rounds, and the overhead is their difference
+        # CPU figures: pooled over the rounds, and the overhead is their difference
         hp = row["figures"]["hp"]
-        assert len(launches["hp"]["step_cpu_per_step_s"]) == 2 * cfg["steps"]
+        assert len(launches["hp"]["step_cpu_per_step_s"]) == rounds * cfg["steps"]
         assert hp["step_cpu_s"] > 0 and hp["raw_cpu_s"] > 0 and hp["compute_cpu_s"] > 0
         assert abs(hp["cpu_overhead_s"] - (hp["step_cpu_s"] - hp["compute_cpu_s"] - hp["raw_cpu_s"])) < 1e-9
         # ... split into the stepping thread's part and the other threads' (they add up)
         main = launches["hp"]["step_main_cpu_s"]
-        assert 0 < main <= hp["step_cpu_s"] and len(launches["hp"]["step_main_cpu_per_step_s"]) == 2 * cfg["steps"]
+        assert 0 < main <= hp["step_cpu_s"] and len(launches["hp"]["step_main_cpu_per_step_s"]) == rounds * cfg["steps"]
         assert hp["cpu_overhead_main_s"] == main - (launches["compute"]["step_main_cpu_s"]
                                                     + launches["hp"]["raw"]["main_cpu_s"])
         assert abs(hp["cpu_overhead_main_s"] + hp["cpu_overhead_threads_s"] - hp["cpu_overhead_s"]) < 1e-9
         per_round = launches["hp"]["step_s_per_round"]
         assert hp["round_spread_pct"] == 100.0 * (max(per_round) - min(per_round)) / hp["step_s"]
-        # raw collectives: both launches' rounds pooled, each launch's overhead on its own
+        # raw collectives: every launch's rounds pooled, each launch's overhead on its own
         raw = launches["hp"]["raw"]
-        assert len(raw["s_per_launch"]) == 2 and len(raw["round_max_over_ranks_s"]) == 2 * cfg["steps"]
-        assert len(raw["round_cpu_s"]) == 2 * cfg["steps"]
+        assert len(raw["s_per_launch"]) == rounds and len(raw["round_max_over_ranks_s"]) == rounds * cfg["steps"]
+        assert len(raw["round_cpu_s"]) == rounds * cfg["steps"]
         assert hp["raw_collectives_s"] == raw["s"] == statistics.median(raw["round_max_over_ranks_s"])
         assert hp["overhead_pct_per_round"] == [
             100.0 * (s - hp["compute_s"] - r) / s for s, r in zip(per_round, raw["s_per_launch"])]
         if ref == "fsdp2":  # FSDP2 borrows hp's floor: no launch of its own to pair with
             assert "overhead_pct_per_round" not in row["figures"][ref]
         else:  # the DP baseline times its own all-reduce in each of its launches
-            assert len(row["figures"][ref]["overhead_pct_per_round"]) == 2
+            assert len(row["figures"][ref]["overhead_pct_per_round"]) == rounds
             # the composed reduce-scatter is reported as what went on the wire: over a
             # two-rank shard group, the exchange, which sends what a native one sends
             composed = hp["composed_reduce_scatter"]
