@@ -167,7 +167,7 @@ def rank_main(run) -> None:
         job = json.loads(job_path.read_text())
         result = run(job, rank, world)
         result["rank"] = rank
-        result["cores"] = sorted(os.sched_getaffinity(0))
+        result["cores"] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         partial = job_path.parent / f"result.{rank}.json.partial"
         partial.write_text(json.dumps(result))
         os.replace(partial, job_path.parent / f"result.{rank}.json")

@@ -33,6 +33,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # sibling modules, also when run.py is imported from elsewhere
     sys.path.insert(0, str(HERE))
 
+from hyper_parallel.launch import CAN_BIND_CORES  # noqa: E402
+
 import analysis  # noqa: E402
 import configs  # noqa: E402
 import launch_ranks  # noqa: E402
@@ -67,8 +69,10 @@ def _parse_args(argv):
                              "in alternating order (A B B A ...); their steps are pooled "
                              "(default: 2 for torch, 4 for MindSpore, whose launches are short)")
     parser.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
-                        help="leave the ranks unbound (default: every launch binds its local rank i "
-                             "to its own slice of the cores, as hp-run --bind-cores does)")
+                        default=CAN_BIND_CORES,
+                        help="leave the ranks unbound (default on Linux: every launch binds its "
+                             "local rank i to its own slice of the cores, as hp-run --bind-cores "
+                             "does; elsewhere ranks are unbound)")
     parser.add_argument("--list", action="store_true", help="print the selected configurations and exit")
     return parser.parse_args(argv)
 

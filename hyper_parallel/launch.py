@@ -38,6 +38,7 @@ import threading
 import time
 
 TERM_GRACE_S = 5.0
+CAN_BIND_CORES = hasattr(os, "sched_setaffinity")  # Linux; not macOS or Windows
 TIMEOUT_EXIT_CODE = 124
 _POLL_S = 0.05
 _TAIL_LINES = 20
@@ -76,6 +77,9 @@ def core_slices(local_world_size: int, cores=None) -> list[frozenset[int]]:
     share the first), since a slice cannot be smaller than one core."""
     if local_world_size < 1:
         raise ValueError(f"local_world_size must be at least 1, got {local_world_size}")
+    if not CAN_BIND_CORES:
+        raise NotImplementedError("binding ranks to cores needs os.sched_setaffinity, which "
+                                  "this OS does not have (Linux has it); start the ranks unbound")
     ordered = sorted(os.sched_getaffinity(0) if cores is None else cores)
     if not ordered:
         raise ValueError("no cores to bind ranks to")
@@ -236,6 +240,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.nnodes > 1 and args.master_port is None:
         parser.error("--master-port is required when --nnodes > 1: all nodes must use the same "
                      "port, so it cannot be picked at random on each")
+    if args.bind_cores and not CAN_BIND_CORES:
+        parser.error("--bind-cores needs os.sched_setaffinity, which this OS does not have")
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout:g}")
     if not os.path.isfile(args.script):

@@ -136,6 +136,19 @@ def test_core_slices_are_equal_disjoint_and_shared_only_when_short():
         core_slices(2, [])
 
 
+def test_bind_cores_where_the_os_cannot_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    import hyper_parallel.launch as launch
+
+    monkeypatch.setattr(launch, "CAN_BIND_CORES", False)
+    with pytest.raises(NotImplementedError, match="sched_setaffinity"):
+        launch.core_slices(2)
+    script = _write_script(tmp_path, "pass")
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(["--nproc", "2", "--bind-cores", str(script)])
+    assert exit_info.value.code == 2
+    assert "--bind-cores needs os.sched_setaffinity" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("cores", [[{0}], [{0}, set()]])
 def test_rank_processes_rejects_bad_core_sets_before_starting_anything(cores):
     command = [sys.executable, "-c", "import time; time.sleep(60)"]
