@@ -14,11 +14,12 @@ Three rules shape the code:
   are terminated (SIGTERM, a grace period, then SIGKILL) rather than awaited.
 * Output is relayed line by line by one thread per pipe, prefixed with the rank, so interleaved
   logs stay readable and no rank ever blocks on a full pipe.
-* ``--bind-cores`` pins local rank i to its own slice of the cores the launcher may use
-  (``core_slices``), set in the child between fork and exec so that every thread the rank
-  ever starts (the framework's kernel and communication threads) inherits it. Unbound, the
-  OS moves ranks' threads between cores, and a thread that spins while waiting for a
-  collective (MindSpore's runtime does) takes a core from another rank's computation.
+
+``--bind-cores`` pins local rank i to its own slice of the cores the launcher may use
+(``core_slices``), set in the child between fork and exec so that every thread the rank ever
+starts (the framework's kernel and communication threads) inherits it. Unbound, the OS moves
+ranks' threads between cores, and a thread that spins while waiting for a collective
+(MindSpore's runtime does) can take a core from another rank's computation.
 
 ``find_free_port``, ``rank_environment``, ``core_slices`` and ``RankProcesses`` are the reusable
 pieces; the test harness (tests/multirank.py) and the benchmarks drive them with log files

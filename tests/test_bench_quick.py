@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hyper_parallel.launch import core_slices
+from hyper_parallel.launch import CAN_BIND_CORES, core_slices
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,11 +27,12 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
     data = json.loads(results[0].read_text())
     assert data, "the results file is empty"
     assert "|" in proc.stdout, "no markdown table printed"
-    assert data["environment"]["bind_cores"] is True
+    assert data["environment"]["bind_cores"] is CAN_BIND_CORES  # bound wherever the OS can
     for row in data["configurations"]:
         cfg, launches = row["config"], row["launches"]
         for impl, launch in launches.items():  # every launch bound rank r to its own slice
-            assert launch["cores_per_rank"] == [sorted(c) for c in core_slices(cfg["world_size"])], impl
+            if CAN_BIND_CORES:
+                assert launch["cores_per_rank"] == [sorted(c) for c in core_slices(cfg["world_size"])], impl
         ref = "fsdp2" if cfg["backend"] == "torch" else "dp"
         rounds = {"torch": 2, "mindspore": 4}[cfg["backend"]]
         assert data["rounds"][cfg["backend"]] == rounds
