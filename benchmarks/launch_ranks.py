@@ -38,7 +38,7 @@ class LaunchFailure(RuntimeError):
 
 
 def launch(script: str, job: dict, world: int, backend: str, timeout_s: float,
-           bind_cores: bool = True) -> list[dict]:
+           bind_cores: bool) -> list[dict]:
     """Run ``benchmarks/<script>`` on ``world`` local ranks; return their results by rank."""
     with tempfile.TemporaryDirectory(prefix="hp-bench-") as tmp:
         workdir = Path(tmp)
