@@ -7,7 +7,8 @@
 * bytes per step: rank 0's counted bytes (every rank sends the same) divided by the measured
   steps, per collective and mesh dim, and divided by the theoretical minimum of workload.py
   (for DDP and MindSpore's DP baseline: every gradient's fp32 bytes all-reduced once);
-* compute: the compute-only launch's step time (max over its concurrent processes);
+* compute: the compute-only launches' step time (max over its concurrent processes; every
+  round launches it, and its steps are pooled like the others');
 * raw collectives: the minimal schedule issued back to back (raw_collectives.py), timed by
   every launch of hyper_parallel after its steps and pooled over them (median over every
   round of every launch); FSDP2 and hyper_parallel share it (same schedule), DDP and the DP
@@ -238,8 +239,9 @@ def _loss_diff(losses: list, ref: list) -> float:
 
 #: wire op of the composed reduce-scatter -> bytes a rank sends / a native (ring)
 #: reduce-scatter's: a ring all-reduce is a reduce-scatter then an all-gather (2x); the
-#: exchange (two ranks only) sends the half the peer owns, as a native one does (1x).
-_SENT_BYTES_FACTOR = {"all_reduce": 2.0, "all_gather_list": 1.0}
+#: exchange (two ranks only; a flat all-gather on the world group, else a list one) sends
+#: the half the peer owns, as a native one does (1x).
+_SENT_BYTES_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "all_gather_list": 1.0}
 
 
 def _rs_factor(cfg: configs.Config, hp_launch: dict) -> dict:

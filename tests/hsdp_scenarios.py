@@ -92,6 +92,8 @@ def run_config(config: dict) -> dict:
         per_micro[-1] = hp.comm_stats().snapshot().minus(per_micro[-1])
         comms = [{(op, dim): rec.calls for (op, _wire, dim), rec in window.records.items()}
                  for window in per_micro]
+        shard_wires = sorted({f"{op}:{wire}" for window in per_micro
+                              for (op, wire, dim) in window.records if dim == "shard"})
         ref_losses.append(kit.train_step(ref, ref_opt, x, y, grad_scale=factor))
     training_gather_bytes = hp.comm_stats().nbytes("all_gather")
     full = hp.gather_full_state_dict(model)
@@ -102,6 +104,7 @@ def run_config(config: dict) -> dict:
         "worst": max(ref_full, key=lambda k: float(np.abs(full[k] - ref_full[k]).max())),
         "full": full,
         "last_step_comms": comms,
+        "last_step_shard_wires": shard_wires,
         "pending_after_non_last": pending_after_non_last,
         "all_gather_bytes": training_gather_bytes,
         "param_dtypes": sorted({str(platform.dtype_of(p)).split(".")[-1].lower() for p in kit.params(model)}),

@@ -77,8 +77,8 @@ def test_collective_counts_per_step(backend):
     backward_gathers = 8 if own["can_release"] else 0
     assert own["last_step_comms"] == {"all_gather": 10 + backward_gathers, "reduce_scatter": 10}
     # MindSpore CPU has no reduce-scatter kernel: over two ranks it exchanges the chunks
-    # each peer owns with one list all-gather (docs/platforms.md)
-    expected_wire = "reduce_scatter" if backend == "torch" else "all_gather_list"
+    # each peer owns with one all-gather, on the world group the flat one (docs/platforms.md)
+    expected_wire = "reduce_scatter" if backend == "torch" else "all_gather"
     assert per_rank[0]["wire"]["reduce_scatter"] == [expected_wire]
 
 

@@ -2,15 +2,20 @@
 
 [Note: what MindSpore CPU lacks, and how each primitive copes]
 - No reduce-scatter kernel on CPU (nor all-to-all, send/recv or reduce), so it is composed
-  from what there is. Over two ranks: an exchange, one list ``all_gather`` of the chunk
-  the peer owns, plus the own chunk; each rank sends half its input, as a native
+  from what there is. Over two ranks: an exchange, one all-gather (see below) of the
+  chunk the peer owns, plus the own chunk; each rank sends half its input, as a native
   reduce-scatter would, where an all-reduce sends all of it (docs/platforms.md has the
   timings). Over n ranks an all-gather exchange would send (n-1)²/n of the input against
   an all-reduce's 2(n-1)/n, so from three ranks on it is an all-reduce (SUM) of the whole
   input, then this rank's chunk. The counter records what went on the wire. On Ascend
   the native ``reduce_scatter_tensor`` is used.
-- No ``all_gather_into_tensor`` kernel on CPU: a list ``all_gather`` then a concatenation
-  copied into the output. On Ascend the native kernel is used.
+- No ``all_gather_into_tensor`` kernel on CPU. Over the world group mccl's ``ops.AllGather``
+  primitive returns the gathered flat tensor (what ``all_gather_into_tensor`` writes), and
+  costs less than the list form plus a concatenation (docs/platforms.md); it refuses any
+  other group ("only support mccl_world_group on CPU") and dtypes other than float32,
+  float16 and int32 (bfloat16 among them), where a list ``all_gather`` and a
+  concatenation stand in. Both allocate their output: ``all_gather_into`` then copies it
+  into the caller's buffer. On Ascend the native kernel is used.
 - In-place arithmetic and views do not write through: the only writes used are a
   whole-tensor ``copy_`` and the collectives' own output buffers.
 - Tensor memory cannot be released while autograd holds it: ``can_release_storage`` is
@@ -40,6 +45,8 @@ _DTYPES = {
     "float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16,
     "float64": ms.float64, "int32": ms.int32, "int64": ms.int64,
 }
+# what mccl's flat all-gather (ops.AllGather) accepts on CPU; the list all_gather takes more
+_FLAT_GATHER_DTYPES = (ms.float32, ms.float16, ms.int32)
 _ITEM_SIZE = {ms.float32: 4, ms.float16: 2, ms.bfloat16: 2, ms.float64: 8, ms.int32: 4, ms.int64: 8}
 
 
@@ -80,6 +87,7 @@ class MindSporePlatform(Platform):
         _check_version()
         super().__init__()
         self._store = None
+        self._world_gather = None  # ops.AllGather on the world group, made on first use
 
     @property
     def _on_cpu(self) -> bool:
@@ -182,13 +190,28 @@ class MindSporePlatform(Platform):
             self._record("all_gather", "all_gather", nbytes, dim)
             return Handle(msdist.all_gather_into_tensor(output, input, group=group,
                                                         async_op=async_op))
-        self._record("all_gather", "all_gather_list", nbytes, dim)
-        parts = [mint.empty(input.shape, dtype=input.dtype) for _ in range(self.group_size(group))]
-        native = msdist.all_gather(parts, input, group=group, async_op=async_op)
-        handle = Handle(native, on_done=lambda: output.copy_(ops.cat(parts, 0)))
+        gather = self._flat_all_gather(group, input.dtype)
+        if gather is not None:
+            self._record("all_gather", "all_gather", nbytes, dim)
+            gathered = gather(input)
+            handle = Handle(on_done=lambda: output.copy_(gathered))
+        else:
+            self._record("all_gather", "all_gather_list", nbytes, dim)
+            parts = [mint.empty(input.shape, dtype=input.dtype) for _ in range(self.group_size(group))]
+            native = msdist.all_gather(parts, input, group=group, async_op=async_op)
+            handle = Handle(native, on_done=lambda: output.copy_(ops.cat(parts, 0)))
         if not async_op:
             handle.wait()
         return handle
+
+    def _flat_all_gather(self, group, dtype):
+        """The CPU all-gather with one flat output (``ops.AllGather``) where mccl has it: the
+        world group, float32/float16/int32. None elsewhere: the caller gathers into a list."""
+        if group not in (None, GlobalComm.WORLD_COMM_GROUP) or dtype not in _FLAT_GATHER_DTYPES:
+            return None
+        if self._world_gather is None:
+            self._world_gather = ops.AllGather()
+        return self._world_gather
 
     def reduce_scatter(self, output, input, group, async_op=False, dim=""):
         if not self._on_cpu:
@@ -207,9 +230,16 @@ class MindSporePlatform(Platform):
     def all_gather_pieces(self, input, group, group_size, async_op=False, dim=""):
         if not self._on_cpu:
             return super().all_gather_pieces(input, group, group_size, async_op, dim)
-        # The list all-gather's own outputs are the pieces: no concatenation, no flat copy.
+        # The pieces are read where the collective put them: views of the flat output, or
+        # the list all-gather's own outputs. No concatenation, no copy.
         numel = input.shape[0]
-        self._record("all_gather", "all_gather_list", group_size * numel * _ITEM_SIZE[input.dtype], dim)
+        nbytes = group_size * numel * _ITEM_SIZE[input.dtype]
+        gather = self._flat_all_gather(group, input.dtype)
+        if gather is not None:
+            self._record("all_gather", "all_gather", nbytes, dim)
+            whole = gather(input)
+            return [mint.narrow(whole, 0, r * numel, numel) for r in range(group_size)], whole, Handle()
+        self._record("all_gather", "all_gather_list", nbytes, dim)
         pieces = [mint.empty((numel,), dtype=input.dtype) for _ in range(group_size)]
         return pieces, None, Handle(msdist.all_gather(pieces, input, group=group, async_op=async_op))
 
@@ -246,20 +276,27 @@ class MindSporePlatform(Platform):
         return handle
 
     def _exchange_reduce_scatter(self, pieces, group, async_op, dim, scale):
-        """The reduce-scatter of a two-rank group as one list all-gather: each rank sends
+        """The reduce-scatter of a two-rank group as one all-gather: each rank sends
         only the chunk its peer owns, so each sends half its input, as a native
         reduce-scatter does, where an all-reduce sends all of it. The received chunk plus
         the own one is the result (the sum of two terms, as exact as the all-reduce's)."""
         me = self.group_rank(group)
         outgoing = self.cat(pieces[1 - me])  # a private contiguous copy of the peer's parts
         chunk = outgoing.shape[0]
-        self._record("reduce_scatter", "all_gather_list", 2 * chunk * _ITEM_SIZE[outgoing.dtype], dim)
-        received = [mint.empty((chunk,), dtype=outgoing.dtype) for _ in range(2)]
-        native = msdist.all_gather(received, outgoing, group=group, async_op=async_op)
+        nbytes = 2 * chunk * _ITEM_SIZE[outgoing.dtype]
+        gather = self._flat_all_gather(group, outgoing.dtype)
+        if gather is not None:
+            self._record("reduce_scatter", "all_gather", nbytes, dim)
+            native, received = None, mint.narrow(gather(outgoing), 0, (1 - me) * chunk, chunk)
+        else:
+            self._record("reduce_scatter", "all_gather_list", nbytes, dim)
+            both = [mint.empty((chunk,), dtype=outgoing.dtype) for _ in range(2)]
+            native = msdist.all_gather(both, outgoing, group=group, async_op=async_op)
+            received = both[1 - me]
         own = pieces[me][0] if len(pieces[me]) == 1 else ops.cat(pieces[me], 0)
 
         def add_own_chunk():
-            total = own + received[1 - me]
+            total = own + received
             handle.result = total * scale if scale != 1.0 else total
 
         handle = Handle(native, on_done=add_own_chunk)
