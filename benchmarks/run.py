@@ -65,9 +65,9 @@ def _parse_args(argv):
                              "one core per rank the async pipeline's waits spin a core and starve "
                              "the ranks) or async (MindSpore's own default)")
     parser.add_argument("--rounds", type=int,
-                        help="launches of hyper_parallel and of its reference per configuration, "
-                             "in alternating order (A B B A ...); their steps are pooled "
-                             "(default: 2 for torch, 4 for MindSpore, whose launches are short)")
+                        help="launches of hyper_parallel, of its reference (alternating, A B B A "
+                             "...) and of compute-only per configuration; their steps are pooled "
+                             "(default: 3 for torch, 4 for MindSpore, whose launches are short)")
     parser.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
                         default=CAN_BIND_CORES,
                         help="leave the ranks unbound (default on Linux: every launch binds its "
@@ -127,7 +127,9 @@ def _launch_plan(cfg, index: int, rounds: int) -> list:
     """The launches of one configuration in order. hyper_parallel and its reference run
     back to back ``rounds`` times, the order flipped each round (and from one configuration
     to the next): A B B A. A drift in the machine's load, or a penalty for whichever launch
-    comes first, then weighs on both sides alike. The other implementations run once."""
+    comes first, then weighs on both sides alike. Compute-only runs every round too: the
+    overhead subtracts it, and one slow or fast launch of it would move every overhead of
+    the configuration. DDP, a side reference, runs once."""
     ref = configs.REFERENCE[cfg.backend]
     plan = []
     for round_index in range(rounds):
@@ -135,7 +137,7 @@ def _launch_plan(cfg, index: int, rounds: int) -> list:
         if (index + round_index) % 2 == 0 and "hp" in order and ref in order:
             i, j = order.index("hp"), order.index(ref)
             order[i], order[j] = order[j], order[i]
-        plan += [impl for impl in order if round_index == 0 or impl in ("hp", ref)]
+        plan += [impl for impl in order if round_index == 0 or impl in ("hp", ref, "compute")]
     return plan
 
 
