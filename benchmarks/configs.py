@@ -5,12 +5,13 @@ The torch grid has four dimensions: mesh (FSDP on 2 ranks, HSDP on a 2x2 mesh),
 ``reshard_after_forward`` (True, False), precision (fp32; bf16 parameters with fp32
 reduction) and model (even 12 x Linear(2048, 2048), ~50M parameters; uneven shapes
 2000/1999/2003, ~48M). The full product is 16 configurations x 4 implementations; on a
-2-core machine a launch of the ~50M model takes 8-35 s, so the product needs ~15 minutes
-when the machine is quiet and far more when other work shares it. The default ("pruned")
-grid keeps every value of every dimension but varies one dimension at a time around the
-baseline (fp32, even, reshard_after_forward=True): bf16 and the uneven model run only with
-reshard_after_forward=True. That is 4 configurations per mesh, 8 in all (~9 minutes with
-MindSpore). ``--grid full`` runs the whole product instead.
+2-core machine a launch of the ~50M model takes 4-70 s, and each configuration launches
+hyper_parallel, FSDP2 and compute-only three times (DEFAULT_ROUNDS), so the product needs
+~35 minutes when the machine is quiet and far more when other work shares it. The default
+("pruned") grid keeps every value of every dimension but varies one dimension at a time
+around the baseline (fp32, even, reshard_after_forward=True): bf16 and the uneven model run
+only with reshard_after_forward=True. That is 4 configurations per mesh, 8 in all (~19
+minutes with MindSpore). ``--grid full`` runs the whole product instead.
 
 [Note: shared rows]
 DDP and the compute-only processes do not depend on ``reshard_after_forward``, so a
@@ -127,7 +128,10 @@ def _torch(mesh, raf, precision, model, *, quick=False) -> Config:
     if quick:
         return Config("torch", mesh, raf, precision, model, local_batch=8, warmup=1, steps=2,
                       timeout_s=90, impls=TORCH_IMPLS)
-    return Config("torch", mesh, raf, precision, model, local_batch=16, warmup=2, steps=6,
+    # 4 warm-up steps: after 2, the first measured steps of every implementation still ran
+    # slow while the allocator settled (hyper_parallel's first three 1.11x, 1.06x, 1.03x
+    # their launch's median, FSDP2's 1.15x, 1.03x, 1.07x, compute-only's 1.69x, 1.17x)
+    return Config("torch", mesh, raf, precision, model, local_batch=16, warmup=4, steps=6,
                   timeout_s=420 if len(mesh) == 2 else 300, impls=TORCH_IMPLS)
 
 
@@ -164,7 +168,7 @@ def shrink(cfg: Config) -> Config:
                    timeout_s=150)
 
 
-PRUNING_NOTE = ("torch grid pruned to fit ~15 min on 2 cores: every value of every dimension "
+PRUNING_NOTE = ("torch grid pruned to fit ~19 min on 2 cores: every value of every dimension "
                 "runs, one dimension varied at a time around fp32 / even / "
                 "reshard_after_forward=True (bf16 and the uneven model only with "
                 "reshard_after_forward=True); `--grid full` runs the whole product.")
