@@ -103,9 +103,9 @@ def test_one_fused_all_reduce_per_unit_per_step(backend):
     # The shard group is half the world: on MindSpore CPU, whose flat all-gather serves only
     # the world group, both the gather and the two-rank reduce-scatter exchange use the
     # list all-gather there (docs/platforms.md)
-    wire = "all_gather_list" if backend == "mindspore" else None
-    assert results["mesh_2x2"][0]["last_step_shard_wires"] == [
-        f"all_gather:{wire or 'all_gather'}", f"reduce_scatter:{wire or 'reduce_scatter'}"]
+    expected = {"torch": ["all_gather:all_gather", "reduce_scatter:reduce_scatter"],
+                "mindspore": ["all_gather:all_gather_list", "reduce_scatter:all_gather_list"]}
+    assert results["mesh_2x2"][0]["last_step_shard_wires"] == expected[backend]
     (replicate_only,) = results["mesh_4x1"][0]["last_step_comms"]
     assert replicate_only == {("all_reduce", "replicate"): 3}
     (small,) = results["threshold"][0]["last_step_comms"]

@@ -45,7 +45,7 @@ from hyper_parallel.platform.base import Handle
 COMPOSED_WIRE = {
     # a reduce-scatter over two ranks is an exchange of the chunks each peer owns (one
     # all-gather, the world group's flat one); over more, an all-reduce. (A list all-gather,
-    # wire "all_gather_list", stands in on other groups: test_parity's HSDP checks.)
+    # wire "all_gather_list", stands in on other groups: tests/test_hsdp.py checks it.)
     ("mindspore", "cpu"): {"reduce_scatter": {2: "all_gather", None: "all_reduce"}},
 }
 
