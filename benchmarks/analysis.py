@@ -61,7 +61,7 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
         "step_s_per_rank": per_rank,
         "peak_mb": max(peaks) if all(p is not None for p in peaks) else None,
         "peak_mb_per_rank": peaks,
-        # resident size when the peak was reset (after warm-up): what the steps started from
+        # resident size when the peak was reset (before the last warm-up step): what the steps started from
         "rss_before_mb_per_rank": [r["timing"].get("rss_before_mb") for r in ranks],
         "losses_rank0": ranks[0]["timing"]["losses"],
         "setup_s": max(r["setup_s"] for r in ranks),

@@ -128,10 +128,7 @@ def _torch(mesh, raf, precision, model, *, quick=False) -> Config:
     if quick:
         return Config("torch", mesh, raf, precision, model, local_batch=8, warmup=1, steps=2,
                       timeout_s=90, impls=TORCH_IMPLS)
-    # 4 warm-up steps: after 2, the first measured steps of every implementation still ran
-    # slow while the allocator settled (hyper_parallel's first three 1.11x, 1.06x, 1.03x
-    # their launch's median, FSDP2's 1.15x, 1.03x, 1.07x, compute-only's 1.69x, 1.17x)
-    return Config("torch", mesh, raf, precision, model, local_batch=16, warmup=4, steps=6,
+    return Config("torch", mesh, raf, precision, model, local_batch=16, warmup=2, steps=6,
                   timeout_s=420 if len(mesh) == 2 else 300, impls=TORCH_IMPLS)
 
 
