@@ -190,28 +190,27 @@ class MindSporePlatform(Platform):
             self._record("all_gather", "all_gather", nbytes, dim)
             return Handle(msdist.all_gather_into_tensor(output, input, group=group,
                                                         async_op=async_op))
-        gather = self._flat_all_gather(group, input.dtype)
-        if gather is not None:
-            self._record("all_gather", "all_gather", nbytes, dim)
-            gathered = gather(input)
-            handle = Handle(on_done=lambda: output.copy_(gathered))
-        else:
-            self._record("all_gather", "all_gather_list", nbytes, dim)
-            parts = [mint.empty(input.shape, dtype=input.dtype) for _ in range(self.group_size(group))]
-            native = msdist.all_gather(parts, input, group=group, async_op=async_op)
-            handle = Handle(native, on_done=lambda: output.copy_(ops.cat(parts, 0)))
+        pieces, whole, native = self._cpu_all_gather(input, group, self.group_size(group),
+                                                      async_op, "all_gather", nbytes, dim)
+        handle = Handle(native, on_done=lambda: output.copy_(
+            whole if whole is not None else ops.cat(pieces, 0)))
         if not async_op:
             handle.wait()
         return handle
 
-    def _flat_all_gather(self, group, dtype):
-        """The CPU all-gather with one flat output (``ops.AllGather``) where mccl has it: the
-        world group, float32/float16/int32. None elsewhere: the caller gathers into a list."""
-        if group not in (None, GlobalComm.WORLD_COMM_GROUP) or dtype not in _FLAT_GATHER_DTYPES:
-            return None
-        if self._world_gather is None:
-            self._world_gather = ops.AllGather()
-        return self._world_gather
+    def _cpu_all_gather(self, input, group, group_size, async_op, op, nbytes, dim):
+        """One CPU all-gather of ``input``, recorded as ``op``: ``(per-rank pieces along dim 0,
+        the flat output or None, the native handle or None)``. mccl's flat ``ops.AllGather``
+        where it serves (the world group; float32, float16, int32), else the list form."""
+        if group in (None, GlobalComm.WORLD_COMM_GROUP) and input.dtype in _FLAT_GATHER_DTYPES:
+            if self._world_gather is None:
+                self._world_gather = ops.AllGather()
+            self._record(op, "all_gather", nbytes, dim)
+            whole, rows = self._world_gather(input), input.shape[0]
+            return [mint.narrow(whole, 0, r * rows, rows) for r in range(group_size)], whole, None
+        self._record(op, "all_gather_list", nbytes, dim)
+        pieces = [mint.empty(input.shape, dtype=input.dtype) for _ in range(group_size)]
+        return pieces, None, msdist.all_gather(pieces, input, group=group, async_op=async_op)
 
     def reduce_scatter(self, output, input, group, async_op=False, dim=""):
         if not self._on_cpu:
@@ -232,16 +231,10 @@ class MindSporePlatform(Platform):
             return super().all_gather_pieces(input, group, group_size, async_op, dim)
         # The pieces are read where the collective put them: views of the flat output, or
         # the list all-gather's own outputs. No concatenation, no copy.
-        numel = input.shape[0]
-        nbytes = group_size * numel * _ITEM_SIZE[input.dtype]
-        gather = self._flat_all_gather(group, input.dtype)
-        if gather is not None:
-            self._record("all_gather", "all_gather", nbytes, dim)
-            whole = gather(input)
-            return [mint.narrow(whole, 0, r * numel, numel) for r in range(group_size)], whole, Handle()
-        self._record("all_gather", "all_gather_list", nbytes, dim)
-        pieces = [mint.empty((numel,), dtype=input.dtype) for _ in range(group_size)]
-        return pieces, None, Handle(msdist.all_gather(pieces, input, group=group, async_op=async_op))
+        nbytes = group_size * input.shape[0] * _ITEM_SIZE[input.dtype]
+        pieces, whole, native = self._cpu_all_gather(input, group, group_size, async_op,
+                                                      "all_gather", nbytes, dim)
+        return pieces, whole, Handle(native)
 
     def reduce_scatter_pieces(self, pieces, group, async_op=False, dim="", scale=1.0):
         if self._on_cpu and len(pieces) == 2:
@@ -283,16 +276,9 @@ class MindSporePlatform(Platform):
         me = self.group_rank(group)
         outgoing = self.cat(pieces[1 - me])  # a private contiguous copy of the peer's parts
         chunk = outgoing.shape[0]
-        nbytes = 2 * chunk * _ITEM_SIZE[outgoing.dtype]
-        gather = self._flat_all_gather(group, outgoing.dtype)
-        if gather is not None:
-            self._record("reduce_scatter", "all_gather", nbytes, dim)
-            native, received = None, mint.narrow(gather(outgoing), 0, (1 - me) * chunk, chunk)
-        else:
-            self._record("reduce_scatter", "all_gather_list", nbytes, dim)
-            both = [mint.empty((chunk,), dtype=outgoing.dtype) for _ in range(2)]
-            native = msdist.all_gather(both, outgoing, group=group, async_op=async_op)
-            received = both[1 - me]
+        both, _, native = self._cpu_all_gather(outgoing, group, 2, async_op, "reduce_scatter",
+                                               2 * chunk * _ITEM_SIZE[outgoing.dtype], dim)
+        received = both[1 - me]
         own = pieces[me][0] if len(pieces[me]) == 1 else ops.cat(pieces[me], 0)
 
         def add_own_chunk():
