@@ -42,6 +42,8 @@ import logging
 import os
 from typing import Any
 
+from hyper_parallel.fully_shard.joined_all_reduce import JoinedAllReduce
+
 logger = logging.getLogger("hyper_parallel.fully_shard")
 
 
@@ -64,6 +66,7 @@ class IterationContext:
         self.sync_collectives = _sync_collectives(platform)
         self.pending_reduce_scatter = None   # (UnitReduction, requires_all_reduce)
         self.pending_all_reduce: list = []
+        self.joined = JoinedAllReduce(platform)  # the units' small buckets, until the drain
         self._final_callback_queued = False
         self._forward_order: list = []       # units by first forward, this iteration
         self._seen: set = set()              # ids of _forward_order
@@ -137,14 +140,19 @@ class IterationContext:
             self.pending_all_reduce.append(reduction)
 
     def drain(self) -> None:
-        """Wait every collective in flight and deliver every gradient."""
+        """Wait every collective in flight and deliver every gradient. The joined
+        all-reduce is issued first (it overlaps the waits) and delivered last: a unit's
+        ``finish`` hands out the placeholders it fills."""
         self._advance()
         pending, self.pending_all_reduce = self.pending_all_reduce, []
+        self.joined.issue(async_op=not self.sync_collectives)
         for reduction in pending:
             reduction.finish()
+        self.joined.finish()
 
     def has_pending(self) -> bool:
-        return self.pending_reduce_scatter is not None or bool(self.pending_all_reduce)
+        return (self.pending_reduce_scatter is not None or bool(self.pending_all_reduce)
+                or bool(self.joined))
 
     def finish_backward(self) -> None:
         """After the whole backward: drain (on a last backward) and reshard every unit

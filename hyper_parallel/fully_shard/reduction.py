@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from hyper_parallel.fully_shard.joined_all_reduce import JoinedAllReduce
 from hyper_parallel.fully_shard.param_group import FSDPParamGroup, Leg
 from hyper_parallel.fully_shard.reduce_op import ReducePlan
 
@@ -35,19 +36,22 @@ class _LegInFlight:
         self.buffer = buffer  # the core's own memory: scaling may overwrite it
         self.handle = handle
         self.deferred = False
+        self.joined = False  # in the root's joined all-reduce, delivered by deliver_joined
 
 
 class UnitReduction:
     """Reduce one unit's full gradients for one backward."""
 
     def __init__(self, name: str, group: FSDPParamGroup, full_grads: list, dtype: Any,
-                 plan: ReducePlan, placeholders: list | None, to_main_grad: bool, async_op: bool):
+                 plan: ReducePlan, placeholders: list | None, to_main_grad: bool, async_op: bool,
+                 joined: JoinedAllReduce):
         self.name = name
         self.group = group
         self.plan = plan
         self.placeholders = placeholders
         self.to_main_grad = to_main_grad
         self.async_op = async_op
+        self.joined = joined
         p = group.platform
         by_param = {id(fp): g for fp, g in zip(group.params, full_grads)}
         self.legs = []
@@ -88,6 +92,11 @@ class UnitReduction:
                 leg.deferred = True
                 logger.debug("%s: %s all-reduce deferred", self.name, leg.leg.bucket.dim)
                 continue
+            if not leg.leg.sharded:
+                leg.buffer = leg.leg.bucket.fold_deferred(leg.buffer)
+                self.joined.join(self, leg)
+                leg.joined = True
+                continue
             leg.buffer, leg.handle = leg.leg.bucket.issue(leg.buffer, self.async_op)
             if leg.handle is not None:
                 logger.debug("%s: %s all-reduce issued", self.name, leg.leg.bucket.dim)
@@ -96,22 +105,35 @@ class UnitReduction:
         """Wait the all-reduces and deliver the gradient shards: through ``write_grad``, or,
         without placeholders, as the returned list (``params`` order) that backward hands
         to the user, a zero placeholder where nothing is delivered now (a deferred bucket,
-        a frozen parameter)."""
+        a frozen parameter, a joined leg: ``deliver_joined`` fills those later)."""
         p = self.group.platform
         delivered = {}
         for leg in self.legs:
             if leg.handle is not None:
                 leg.handle.wait()
-            if leg.deferred:
+            if leg.deferred or leg.joined:
                 continue
             for fp, grad in zip(leg.leg.params, self.group.sharded_gradients(leg.leg, leg.buffer)):
                 if p.param_requires_grad(fp.sharded_param):
                     delivered[id(fp)] = grad
         logger.debug("%s: %d gradient shards delivered", self.name, len(delivered))
         if self.placeholders is None:
-            return [delivered[id(fp)] if id(fp) in delivered else p.grad_placeholder(fp.sharded_param)
-                    for fp in self.group.params]
+            returned = [delivered[id(fp)] if id(fp) in delivered else p.grad_placeholder(fp.sharded_param)
+                        for fp in self.group.params]
+            # a joined leg's entries are placeholders: deliver_joined fills them
+            self.placeholders = returned
+            return returned
         for fp, placeholder in zip(self.group.params, self.placeholders):
             if id(fp) in delivered:
                 p.write_grad(fp.sharded_param, placeholder, delivered[id(fp)], self.to_main_grad)
         return None
+
+    def deliver_joined(self, leg: _LegInFlight, reduced: Any) -> None:
+        """The joined all-reduce's stretch for ``leg``: deliver its gradients (after
+        ``finish``, into the placeholders backward handed out)."""
+        p = self.group.platform
+        slot = {id(fp): i for i, fp in enumerate(self.group.params)}
+        for fp, grad in zip(leg.leg.params, self.group.sharded_gradients(leg.leg, reduced)):
+            if p.param_requires_grad(fp.sharded_param):
+                p.write_grad(fp.sharded_param, self.placeholders[slot[id(fp)]], grad,
+                             self.to_main_grad)

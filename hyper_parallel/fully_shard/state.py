@@ -266,7 +266,8 @@ class FSDPState:
             placeholders = None if returned else [p.grad_placeholder(fp.sharded_param)
                                                   for fp in group.params]
             reduction = UnitReduction(self.name, group, full_grads, dtype, plan, placeholders,
-                                      self.to_main_grad, async_op=not sync)
+                                      self.to_main_grad, async_op=not sync,
+                                      joined=self.iteration.joined)
             delivered = self.iteration.enqueue(reduction, self.requires_all_reduce)
             result = delivered if returned else placeholders
         return result
