@@ -17,6 +17,13 @@
   communication was overlapped with compute. Per round too (``overhead_pct_per_round``):
   each launch's median step against its own raw collectives, so a reader sees how far the
   figure moves between launches of identical code;
+* paired overhead = step - (compute-only timed in the same launch + raw collectives): each
+  distributed launch steps the plain model once more at its end, in the same processes and
+  on the same cores (``compute_paired``, pooled like the steps). The separate compute-only
+  launches are new processes with their own heap, started minutes apart from the step
+  they are subtracted from, and on the 2-core machine a launch can run ~20% fast or slow
+  as a whole; the same-launch figure moves with the step. Both are reported; per round
+  too (``paired_overhead_pct_per_round``: each launch against its own compute and raw);
 * exposed communication = step - compute;
 * round spread = (slowest - fastest launch's median step) / step, where an implementation
   was launched more than once (run.py's rounds): the noise of this run, which a difference
@@ -89,6 +96,9 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
                 if all(key in r[name] for r in ranks):
                     cpu = [statistics.fmean(c) for c in zip(*(r[name][key] for r in ranks))]
                     out[name].update({figure: statistics.median(cpu), key: cpu})
+    if "compute_paired" in ranks[0]:
+        paired = [max(ts) for ts in zip(*(r["compute_paired"]["step_s"] for r in ranks))]
+        out["compute_paired"] = {"s": statistics.median(paired), "step_max_over_ranks_s": paired}
     if "ddp_bucket_bytes" in ranks[0]:
         out["ddp_bucket_bytes"] = ranks[0]["ddp_bucket_bytes"]
     return out
@@ -114,6 +124,10 @@ def pool_rounds(summaries: list[dict]) -> dict:
     for name in ("raw", "raw_reduce_scatters", "raw_same_size_all_gathers"):
         if all(name in s for s in summaries):
             out[name] = _pool_raw([s[name] for s in summaries])
+    if all("compute_paired" in s for s in summaries):
+        paired = [t for s in summaries for t in s["compute_paired"]["step_max_over_ranks_s"]]
+        out["compute_paired"] = {"s": statistics.median(paired), "step_max_over_ranks_s": paired,
+                                 "s_per_launch": [s["compute_paired"]["s"] for s in summaries]}
     out.update(step_s=statistics.median(steps), step_max_over_ranks_s=steps,
                step_s_per_round=[s["step_s"] for s in summaries],
                peak_mb=max(peaks) if all(p is not None for p in peaks) else None,
@@ -198,6 +212,16 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
                     # each launch against its own raw rounds: how far the figure itself moves
                     fig["overhead_pct_per_round"] = [100.0 * (s - compute - r) / s
                                                      for s, r in zip(rounds, per_launch)]
+                paired = launch.get("compute_paired")
+                if paired is not None:
+                    fig["compute_paired_s"] = paired["s"]
+                    fig["paired_overhead_s"] = step - (paired["s"] + raw)
+                    fig["paired_overhead_pct"] = 100.0 * fig["paired_overhead_s"] / step
+                    both = paired.get("s_per_launch")
+                    if impl == raw_of.get(impl) and rounds and per_launch and both \
+                            and len(both) == len(rounds) == len(per_launch):
+                        fig["paired_overhead_pct_per_round"] = [
+                            100.0 * (s - c - r) / s for s, c, r in zip(rounds, both, per_launch)]
             step_cpu, raw_cpu = launch.get("step_cpu_s"), raw_launch.get("cpu_s")
             if None not in (step_cpu, raw_cpu, compute_cpu) and step_cpu > 0:
                 fig["step_cpu_s"], fig["compute_cpu_s"], fig["raw_cpu_s"] = step_cpu, compute_cpu, raw_cpu

@@ -10,7 +10,8 @@ same batches; a step is ``value_and_grad`` + the optimizer, the idiom MindSpore 
   gradients concatenated into one flat buffer, one ``mint.distributed.all_reduce`` (SUM) of
   it, divided by the world size and split back, then the optimizer;
 * ``compute``: the plain model in a process that joins no group (one per rank, started
-  together, so the CPU is shared as in the distributed runs).
+  together, so the CPU is shared as in the distributed runs). Every distributed launch
+  also times it once more at its end (``compute_paired``, as rank_torch.py says).
 
 [Note: blocking or asynchronous execution]
 By default (``--ms-pipeline blocking``) every implementation runs under
@@ -91,7 +92,6 @@ def _sync(tensor=None) -> None:
 def run(job: dict, rank: int, world: int) -> dict:
     import mindspore as ms
     from mindspore import ops
-    from mindspore.experimental.optim import SGD
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE, runtime_num_threads=1)
@@ -119,36 +119,25 @@ def run(job: dict, rank: int, world: int) -> dict:
         hp.fully_shard(model, mesh=hp_mesh, reshard_after_forward=cfg["reshard_after_forward"],
                        mp_policy=mp)
     params = [p for p in model.trainable_params() if p.requires_grad]
-    opt = SGD(params, lr=LR, momentum=0.9)
-
-    def forward(x, y):
-        out = model(x)
-        return ((out.astype(ms.float32) - y) ** 2).mean()
-
-    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
     shapes = [tuple(p.shape) for p in params]
     sizes = [int(p.size) for p in params]
     data = [(ms.Tensor(workload.local_rows(x, rank, world)), ms.Tensor(workload.local_rows(y, rank, world)))
             for x, y in workload.batches(N_BATCHES, cfg["local_batch"] * world, dims[0], dims[-1],
                                          DATA_SEED)]
+
+    def all_reduce_mean(grads):
+        flat = ops.cat([g.reshape(-1) for g in grads])
+        msdist.all_reduce(flat, op="sum")
+        flat = flat / world
+        out, offset = [], 0
+        for shape, size in zip(shapes, sizes):
+            out.append(flat[offset:offset + size].reshape(shape))
+            offset += size
+        return tuple(out)
+
+    step = _step_fn(ms, model, data, all_reduce_mean if impl == "dp" else None)
     gc.collect()
     setup_s = time.perf_counter() - started
-
-    def step(i: int) -> float:
-        x, y = data[i % len(data)]
-        loss, grads = grad_fn(x, y)
-        if impl == "dp":
-            flat = ops.cat([g.reshape(-1) for g in grads])
-            msdist.all_reduce(flat, op="sum")
-            flat = flat / world
-            grads, offset = [], 0
-            for shape, size in zip(shapes, sizes):
-                grads.append(flat[offset:offset + size].reshape(shape))
-                offset += size
-            grads = tuple(grads)
-        opt(grads)
-        _sync(loss)
-        return float(loss.asnumpy())
 
     barrier = hp.get_platform().barrier if hp is not None else None
     result = {"impl": impl, "setup_s": setup_s}
@@ -179,8 +168,39 @@ def run(job: dict, rank: int, world: int) -> dict:
         result["raw_same_size_all_gathers"] = raw_collectives.time_schedule(
             hp, same_size_gathers, groups, 1, cfg["steps"], barrier, finish=_sync)
     if impl != "compute":
+        step = model = None
+        gc.collect()
+        result["compute_paired"] = measure.timed_steps(
+            _step_fn(ms, _build_model(ms, dims), data), cfg["warmup"], cfg["steps"], barrier)
         hp.destroy_distributed()
     return result
+
+
+def _step_fn(ms, model, data: list, reduce_grads=None):
+    """The timed step of every implementation: ``value_and_grad`` of the loss, the
+    gradients through ``reduce_grads`` (the DP baseline's all-reduce), the optimizer, then a
+    pipeline sync so the time covers the work."""
+    from mindspore.experimental.optim import SGD
+
+    params = [p for p in model.trainable_params() if p.requires_grad]
+    opt = SGD(params, lr=LR, momentum=0.9)
+
+    def forward(x, y):
+        out = model(x)
+        return ((out.astype(ms.float32) - y) ** 2).mean()
+
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+
+    def step(i: int) -> float:
+        x, y = data[i % len(data)]
+        loss, grads = grad_fn(x, y)
+        if reduce_grads is not None:
+            grads = reduce_grads(grads)
+        opt(grads)
+        _sync(loss)
+        return float(loss.asnumpy())
+
+    return step
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ batches, and time forward + backward + optimizer step + zero_grad:
   rank on its local batch, with no communication. run.py starts one per rank at the same
   time, so the CPU is shared exactly as in the distributed runs.
 
+Every distributed launch also times compute-only once more at its end (``compute_paired``):
+the plain model, built after the implementation's model is dropped, stepped by the same
+code on every rank, so the overhead can subtract a compute time measured in the same
+processes as the step (analysis.py, "overhead").
+
 bf16 means bf16 parameters with fp32 gradient reduction: ``MixedPrecisionPolicy(
 param_dtype=bfloat16, reduce_dtype=float32)`` for hp and FSDP2; for DDP and compute-only,
 which have no such policy, ``torch.autocast("cpu", bfloat16)`` around the forward, which
@@ -165,16 +170,7 @@ def run(job: dict, rank: int, world: int) -> dict:
     gc.collect()
     setup_s = time.perf_counter() - started
 
-    def step(i: int) -> float:
-        x, y = data[i % len(data)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = model(x)
-        loss = ((out.float() - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
+    step = _step_fn(torch, model, opt, data, autocast)
     barrier = dist.barrier if dist is not None else None
     result = {"impl": impl, "setup_s": setup_s, "threads": torch.get_num_threads()}
     counted: list = []
@@ -207,14 +203,38 @@ def run(job: dict, rank: int, world: int) -> dict:
         result["raw"] = raw_collectives.time_schedule(
             hp, schedule, {"": (None, world)}, 1, cfg["steps"], barrier)
     elif impl == "hp":
-        del opt, model
+        del step, opt, model
         gc.collect()
         groups = {n: (hp_mesh.get_group(n), hp_mesh.size(n)) for n in names}
         result["raw"] = raw_collectives.time_schedule(hp, job["schedule"], groups, 1, cfg["steps"],
                                                       barrier)
     if impl != "compute":
+        step = opt = model = None
+        gc.collect()
+        plain = _build_model(torch, dims)
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9)
+        result["compute_paired"] = measure.timed_steps(
+            _step_fn(torch, plain, plain_opt, data, autocast=bf16), cfg["warmup"], cfg["steps"],
+            barrier)
         hp.destroy_distributed()
     return result
+
+
+def _step_fn(torch, model, opt, data: list, autocast: bool):
+    """The timed step of every implementation: forward (under bf16 autocast for DDP and
+    compute-only in bf16 configurations), loss, backward, optimizer step, zero_grad."""
+
+    def step(i: int) -> float:
+        x, y = data[i % len(data)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
+        loss = ((out.float() - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
 
 
 def _ddp_bucket_bytes(ddp) -> list[int] | None:

@@ -48,12 +48,12 @@ def _overhead(fig: dict, kind: str = "") -> str:
     return f"{fig[f'{kind}overhead_s'] * 1000:.0f} ({fig[f'{kind}overhead_pct']:+.0f}%)"
 
 
-def _overhead_with_rounds(fig: dict) -> str:
+def _overhead_with_rounds(fig: dict, kind: str = "") -> str:
     """The pooled overhead and, after several launches, each launch's own (its noise)."""
-    per_round = fig.get("overhead_pct_per_round")
+    per_round = fig.get(f"{kind}overhead_pct_per_round")
     if not per_round or len(per_round) < 2:
-        return _overhead(fig)
-    return f"{_overhead(fig)}; rounds {' / '.join(f'{v:+.0f}%' for v in per_round)}"
+        return _overhead(fig, kind)
+    return f"{_overhead(fig, kind)}; rounds {' / '.join(f'{v:+.0f}%' for v in per_round)}"
 
 
 def _spread(fig: dict) -> str:
@@ -73,7 +73,8 @@ def _share(fig: dict) -> str:
 def summary_table(doc: dict) -> str:
     head = ("| configuration | ranks | hp step ms | ref | ref step ms | **hp/ref time** | DDP ms | "
             "compute ms | hp peak MB | ref peak MB | **hp/ref mem** | hp AG/min | hp RS/min | "
-            "hp AR/min | raw coll ms | hp overhead ms (% step) | hp CPU overhead ms (% step CPU) | "
+            "hp AR/min | raw coll ms | hp overhead ms (% step) | "
+            "hp overhead, same-launch compute ms (% step) | hp CPU overhead ms (% step CPU) | "
             "hp exposed ms | hp round spread |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in doc["configurations"]:
@@ -88,15 +89,16 @@ def summary_table(doc: dict) -> str:
             _ms(figs.get("ddp", {}).get("step_s")), _ms(figs.get("compute", {}).get("step_s")),
             _mb(hp.get("peak_mb")), _mb(ref.get("peak_mb")), _ratio(hp.get("peak_vs_ref")),
             ratios["AG"], ratios["RS"], ratios["AR"], _ms(hp.get("raw_collectives_s")),
-            _overhead_with_rounds(hp), _overhead(hp, "cpu_"), _ms(hp.get("exposed_comm_s")),
-            _spread(hp),
+            _overhead_with_rounds(hp), _overhead_with_rounds(hp, "paired_"), _overhead(hp, "cpu_"),
+            _ms(hp.get("exposed_comm_s")), _spread(hp),
         ]) + " |")
     return "\n".join(lines)
 
 
 def detail_table(doc: dict) -> str:
     head = ("| configuration | implementation | step ms | vs ref | peak MB | vs ref | compute ms | "
-            "raw coll ms | overhead ms (% step) | step CPU ms | CPU overhead ms (% step CPU) | "
+            "raw coll ms | overhead ms (% step) | same-launch compute ms | "
+            "overhead, same-launch compute ms (% step) | step CPU ms | CPU overhead ms (% step CPU) | "
             "CPU overhead: stepping thread / other threads ms | raw CPU/wall | exposed ms | "
             "AG/min | RS/min | AR/min | loss Δ vs ref |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -110,6 +112,7 @@ def detail_table(doc: dict) -> str:
                 cfg["name"], configs.IMPL_LABELS[impl], _err_or(fig, _ms(fig.get("step_s"))),
                 _ratio(fig.get("step_vs_ref")), _mb(fig.get("peak_mb")), _ratio(fig.get("peak_vs_ref")),
                 _ms(fig.get("compute_s")), _ms(fig.get("raw_collectives_s")), _overhead(fig),
+                _ms(fig.get("compute_paired_s")), _overhead(fig, "paired_"),
                 _ms(fig.get("step_cpu_s")), _overhead(fig, "cpu_"), _cpu_split(fig), _share(fig),
                 _ms(fig.get("exposed_comm_s")), ratios["AG"], ratios["RS"], ratios["AR"],
                 "—" if loss is None else f"{loss:.1e}",
@@ -137,7 +140,10 @@ def notes(doc: dict) -> str:
              "overlapped with compute. exposed = step − compute. Raw collectives: every "
              "hyper_parallel launch times them after its steps, pooled over the launches; "
              "'rounds' (summary table): each launch's median step against its own raw "
-             "collectives, in launch order.",
+             "collectives, in launch order. Same-launch compute: compute-only stepped again at "
+             "the end of each distributed launch, in its processes; that overhead subtracts it "
+             "instead of the separate compute-only launches' (per round: each launch against "
+             "its own compute and raw collectives).",
              "- CPU overhead = step CPU − (compute CPU + raw collectives CPU), per rank, CPU time of "
              "the whole process: the work an implementation adds, without the effect of ranks "
              "sharing cores. raw CPU/wall: cores a rank keeps busy during the raw collectives "

@@ -67,8 +67,19 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
         assert hp["raw_collectives_s"] == raw["s"] == statistics.median(raw["round_max_over_ranks_s"])
         assert hp["overhead_pct_per_round"] == [
             100.0 * (s - hp["compute_s"] - r) / s for s, r in zip(per_round, raw["s_per_launch"])]
+        # compute-only stepped again at the end of every distributed launch, pooled; the paired
+        # overhead subtracts it instead, launch by launch too
+        paired = launches["hp"]["compute_paired"]
+        assert len(paired["s_per_launch"]) == rounds
+        assert len(paired["step_max_over_ranks_s"]) == rounds * cfg["steps"]
+        assert hp["compute_paired_s"] == paired["s"] == statistics.median(paired["step_max_over_ranks_s"])
+        assert hp["paired_overhead_s"] == hp["step_s"] - (paired["s"] + raw["s"])
+        assert hp["paired_overhead_pct_per_round"] == [
+            100.0 * (s - c - r) / s for s, c, r in zip(per_round, paired["s_per_launch"], raw["s_per_launch"])]
+        assert "compute_paired" in launches[ref] and "compute_paired" not in launches["compute"]
         if ref == "fsdp2":  # FSDP2 borrows hp's floor: no launch of its own to pair with
             assert "overhead_pct_per_round" not in row["figures"][ref]
+            assert "paired_overhead_pct_per_round" not in row["figures"][ref]
         else:  # the DP baseline times its own all-reduce in each of its launches
             assert len(row["figures"][ref]["overhead_pct_per_round"]) == rounds
             # the composed reduce-scatter is reported as what went on the wire: over a
