@@ -168,7 +168,7 @@ def run(job: dict, rank: int, world: int) -> dict:
         result["raw_same_size_all_gathers"] = raw_collectives.time_schedule(
             hp, same_size_gathers, groups, 1, cfg["steps"], barrier, finish=_sync)
     if impl != "compute":
-        step = model = None
+        step = model = params = None  # the implementation's model, all of it, before the plain one
         gc.collect()
         result["compute_paired"] = measure.timed_steps(
             _step_fn(ms, _build_model(ms, dims), data), cfg["warmup"], cfg["steps"], barrier)
