@@ -11,7 +11,8 @@ hyper_parallel, FSDP2 and compute-only three times (DEFAULT_ROUNDS), so the prod
 ("pruned") grid keeps every value of every dimension but varies one dimension at a time
 around the baseline (fp32, even, reshard_after_forward=True): bf16 and the uneven model run
 only with reshard_after_forward=True. That is 4 configurations per mesh, 8 in all (20-24
-minutes with MindSpore, each launch also timing compute-only at its end). ``--grid full`` runs the whole product instead.
+minutes with MindSpore, each launch also timing compute-only at its end). ``--grid full``
+runs the whole product instead.
 
 [Note: shared rows]
 DDP and the compute-only processes do not depend on ``reshard_after_forward``, so a
