@@ -24,6 +24,15 @@
   they are subtracted from, and on the 2-core machine a launch can run ~20% fast or slow
   as a whole; the same-launch figure moves with the step. Both are reported; per round
   too (``paired_overhead_pct_per_round``: each launch against its own compute and raw);
+* library overhead = step - interleaved floor, also in % of the step: the hp launch steps
+  the plain model once more with the minimal schedule issued from hooks where the step
+  needs it (raw_collectives.py, "the interleaved floor"), so what remains is the
+  library's own cost: its Python, copies and waits. The paired overhead is its sum with
+  the interleave cost = interleaved floor - (same-launch compute + raw collectives), what
+  placing the collectives between the compute costs on the platform with no library code
+  at all (per round too: ``library_overhead_pct_per_round``). Timed in hyper_parallel's
+  launches only. The floor's collectives are synchronous: where the step overlaps them
+  with compute (torch), the library overhead is negative by what the overlap hides;
 * exposed communication = step - compute;
 * round spread = (slowest - fastest launch's median step) / step, where an implementation
   was launched more than once (run.py's rounds): the noise of this run, which a difference
@@ -96,9 +105,12 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
                 if all(key in r[name] for r in ranks):
                     cpu = [statistics.fmean(c) for c in zip(*(r[name][key] for r in ranks))]
                     out[name].update({figure: statistics.median(cpu), key: cpu})
-    if "compute_paired" in ranks[0]:
-        paired = [max(ts) for ts in zip(*(r["compute_paired"]["step_s"] for r in ranks))]
-        out["compute_paired"] = {"s": statistics.median(paired), "step_max_over_ranks_s": paired}
+    for name in ("compute_paired", "interleaved"):
+        if name in ranks[0]:
+            steps_max = [max(ts) for ts in zip(*(r[name]["step_s"] for r in ranks))]
+            out[name] = {"s": statistics.median(steps_max), "step_max_over_ranks_s": steps_max}
+            if "comm" in ranks[0][name]:
+                out[name]["comm_per_step"] = _per_step(ranks[0][name]["comm"], steps)
     if "ddp_bucket_bytes" in ranks[0]:
         out["ddp_bucket_bytes"] = ranks[0]["ddp_bucket_bytes"]
     return out
@@ -124,10 +136,12 @@ def pool_rounds(summaries: list[dict]) -> dict:
     for name in ("raw", "raw_reduce_scatters", "raw_same_size_all_gathers"):
         if all(name in s for s in summaries):
             out[name] = _pool_raw([s[name] for s in summaries])
-    if all("compute_paired" in s for s in summaries):
-        paired = [t for s in summaries for t in s["compute_paired"]["step_max_over_ranks_s"]]
-        out["compute_paired"] = {"s": statistics.median(paired), "step_max_over_ranks_s": paired,
-                                 "s_per_launch": [s["compute_paired"]["s"] for s in summaries]}
+    for name in ("compute_paired", "interleaved"):
+        if all(name in s for s in summaries):
+            pooled = [t for s in summaries for t in s[name]["step_max_over_ranks_s"]]
+            out[name] = dict(summaries[0][name], s=statistics.median(pooled),
+                             step_max_over_ranks_s=pooled,
+                             s_per_launch=[s[name]["s"] for s in summaries])
     out.update(step_s=statistics.median(steps), step_max_over_ranks_s=steps,
                step_s_per_round=[s["step_s"] for s in summaries],
                peak_mb=max(peaks) if all(p is not None for p in peaks) else None,
@@ -222,6 +236,9 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
                             and len(both) == len(rounds) == len(per_launch):
                         fig["paired_overhead_pct_per_round"] = [
                             100.0 * (s - c - r) / s for s, c, r in zip(rounds, both, per_launch)]
+                    interleaved = launch.get("interleaved")
+                    if interleaved is not None:
+                        fig.update(_library_overhead(step, paired, raw_launch, interleaved, rounds))
             step_cpu, raw_cpu = launch.get("step_cpu_s"), raw_launch.get("cpu_s")
             if None not in (step_cpu, raw_cpu, compute_cpu) and step_cpu > 0:
                 fig["step_cpu_s"], fig["compute_cpu_s"], fig["raw_cpu_s"] = step_cpu, compute_cpu, raw_cpu
@@ -244,6 +261,23 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
     if cfg.backend == "mindspore" and "hp" in launches and "error" not in launches["hp"]:
         figures["hp"]["composed_reduce_scatter"] = _rs_factor(cfg, launches["hp"])
     return figures
+
+
+def _library_overhead(step: float, paired: dict, raw: dict, interleaved: dict,
+                      rounds: list | None) -> dict:
+    """The paired overhead split in two (note "library overhead" at the top): what placing
+    the collectives between the compute costs without any library, and the rest."""
+    floor = interleaved["s"]
+    fig = {"interleaved_s": floor,
+           "interleave_cost_s": floor - (paired["s"] + raw["s"]),
+           "library_overhead_s": step - floor}
+    fig["interleave_cost_pct"] = 100.0 * fig["interleave_cost_s"] / step
+    fig["library_overhead_pct"] = 100.0 * fig["library_overhead_s"] / step
+    per_launch = interleaved.get("s_per_launch")
+    if rounds and per_launch and len(per_launch) == len(rounds):
+        fig["library_overhead_pct_per_round"] = [100.0 * (s - f) / s
+                                                 for s, f in zip(rounds, per_launch)]
+    return fig
 
 
 def _bytes_ratio(measured: dict, minimum: dict) -> dict:

@@ -11,7 +11,8 @@ same batches; a step is ``value_and_grad`` + the optimizer, the idiom MindSpore 
   it, divided by the world size and split back, then the optimizer;
 * ``compute``: the plain model in a process that joins no group (one per rank, started
   together, so the CPU is shared as in the distributed runs). Every distributed launch
-  also times it once more at its end (``compute_paired``, as rank_torch.py says).
+  also times it once more at its end (``compute_paired``), and the hp launch then the
+  interleaved floor (``interleaved``), as rank_torch.py says.
 
 [Note: blocking or asynchronous execution]
 By default (``--ms-pipeline blocking``) every implementation runs under
@@ -172,14 +173,27 @@ def run(job: dict, rank: int, world: int) -> dict:
         gc.collect()
         result["compute_paired"] = measure.timed_steps(
             _step_fn(ms, _build_model(ms, dims), data), cfg["warmup"], cfg["steps"], barrier)
+        if impl == "hp":
+            gc.collect()
+            plain = _build_model(ms, dims)
+
+            def make_step(after_backward):
+                def last_collectives(grads):  # between value_and_grad and the optimizer
+                    after_backward()
+                    return grads
+                return _step_fn(ms, plain, data, last_collectives)
+
+            result["interleaved"] = raw_collectives.time_interleaved(
+                hp, plain, job["schedule"], groups, make_step, cfg["warmup"], cfg["steps"], barrier)
         hp.destroy_distributed()
     return result
 
 
 def _step_fn(ms, model, data: list, reduce_grads=None):
     """The timed step of every implementation: ``value_and_grad`` of the loss, the
-    gradients through ``reduce_grads`` (the DP baseline's all-reduce), the optimizer, then a
-    pipeline sync so the time covers the work."""
+    gradients through ``reduce_grads`` (the DP baseline's all-reduce; the interleaved
+    floor's last collectives), the optimizer, then a pipeline sync so the time covers the
+    work."""
     from mindspore.experimental.optim import SGD
 
     params = [p for p in model.trainable_params() if p.requires_grad]

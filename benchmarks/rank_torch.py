@@ -17,7 +17,9 @@ batches, and time forward + backward + optimizer step + zero_grad:
 Every distributed launch also times compute-only once more at its end (``compute_paired``):
 the plain model, built after the implementation's model is dropped, stepped by the same
 code on every rank, so the overhead can subtract a compute time measured in the same
-processes as the step (analysis.py, "overhead").
+processes as the step (analysis.py, "overhead"). The hp launch then times the interleaved
+floor (``interleaved``): a fresh plain model stepped the same way with the minimal schedule
+issued from hooks where the step needs it (raw_collectives.py, "the interleaved floor").
 
 bf16 means bf16 parameters with fp32 gradient reduction: ``MixedPrecisionPolicy(
 param_dtype=bfloat16, reduce_dtype=float32)`` for hp and FSDP2; for DDP and compute-only,
@@ -216,13 +218,24 @@ def run(job: dict, rank: int, world: int) -> dict:
         result["compute_paired"] = measure.timed_steps(
             _step_fn(torch, plain, plain_opt, data, autocast=bf16), cfg["warmup"], cfg["steps"],
             barrier)
+        if impl == "hp":
+            plain = plain_opt = None
+            gc.collect()
+            plain = _build_model(torch, dims)
+            plain_opt = torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9)
+            result["interleaved"] = raw_collectives.time_interleaved(
+                hp, plain, job["schedule"], groups,
+                lambda after: _step_fn(torch, plain, plain_opt, data, bf16, after_backward=after),
+                cfg["warmup"], cfg["steps"], barrier)
         hp.destroy_distributed()
     return result
 
 
-def _step_fn(torch, model, opt, data: list, autocast: bool):
+def _step_fn(torch, model, opt, data: list, autocast: bool, after_backward=None):
     """The timed step of every implementation: forward (under bf16 autocast for DDP and
-    compute-only in bf16 configurations), loss, backward, optimizer step, zero_grad."""
+    compute-only in bf16 configurations), loss, backward, optimizer step, zero_grad.
+    ``after_backward()`` runs between backward and the optimizer (the interleaved floor's
+    last collectives)."""
 
     def step(i: int) -> float:
         x, y = data[i % len(data)]
@@ -230,6 +243,8 @@ def _step_fn(torch, model, opt, data: list, autocast: bool):
             out = model(x)
         loss = ((out.float() - y) ** 2).mean()
         loss.backward()
+        if after_backward is not None:
+            after_backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()

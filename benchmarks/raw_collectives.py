@@ -12,16 +12,33 @@ nothing overlaps it and no library code runs around it, so
 
 is the time an implementation spends beyond compute and the unavoidable communication:
 Python work, copies, allocation, waiting. Overlap of communication with compute makes it
-negative. On MindSpore CPU the primitives are the platform's composed ones (reduce-scatter
-= all-reduce + own chunk, all-gather = list all-gather + concatenation), so this floor is
-the platform's, not an ideal network's.
+negative. On MindSpore CPU the primitives are the platform's composed ones (the
+reduce-scatter an exchange by one all-gather over two ranks, an all-reduce over more; the
+all-gather's output copied into the caller's buffer), so this floor is the platform's, not
+an ideal network's.
+
+[Note: the interleaved floor]
+Back to back, the collectives run with nothing between them; in a step each sits between
+two blocks' compute, and where a collective cannot overlap compute (MindSpore CPU: one
+kernel pipeline) every switch can cost something no library code causes: waking the
+communication threads, the peer arriving late, caches the compute evicted. The
+interleaved floor measures that: the plain model (no library) steps with the same
+schedule issued from hooks where the step needs it (``unit_issuers``: a unit's forward
+all-gather before its forward, a re-gather before its backward, its reduce-scatter and
+all-reduce after it), each collective synchronous on these zero buffers. So
+
+    step - interleaved floor
+
+is what the library adds beyond compute, the minimal communication and the cost of
+placing it between the compute, and ``interleaved floor - (compute + raw collectives)`` is
+that placing cost itself (analysis.py, "library overhead").
 
 Each round's CPU time (the whole process, communication threads included, and the calling
 thread's alone) is kept too: collectives that keep the CPU busy cannot be hidden behind
 compute on a machine whose cores the ranks already fill (analysis.py, "CPU overhead").
 
-Buffers are allocated once per distinct (op, size, dtype) and reused by every call of that
-shape: the calls are synchronous, so sharing is safe and the memory stays small.
+Buffers are allocated once per distinct (op, size, dtype, dim) and reused by every call of
+that shape: the calls are synchronous, so sharing is safe and the memory stays small.
 """
 
 from __future__ import annotations
@@ -38,31 +55,10 @@ def time_schedule(hp, schedule: list[dict], groups: dict, warmup: int, rounds: i
     ``groups`` maps a schedule dim ("shard", "replicate", "") to ``(group, group_size)``;
     ``finish()`` (MindSpore) waits for queued work at the end of each round.
     """
-    p = hp.get_platform()
-    buffers: dict = {}
-    calls = []
-    for entry in schedule:
-        op, numel, dim = entry["op"], entry["numel"], entry["dim"]
-        group, size = groups[dim]
-        key = (op, numel, entry["dtype"], dim)
-        if key not in buffers:
-            dtype = p.dtype(entry["dtype"])
-            if op == "all_gather":
-                buffers[key] = (p.zeros((numel,), dtype), p.zeros((numel // size,), dtype))
-            elif op == "reduce_scatter":
-                buffers[key] = (p.zeros((numel // size,), dtype), p.zeros((numel,), dtype))
-            else:
-                buffers[key] = (p.zeros((numel,), dtype),)
-        calls.append((op, group, dim, buffers[key]))
+    issue = _issuer(hp.get_platform(), schedule, groups, {})
 
     def one_round():
-        for op, group, dim, bufs in calls:
-            if op == "all_gather":
-                p.all_gather_into(bufs[0], bufs[1], group, dim=dim)
-            elif op == "reduce_scatter":
-                p.reduce_scatter(bufs[0], bufs[1], group, dim=dim)
-            else:
-                p.all_reduce(bufs[0], group, op="sum", dim=dim)
+        issue()
         if finish is not None:
             finish()
 
@@ -80,3 +76,90 @@ def time_schedule(hp, schedule: list[dict], groups: dict, warmup: int, rounds: i
             "rounds_counted": warmup + rounds,
             "comm": measure.comm_records(window)}
 
+
+def unit_issuers(hp, schedule: list[dict], groups: dict) -> dict:
+    """``{(unit, phase): issue()}`` for the interleaved floor: each issues, synchronously,
+    the entries of ``schedule`` that belong to that unit and phase (workload.py), on zero
+    buffers shared the same way as ``time_schedule``'s."""
+    p, buffers, by_place = hp.get_platform(), {}, {}
+    for entry in schedule:
+        by_place.setdefault((entry["unit"], entry["phase"]), []).append(entry)
+    return {place: _issuer(p, entries, groups, buffers) for place, entries in by_place.items()}
+
+
+def _issuer(p, schedule: list[dict], groups: dict, buffers: dict):
+    """A function that issues ``schedule``'s collectives one after the other, synchronously,
+    on zero buffers from ``buffers`` (one per distinct op, size, dtype and dim, made here on
+    first need)."""
+    calls = []
+    for entry in schedule:
+        op, numel, dim = entry["op"], entry["numel"], entry["dim"]
+        group, size = groups[dim]
+        key = (op, numel, entry["dtype"], dim)
+        if key not in buffers:
+            dtype = p.dtype(entry["dtype"])
+            if op == "all_gather":
+                buffers[key] = (p.zeros((numel,), dtype), p.zeros((numel // size,), dtype))
+            elif op == "reduce_scatter":
+                buffers[key] = (p.zeros((numel // size,), dtype), p.zeros((numel,), dtype))
+            else:
+                buffers[key] = (p.zeros((numel,), dtype),)
+        calls.append((op, group, dim, buffers[key]))
+
+    def issue():
+        for op, group, dim, bufs in calls:
+            if op == "all_gather":
+                p.all_gather_into(bufs[0], bufs[1], group, dim=dim)
+            elif op == "reduce_scatter":
+                p.reduce_scatter(bufs[0], bufs[1], group, dim=dim)
+            else:
+                p.all_reduce(bufs[0], group, op="sum", dim=dim)
+
+    return issue
+
+
+def interleave(model, issuers: dict):
+    """Hook ``issuers`` (``unit_issuers``) into the plain ``model``'s blocks, unit i being
+    ``model.blocks[i]``: the forward all-gathers before each block's forward, and, when the
+    gradient of block i's output arrives (so before block i's backward and after block
+    i+1's), unit i+1's after-backward collectives then unit i's before-backward ones.
+    Returns the function that issues unit 0's after-backward collectives, for the step to
+    call once backward has returned. Torch modules and MindSpore Cells take the same hooks."""
+    def nothing():
+        pass
+
+    def issue(unit, phase):
+        issuers.get((unit, phase), nothing)()
+
+    def pre_hook(unit):
+        def hook(module, args):
+            issue(unit, "forward")
+        return hook
+
+    def post_hook(unit):
+        def on_output_grad(grad):
+            issue(unit + 1, "after_backward")
+            issue(unit, "before_backward")
+
+        def hook(module, args, output):
+            output.register_hook(on_output_grad)
+        return hook
+
+    for unit, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(pre_hook(unit))
+        block.register_forward_hook(post_hook(unit))
+    return lambda: issue(0, "after_backward")
+
+
+def time_interleaved(hp, model, schedule: list[dict], groups: dict, make_step, warmup: int,
+                     steps: int, barrier=None) -> dict:
+    """The interleaved floor: ``timed_steps`` of ``make_step(after_backward)``, the
+    framework's step of the plain ``model`` with ``schedule`` hooked in (``interleave``),
+    which must call ``after_backward()`` between backward and the optimizer; what the
+    measured steps sent is kept (``comm``), to be checked against the step's."""
+    after_backward = interleave(model, unit_issuers(hp, schedule, groups))
+    counted: list = []
+    out = measure.timed_steps(make_step(after_backward), warmup, steps, barrier,
+                              measured_context=measure.track_into(hp, counted))
+    out["comm"] = counted
+    return out

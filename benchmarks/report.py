@@ -4,7 +4,8 @@
 The summary table has one row per configuration: hyper_parallel against the reference
 (FSDP2 on torch, the DP baseline on MindSpore) in time and memory, DDP and the compute-only
 step beside them, hyper_parallel's bytes per collective against the minimum, its raw
-collectives, overhead and exposed communication. The detail table has one row per
+collectives, overhead (and how much of it is the library's own, against the interleaved
+floor) and exposed communication. The detail table has one row per
 implementation of each configuration, so FSDP2's and DDP's overhead and bytes can be read
 the same way. Ratios > 1 mean hyper_parallel is slower / bigger / sends more.
 
@@ -48,6 +49,12 @@ def _overhead(fig: dict, kind: str = "") -> str:
     return f"{fig[f'{kind}overhead_s'] * 1000:.0f} ({fig[f'{kind}overhead_pct']:+.0f}%)"
 
 
+def _interleave_cost(fig: dict) -> str:
+    if fig.get("interleave_cost_s") is None:
+        return "—"
+    return f"{fig['interleave_cost_s'] * 1000:.0f} ({fig['interleave_cost_pct']:+.0f}%)"
+
+
 def _overhead_with_rounds(fig: dict, kind: str = "") -> str:
     """The pooled overhead and, after several launches, each launch's own (its noise)."""
     per_round = fig.get(f"{kind}overhead_pct_per_round")
@@ -74,7 +81,8 @@ def summary_table(doc: dict) -> str:
     head = ("| configuration | ranks | hp step ms | ref | ref step ms | **hp/ref time** | DDP ms | "
             "compute ms | hp peak MB | ref peak MB | **hp/ref mem** | hp AG/min | hp RS/min | "
             "hp AR/min | raw coll ms | hp overhead ms (% step) | "
-            "hp overhead, same-launch compute ms (% step) | hp CPU overhead ms (% step CPU) | "
+            "hp overhead, same-launch compute ms (% step) | hp interleave cost ms (% step) | "
+            "**hp library overhead ms (% step)** | hp CPU overhead ms (% step CPU) | "
             "hp exposed ms | hp round spread |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in doc["configurations"]:
@@ -89,7 +97,8 @@ def summary_table(doc: dict) -> str:
             _ms(figs.get("ddp", {}).get("step_s")), _ms(figs.get("compute", {}).get("step_s")),
             _mb(hp.get("peak_mb")), _mb(ref.get("peak_mb")), _ratio(hp.get("peak_vs_ref")),
             ratios["AG"], ratios["RS"], ratios["AR"], _ms(hp.get("raw_collectives_s")),
-            _overhead_with_rounds(hp), _overhead_with_rounds(hp, "paired_"), _overhead(hp, "cpu_"),
+            _overhead_with_rounds(hp), _overhead_with_rounds(hp, "paired_"), _interleave_cost(hp),
+            _overhead_with_rounds(hp, "library_"), _overhead(hp, "cpu_"),
             _ms(hp.get("exposed_comm_s")), _spread(hp),
         ]) + " |")
     return "\n".join(lines)
@@ -98,7 +107,9 @@ def summary_table(doc: dict) -> str:
 def detail_table(doc: dict) -> str:
     head = ("| configuration | implementation | step ms | vs ref | peak MB | vs ref | compute ms | "
             "raw coll ms | overhead ms (% step) | same-launch compute ms | "
-            "overhead, same-launch compute ms (% step) | step CPU ms | CPU overhead ms (% step CPU) | "
+            "overhead, same-launch compute ms (% step) | interleaved floor ms | "
+            "interleave cost ms (% step) | library overhead ms (% step) | step CPU ms | "
+            "CPU overhead ms (% step CPU) | "
             "CPU overhead: stepping thread / other threads ms | raw CPU/wall | exposed ms | "
             "AG/min | RS/min | AR/min | loss Δ vs ref |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -113,6 +124,7 @@ def detail_table(doc: dict) -> str:
                 _ratio(fig.get("step_vs_ref")), _mb(fig.get("peak_mb")), _ratio(fig.get("peak_vs_ref")),
                 _ms(fig.get("compute_s")), _ms(fig.get("raw_collectives_s")), _overhead(fig),
                 _ms(fig.get("compute_paired_s")), _overhead(fig, "paired_"),
+                _ms(fig.get("interleaved_s")), _interleave_cost(fig), _overhead(fig, "library_"),
                 _ms(fig.get("step_cpu_s")), _overhead(fig, "cpu_"), _cpu_split(fig), _share(fig),
                 _ms(fig.get("exposed_comm_s")), ratios["AG"], ratios["RS"], ratios["AR"],
                 "—" if loss is None else f"{loss:.1e}",
@@ -144,6 +156,12 @@ def notes(doc: dict) -> str:
              "the end of each distributed launch, in its processes; that overhead subtracts it "
              "instead of the separate compute-only launches' (per round: each launch against "
              "its own compute and raw collectives).",
+             "- library overhead = step − interleaved floor: the plain model stepped in "
+             "hyper_parallel's launch with the minimal collectives issued from hooks where the "
+             "step needs them (synchronous, no library code). interleave cost = interleaved "
+             "floor − (same-launch compute + raw collectives): what placing the collectives "
+             "between the compute costs by itself. The two add up to the same-launch overhead; "
+             "the library overhead is hyper_parallel's own cost.",
              "- CPU overhead = step CPU − (compute CPU + raw collectives CPU), per rank, CPU time of "
              "the whole process: the work an implementation adds, without the effect of ranks "
              "sharing cores. raw CPU/wall: cores a rank keeps busy during the raw collectives "

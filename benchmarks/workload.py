@@ -85,18 +85,27 @@ def shard_schedule(dims: list[int], shard_size: int, replicate_size: int,
                    regather_in_backward: bool, param_dtype: str, reduce_dtype: str) -> list[dict]:
     """The minimal collectives of one step, in issue order (see the note at the top).
 
-    Each entry: ``{"op", "dim", "dtype", "numel"}`` where ``numel`` is the buffer
-    ``track_comms`` counts (all-gather output, reduce-scatter input, all-reduce tensor).
+    Each entry: ``{"op", "dim", "dtype", "numel", "unit", "phase"}`` where ``numel`` is the
+    buffer ``track_comms`` counts (all-gather output, reduce-scatter input, all-reduce
+    tensor), ``unit`` the block it serves and ``phase`` where in the step it belongs:
+    "forward" (before the block's forward), "before_backward" / "after_backward" (around
+    the block's backward); the interleaved floor issues it there (raw_collectives.py).
     """
     units = [sum(padded_numel(s, shard_size) for s in block) for block in block_shapes(dims)]
-    schedule = [{"op": "all_gather", "dim": "shard", "dtype": param_dtype, "numel": n} for n in units]
-    for numel in reversed(units):
+
+    def entry(op, dim, dtype, numel, unit, phase):
+        return {"op": op, "dim": dim, "dtype": dtype, "numel": numel, "unit": unit, "phase": phase}
+
+    schedule = [entry("all_gather", "shard", param_dtype, n, unit, "forward")
+                for unit, n in enumerate(units)]
+    for unit in reversed(range(len(units))):
+        numel = units[unit]
         if regather_in_backward:
-            schedule.append({"op": "all_gather", "dim": "shard", "dtype": param_dtype, "numel": numel})
-        schedule.append({"op": "reduce_scatter", "dim": "shard", "dtype": reduce_dtype, "numel": numel})
+            schedule.append(entry("all_gather", "shard", param_dtype, numel, unit, "before_backward"))
+        schedule.append(entry("reduce_scatter", "shard", reduce_dtype, numel, unit, "after_backward"))
         if replicate_size > 1:
-            schedule.append({"op": "all_reduce", "dim": "replicate", "dtype": reduce_dtype,
-                             "numel": numel // shard_size})
+            schedule.append(entry("all_reduce", "replicate", reduce_dtype, numel // shard_size,
+                                  unit, "after_backward"))
     return schedule
 
 

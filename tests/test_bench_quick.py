@@ -77,6 +77,20 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
         assert hp["paired_overhead_pct_per_round"] == [
             100.0 * (s - c - r) / s for s, c, r in zip(per_round, paired["s_per_launch"], raw["s_per_launch"])]
         assert "compute_paired" in launches[ref] and "compute_paired" not in launches["compute"]
+        # the interleaved floor: the plain model with the minimal schedule hooked in, in every
+        # hp launch (pooled); it sends exactly what the step sends, and it splits the paired
+        # overhead into the interleave cost and the library's own
+        floor = launches["hp"]["interleaved"]
+        assert len(floor["s_per_launch"]) == rounds
+        assert len(floor["step_max_over_ranks_s"]) == rounds * cfg["steps"]
+        assert floor["comm_per_step"] == launches["hp"]["comm_per_step"]
+        assert hp["interleaved_s"] == floor["s"] == statistics.median(floor["step_max_over_ranks_s"])
+        assert hp["interleave_cost_s"] == floor["s"] - (paired["s"] + raw["s"])
+        assert hp["library_overhead_s"] == hp["step_s"] - floor["s"]
+        assert abs(hp["interleave_cost_s"] + hp["library_overhead_s"] - hp["paired_overhead_s"]) < 1e-12
+        assert hp["library_overhead_pct_per_round"] == [
+            100.0 * (s - f) / s for s, f in zip(per_round, floor["s_per_launch"])]
+        assert "interleaved" not in launches[ref] and "library_overhead_s" not in row["figures"][ref]
         if ref == "fsdp2":  # FSDP2 borrows hp's floor: no launch of its own to pair with
             assert "overhead_pct_per_round" not in row["figures"][ref]
             assert "paired_overhead_pct_per_round" not in row["figures"][ref]
