@@ -24,15 +24,21 @@
   they are subtracted from, and on the 2-core machine a launch can run ~20% fast or slow
   as a whole; the same-launch figure moves with the step. Both are reported; per round
   too (``paired_overhead_pct_per_round``: each launch against its own compute and raw);
-* library overhead = step - interleaved floor, also in % of the step: the hp launch steps
-  the plain model once more with the minimal schedule issued from hooks where the step
-  needs it (raw_collectives.py, "the interleaved floor"), so what remains is the
-  library's own cost: its Python, copies and waits. The paired overhead is its sum with
-  the interleave cost = interleaved floor - (same-launch compute + raw collectives), what
-  placing the collectives between the compute costs on the platform with no library code
-  at all (per round too: ``library_overhead_pct_per_round``). Timed in hyper_parallel's
-  launches only. The floor's collectives are synchronous: where the step overlaps them
-  with compute (torch), the library overhead is negative by what the overlap hides;
+* alternated overhead = step - (compute + raw collectives), all timed in one launch
+  step by step: after its sequential figures, each hyper_parallel launch runs rounds in
+  which its own step, the plain model's compute-only step, the interleaved floor's step
+  and one round of raw collectives each run once (``measure.alternated``), so the four
+  come from the same minutes of the same processes and a slow stretch slows them alike.
+  Per round the difference, then the median over the pooled rounds, in % of the median
+  alternated step; per launch too. Split in two: the interleave cost = interleaved floor
+  - (compute + raw collectives), what placing the collectives between the compute costs
+  with no library code at all (the floor is the plain model with the minimal schedule
+  issued from hooks where the step needs it, raw_collectives.py, "the interleaved
+  floor"), and the library overhead = step - interleaved floor, the library's own cost:
+  its Python, copies and waits. (Medians of per-round differences: the two parts add up
+  to the whole only about.) The floor's collectives are synchronous: where the step
+  overlaps them with compute (torch), the library overhead is negative by what the
+  overlap hides;
 * exposed communication = step - compute;
 * round spread = (slowest - fastest launch's median step) / step, where an implementation
   was launched more than once (run.py's rounds): the noise of this run, which a difference
@@ -105,12 +111,15 @@ def summarize_launch(ranks: list[dict], steps: int) -> dict:
                 if all(key in r[name] for r in ranks):
                     cpu = [statistics.fmean(c) for c in zip(*(r[name][key] for r in ranks))]
                     out[name].update({figure: statistics.median(cpu), key: cpu})
-    for name in ("compute_paired", "interleaved"):
-        if name in ranks[0]:
-            steps_max = [max(ts) for ts in zip(*(r[name]["step_s"] for r in ranks))]
-            out[name] = {"s": statistics.median(steps_max), "step_max_over_ranks_s": steps_max}
-            if "comm" in ranks[0][name]:
-                out[name]["comm_per_step"] = _per_step(ranks[0][name]["comm"], steps)
+    if "compute_paired" in ranks[0]:
+        paired = [max(ts) for ts in zip(*(r["compute_paired"]["step_s"] for r in ranks))]
+        out["compute_paired"] = {"s": statistics.median(paired), "step_max_over_ranks_s": paired}
+    if "alternated" in ranks[0]:
+        rounds = {name: [max(ts) for ts in zip(*(r["alternated"][name] for r in ranks))]
+                  for name in ranks[0]["alternated"]}
+        out["alternated"] = {"rounds_max_over_ranks_s": rounds,
+                             "rounds_per_launch": [len(rounds["step"])]}
+        out["interleaved_comm_per_step"] = _per_step(ranks[0]["interleaved_comm"], 1)
     if "ddp_bucket_bytes" in ranks[0]:
         out["ddp_bucket_bytes"] = ranks[0]["ddp_bucket_bytes"]
     return out
@@ -136,12 +145,17 @@ def pool_rounds(summaries: list[dict]) -> dict:
     for name in ("raw", "raw_reduce_scatters", "raw_same_size_all_gathers"):
         if all(name in s for s in summaries):
             out[name] = _pool_raw([s[name] for s in summaries])
-    for name in ("compute_paired", "interleaved"):
-        if all(name in s for s in summaries):
-            pooled = [t for s in summaries for t in s[name]["step_max_over_ranks_s"]]
-            out[name] = dict(summaries[0][name], s=statistics.median(pooled),
-                             step_max_over_ranks_s=pooled,
-                             s_per_launch=[s[name]["s"] for s in summaries])
+    if all("compute_paired" in s for s in summaries):
+        paired = [t for s in summaries for t in s["compute_paired"]["step_max_over_ranks_s"]]
+        out["compute_paired"] = {"s": statistics.median(paired), "step_max_over_ranks_s": paired,
+                                 "s_per_launch": [s["compute_paired"]["s"] for s in summaries]}
+    if all("alternated" in s for s in summaries):
+        alternated = [s["alternated"] for s in summaries]
+        out["alternated"] = {
+            "rounds_max_over_ranks_s": {
+                name: [t for a in alternated for t in a["rounds_max_over_ranks_s"][name]]
+                for name in alternated[0]["rounds_max_over_ranks_s"]},
+            "rounds_per_launch": [n for a in alternated for n in a["rounds_per_launch"]]}
     out.update(step_s=statistics.median(steps), step_max_over_ranks_s=steps,
                step_s_per_round=[s["step_s"] for s in summaries],
                peak_mb=max(peaks) if all(p is not None for p in peaks) else None,
@@ -236,9 +250,6 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
                             and len(both) == len(rounds) == len(per_launch):
                         fig["paired_overhead_pct_per_round"] = [
                             100.0 * (s - c - r) / s for s, c, r in zip(rounds, both, per_launch)]
-                    interleaved = launch.get("interleaved")
-                    if interleaved is not None:
-                        fig.update(_library_overhead(step, paired, raw_launch, interleaved, rounds))
             step_cpu, raw_cpu = launch.get("step_cpu_s"), raw_launch.get("cpu_s")
             if None not in (step_cpu, raw_cpu, compute_cpu) and step_cpu > 0:
                 fig["step_cpu_s"], fig["compute_cpu_s"], fig["raw_cpu_s"] = step_cpu, compute_cpu, raw_cpu
@@ -251,6 +262,8 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
                     # overhead is the framework's threads (communication)
                     fig["cpu_overhead_main_s"] = mains[0] - (mains[1] + mains[2])
                     fig["cpu_overhead_threads_s"] = fig["cpu_overhead_s"] - fig["cpu_overhead_main_s"]
+        if "alternated" in launch:
+            fig.update(_alternated_figures(launch["alternated"]))
         if "comm_per_step" in launch:
             minimum = workload.schedule_bytes(minimum_schedule(cfg, impl))
             fig["bytes_vs_min"] = _bytes_ratio(launch["comm_per_step"], minimum)
@@ -263,20 +276,29 @@ def derive(cfg: configs.Config, launches: dict) -> dict:
     return figures
 
 
-def _library_overhead(step: float, paired: dict, raw: dict, interleaved: dict,
-                      rounds: list | None) -> dict:
-    """The paired overhead split in two (note "library overhead" at the top): what placing
-    the collectives between the compute costs without any library, and the rest."""
-    floor = interleaved["s"]
-    fig = {"interleaved_s": floor,
-           "interleave_cost_s": floor - (paired["s"] + raw["s"]),
-           "library_overhead_s": step - floor}
-    fig["interleave_cost_pct"] = 100.0 * fig["interleave_cost_s"] / step
-    fig["library_overhead_pct"] = 100.0 * fig["library_overhead_s"] / step
-    per_launch = interleaved.get("s_per_launch")
-    if rounds and per_launch and len(per_launch) == len(rounds):
-        fig["library_overhead_pct_per_round"] = [100.0 * (s - f) / s
-                                                 for s, f in zip(rounds, per_launch)]
+def _alternated_figures(alternated: dict) -> dict:
+    """The overhead from the alternated rounds (note "alternated overhead" at the top): per
+    round the difference of that round's phases (each the max over ranks), then the median
+    over every round of every launch; in % of the median alternated step. Per launch too."""
+    rounds = alternated["rounds_max_over_ranks_s"]
+    step, compute, raw, floor = rounds["step"], rounds["compute"], rounds["raw"], rounds["interleaved"]
+    differences = {
+        "alternated_overhead": [s - c - r for s, c, r in zip(step, compute, raw)],
+        "interleave_cost": [f - c - r for f, c, r in zip(floor, compute, raw)],
+        "library_overhead": [s - f for s, f in zip(step, floor)]}
+    median = statistics.median
+    fig = {"alternated_step_s": median(step), "alternated_compute_s": median(compute),
+           "alternated_raw_s": median(raw), "interleaved_s": median(floor)}
+    for name, values in differences.items():
+        fig[f"{name}_s"] = median(values)
+        fig[f"{name}_pct"] = 100.0 * fig[f"{name}_s"] / fig["alternated_step_s"]
+    sizes = alternated["rounds_per_launch"]
+    if len(sizes) > 1:
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        for name in ("alternated_overhead", "library_overhead"):
+            fig[f"{name}_pct_per_round"] = [
+                100.0 * median(differences[name][a:a + n]) / median(step[a:a + n])
+                for a, n in zip(starts, sizes)]
     return fig
 
 

@@ -154,6 +154,24 @@ def timed_rounds(round_fn, warmup: int, rounds: int, barrier=None) -> list[float
     return times
 
 
+def alternated(phases: dict, warmup: int, rounds: int, barrier=None) -> dict:
+    """``{name: [seconds]}``: ``rounds`` rounds (after ``warmup``) in which every phase
+    (``name -> fn(i)``) runs once, each after a barrier, the order reversed every other
+    round. Figures that are subtracted from one another are then timed in the same minutes
+    of the same processes, step by step: a slow stretch of the machine slows them alike."""
+    names = list(phases)
+    times: dict = {name: [] for name in names}
+    for i in range(warmup + rounds):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            if barrier is not None:
+                barrier()
+            start = time.perf_counter()
+            phases[name](i)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
 @contextlib.contextmanager
 def track_into(hp, out: list):
     """``hp.track_comms()`` around a block; its records land in ``out`` (comm_records rows)."""

@@ -11,8 +11,9 @@ same batches; a step is ``value_and_grad`` + the optimizer, the idiom MindSpore 
   it, divided by the world size and split back, then the optimizer;
 * ``compute``: the plain model in a process that joins no group (one per rank, started
   together, so the CPU is shared as in the distributed runs). Every distributed launch
-  also times it once more at its end (``compute_paired``), and the hp launch then the
-  interleaved floor (``interleaved``), as rank_torch.py says.
+  also times it once more at its end (``compute_paired``), and the hp launch then
+  alternates its step with it, the interleaved floor and the raw collectives
+  (``alternated``), as rank_torch.py says.
 
 [Note: blocking or asynchronous execution]
 By default (``--ms-pipeline blocking``) every implementation runs under
@@ -169,22 +170,29 @@ def run(job: dict, rank: int, world: int) -> dict:
         result["raw_same_size_all_gathers"] = raw_collectives.time_schedule(
             hp, same_size_gathers, groups, 1, cfg["steps"], barrier, finish=_sync)
     if impl != "compute":
-        step = model = params = None  # the implementation's model, all of it, before the plain one
+        library_step = step if impl == "hp" else None  # hp's model lives on for the alternation
+        # otherwise the implementation's model, all of it, goes before the plain one
+        step = model = params = None
         gc.collect()
-        result["compute_paired"] = measure.timed_steps(
-            _step_fn(ms, _build_model(ms, dims), data), cfg["warmup"], cfg["steps"], barrier)
+        compute_step = _step_fn(ms, _build_model(ms, dims), data)
+        result["compute_paired"] = measure.timed_steps(compute_step, cfg["warmup"], cfg["steps"],
+                                                       barrier)
         if impl == "hp":
-            gc.collect()
-            plain = _build_model(ms, dims)
+            floor = _build_model(ms, dims)
 
-            def make_step(after_backward):
+            def make_floor_step(after_backward):
                 def last_collectives(grads):  # between value_and_grad and the optimizer
                     after_backward()
                     return grads
-                return _step_fn(ms, plain, data, last_collectives)
+                return _step_fn(ms, floor, data, last_collectives)
 
-            result["interleaved"] = raw_collectives.time_interleaved(
-                hp, plain, job["schedule"], groups, make_step, cfg["warmup"], cfg["steps"], barrier)
+            floor_step, floor_comm = raw_collectives.interleaved_step(
+                hp, floor, job["schedule"], groups, make_floor_step)
+            raw_round = raw_collectives.round_fn(hp, job["schedule"], groups, finish=_sync)
+            result["alternated"] = measure.alternated(
+                {"step": library_step, "compute": compute_step, "interleaved": floor_step,
+                 "raw": lambda i: raw_round()}, 1, cfg["steps"], barrier)
+            result["interleaved_comm"] = floor_comm
         hp.destroy_distributed()
     return result
 

@@ -17,9 +17,10 @@ batches, and time forward + backward + optimizer step + zero_grad:
 Every distributed launch also times compute-only once more at its end (``compute_paired``):
 the plain model, built after the implementation's model is dropped, stepped by the same
 code on every rank, so the overhead can subtract a compute time measured in the same
-processes as the step (analysis.py, "overhead"). The hp launch then times the interleaved
-floor (``interleaved``): a fresh plain model stepped the same way with the minimal schedule
-issued from hooks where the step needs it (raw_collectives.py, "the interleaved floor").
+processes as the step (analysis.py, "overhead"). The hp launch then alternates, step by
+step (``alternated``): its own step, that plain model's, the interleaved floor's (a second
+plain model stepped the same way with the minimal schedule issued from hooks where the step
+needs it; raw_collectives.py, "the interleaved floor") and a round of raw collectives.
 
 bf16 means bf16 parameters with fp32 gradient reduction: ``MixedPrecisionPolicy(
 param_dtype=bfloat16, reduce_dtype=float32)`` for hp and FSDP2; for DDP and compute-only,
@@ -205,28 +206,29 @@ def run(job: dict, rank: int, world: int) -> dict:
         result["raw"] = raw_collectives.time_schedule(
             hp, schedule, {"": (None, world)}, 1, cfg["steps"], barrier)
     elif impl == "hp":
-        del step, opt, model
-        gc.collect()
         groups = {n: (hp_mesh.get_group(n), hp_mesh.size(n)) for n in names}
         result["raw"] = raw_collectives.time_schedule(hp, job["schedule"], groups, 1, cfg["steps"],
                                                       barrier)
     if impl != "compute":
+        library_step = step if impl == "hp" else None  # hp's model lives on for the alternation
         step = opt = model = None
         gc.collect()
         plain = _build_model(torch, dims)
         plain_opt = torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9)
-        result["compute_paired"] = measure.timed_steps(
-            _step_fn(torch, plain, plain_opt, data, autocast=bf16), cfg["warmup"], cfg["steps"],
-            barrier)
+        compute_step = _step_fn(torch, plain, plain_opt, data, autocast=bf16)
+        result["compute_paired"] = measure.timed_steps(compute_step, cfg["warmup"], cfg["steps"],
+                                                       barrier)
         if impl == "hp":
-            plain = plain_opt = None
-            gc.collect()
-            plain = _build_model(torch, dims)
-            plain_opt = torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9)
-            result["interleaved"] = raw_collectives.time_interleaved(
-                hp, plain, job["schedule"], groups,
-                lambda after: _step_fn(torch, plain, plain_opt, data, bf16, after_backward=after),
-                cfg["warmup"], cfg["steps"], barrier)
+            floor = _build_model(torch, dims)
+            floor_opt = torch.optim.SGD(floor.parameters(), lr=LR, momentum=0.9)
+            floor_step, floor_comm = raw_collectives.interleaved_step(
+                hp, floor, job["schedule"], groups,
+                lambda after: _step_fn(torch, floor, floor_opt, data, bf16, after_backward=after))
+            raw_round = raw_collectives.round_fn(hp, job["schedule"], groups)
+            result["alternated"] = measure.alternated(
+                {"step": library_step, "compute": compute_step, "interleaved": floor_step,
+                 "raw": lambda i: raw_round()}, 1, cfg["steps"], barrier)
+            result["interleaved_comm"] = floor_comm
         hp.destroy_distributed()
     return result
 

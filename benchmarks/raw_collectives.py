@@ -55,13 +55,7 @@ def time_schedule(hp, schedule: list[dict], groups: dict, warmup: int, rounds: i
     ``groups`` maps a schedule dim ("shard", "replicate", "") to ``(group, group_size)``;
     ``finish()`` (MindSpore) waits for queued work at the end of each round.
     """
-    issue = _issuer(hp.get_platform(), schedule, groups, {})
-
-    def one_round():
-        issue()
-        if finish is not None:
-            finish()
-
+    one_round = round_fn(hp, schedule, groups, finish)
     cpu, main_cpu = [], []
 
     def cpu_timed_round():
@@ -75,6 +69,19 @@ def time_schedule(hp, schedule: list[dict], groups: dict, warmup: int, rounds: i
     return {"round_s": times, "round_cpu_s": cpu[warmup:], "round_main_cpu_s": main_cpu[warmup:],
             "rounds_counted": warmup + rounds,
             "comm": measure.comm_records(window)}
+
+
+def round_fn(hp, schedule: list[dict], groups: dict, finish=None):
+    """One round of ``schedule`` as a function: every collective issued synchronously, then
+    ``finish()`` (MindSpore: wait for queued work)."""
+    issue = _issuer(hp.get_platform(), schedule, groups, {})
+
+    def one_round():
+        issue()
+        if finish is not None:
+            finish()
+
+    return one_round
 
 
 def unit_issuers(hp, schedule: list[dict], groups: dict) -> dict:
@@ -151,15 +158,14 @@ def interleave(model, issuers: dict):
     return lambda: issue(0, "after_backward")
 
 
-def time_interleaved(hp, model, schedule: list[dict], groups: dict, make_step, warmup: int,
-                     steps: int, barrier=None) -> dict:
-    """The interleaved floor: ``timed_steps`` of ``make_step(after_backward)``, the
-    framework's step of the plain ``model`` with ``schedule`` hooked in (``interleave``),
-    which must call ``after_backward()`` between backward and the optimizer; what the
-    measured steps sent is kept (``comm``), to be checked against the step's."""
-    after_backward = interleave(model, unit_issuers(hp, schedule, groups))
+
+def interleaved_step(hp, model, schedule: list[dict], groups: dict, make_step):
+    """The interleaved floor's step: ``make_step(after_backward)`` is the framework's step
+    of the plain ``model``, which must call ``after_backward()`` between backward and the
+    optimizer; ``schedule`` is hooked into ``model`` (``interleave``). Returns the step
+    and what one step sends (``comm`` rows), to be checked against the library's step."""
+    step = make_step(interleave(model, unit_issuers(hp, schedule, groups)))
     counted: list = []
-    out = measure.timed_steps(make_step(after_backward), warmup, steps, barrier,
-                              measured_context=measure.track_into(hp, counted))
-    out["comm"] = counted
-    return out
+    with measure.track_into(hp, counted):
+        step(0)
+    return step, counted

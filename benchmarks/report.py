@@ -49,6 +49,13 @@ def _overhead(fig: dict, kind: str = "") -> str:
     return f"{fig[f'{kind}overhead_s'] * 1000:.0f} ({fig[f'{kind}overhead_pct']:+.0f}%)"
 
 
+def _alternated_times(fig: dict) -> str:
+    if fig.get("alternated_step_s") is None:
+        return "—"
+    return " / ".join(_ms(fig[k]) for k in ("alternated_step_s", "alternated_compute_s",
+                                            "alternated_raw_s", "interleaved_s"))
+
+
 def _interleave_cost(fig: dict) -> str:
     if fig.get("interleave_cost_s") is None:
         return "—"
@@ -81,8 +88,9 @@ def summary_table(doc: dict) -> str:
     head = ("| configuration | ranks | hp step ms | ref | ref step ms | **hp/ref time** | DDP ms | "
             "compute ms | hp peak MB | ref peak MB | **hp/ref mem** | hp AG/min | hp RS/min | "
             "hp AR/min | raw coll ms | hp overhead ms (% step) | "
-            "hp overhead, same-launch compute ms (% step) | hp interleave cost ms (% step) | "
-            "**hp library overhead ms (% step)** | hp CPU overhead ms (% step CPU) | "
+            "hp overhead, same-launch compute ms (% step) | hp overhead, alternated ms (% step) | "
+            "hp interleave cost ms (% step) | **hp library overhead ms (% step)** | "
+            "hp CPU overhead ms (% step CPU) | "
             "hp exposed ms | hp round spread |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in doc["configurations"]:
@@ -97,7 +105,8 @@ def summary_table(doc: dict) -> str:
             _ms(figs.get("ddp", {}).get("step_s")), _ms(figs.get("compute", {}).get("step_s")),
             _mb(hp.get("peak_mb")), _mb(ref.get("peak_mb")), _ratio(hp.get("peak_vs_ref")),
             ratios["AG"], ratios["RS"], ratios["AR"], _ms(hp.get("raw_collectives_s")),
-            _overhead_with_rounds(hp), _overhead_with_rounds(hp, "paired_"), _interleave_cost(hp),
+            _overhead_with_rounds(hp), _overhead_with_rounds(hp, "paired_"),
+            _overhead_with_rounds(hp, "alternated_"), _interleave_cost(hp),
             _overhead_with_rounds(hp, "library_"), _overhead(hp, "cpu_"),
             _ms(hp.get("exposed_comm_s")), _spread(hp),
         ]) + " |")
@@ -107,8 +116,9 @@ def summary_table(doc: dict) -> str:
 def detail_table(doc: dict) -> str:
     head = ("| configuration | implementation | step ms | vs ref | peak MB | vs ref | compute ms | "
             "raw coll ms | overhead ms (% step) | same-launch compute ms | "
-            "overhead, same-launch compute ms (% step) | interleaved floor ms | "
-            "interleave cost ms (% step) | library overhead ms (% step) | step CPU ms | "
+            "overhead, same-launch compute ms (% step) | alternated: step / compute / raw / "
+            "interleaved floor ms | overhead, alternated ms (% step) | interleave cost ms (% step) | "
+            "library overhead ms (% step) | step CPU ms | "
             "CPU overhead ms (% step CPU) | "
             "CPU overhead: stepping thread / other threads ms | raw CPU/wall | exposed ms | "
             "AG/min | RS/min | AR/min | loss Δ vs ref |")
@@ -124,7 +134,8 @@ def detail_table(doc: dict) -> str:
                 _ratio(fig.get("step_vs_ref")), _mb(fig.get("peak_mb")), _ratio(fig.get("peak_vs_ref")),
                 _ms(fig.get("compute_s")), _ms(fig.get("raw_collectives_s")), _overhead(fig),
                 _ms(fig.get("compute_paired_s")), _overhead(fig, "paired_"),
-                _ms(fig.get("interleaved_s")), _interleave_cost(fig), _overhead(fig, "library_"),
+                _alternated_times(fig), _overhead(fig, "alternated_"), _interleave_cost(fig),
+                _overhead(fig, "library_"),
                 _ms(fig.get("step_cpu_s")), _overhead(fig, "cpu_"), _cpu_split(fig), _share(fig),
                 _ms(fig.get("exposed_comm_s")), ratios["AG"], ratios["RS"], ratios["AR"],
                 "—" if loss is None else f"{loss:.1e}",
@@ -156,12 +167,15 @@ def notes(doc: dict) -> str:
              "the end of each distributed launch, in its processes; that overhead subtracts it "
              "instead of the separate compute-only launches' (per round: each launch against "
              "its own compute and raw collectives).",
-             "- library overhead = step − interleaved floor: the plain model stepped in "
-             "hyper_parallel's launch with the minimal collectives issued from hooks where the "
-             "step needs them (synchronous, no library code). interleave cost = interleaved "
-             "floor − (same-launch compute + raw collectives): what placing the collectives "
-             "between the compute costs by itself. The two add up to the same-launch overhead; "
-             "the library overhead is hyper_parallel's own cost.",
+             "- alternated: each hyper_parallel launch ends with rounds in which its step, the "
+             "compute-only step, the interleaved floor's step and a round of raw collectives "
+             "run one after the other; the overhead is the median over rounds of each round's "
+             "step − (compute + raw collectives), so its terms come from the same minutes. "
+             "Interleaved floor: the plain model with the minimal collectives issued from hooks "
+             "where the step needs them (synchronous, no library code). interleave cost = floor "
+             "− (compute + raw collectives): what placing the collectives between the compute "
+             "costs by itself; library overhead = step − floor: hyper_parallel's own cost "
+             "(negative where it overlaps communication with compute).",
              "- CPU overhead = step CPU − (compute CPU + raw collectives CPU), per rank, CPU time of "
              "the whole process: the work an implementation adds, without the effect of ranks "
              "sharing cores. raw CPU/wall: cores a rank keeps busy during the raw collectives "

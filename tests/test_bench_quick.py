@@ -77,20 +77,27 @@ def test_quick_benchmark_runs_and_reports(tmp_path):
         assert hp["paired_overhead_pct_per_round"] == [
             100.0 * (s - c - r) / s for s, c, r in zip(per_round, paired["s_per_launch"], raw["s_per_launch"])]
         assert "compute_paired" in launches[ref] and "compute_paired" not in launches["compute"]
-        # the interleaved floor: the plain model with the minimal schedule hooked in, in every
-        # hp launch (pooled); it sends exactly what the step sends, and it splits the paired
-        # overhead into the interleave cost and the library's own
-        floor = launches["hp"]["interleaved"]
-        assert len(floor["s_per_launch"]) == rounds
-        assert len(floor["step_max_over_ranks_s"]) == rounds * cfg["steps"]
-        assert floor["comm_per_step"] == launches["hp"]["comm_per_step"]
-        assert hp["interleaved_s"] == floor["s"] == statistics.median(floor["step_max_over_ranks_s"])
-        assert hp["interleave_cost_s"] == floor["s"] - (paired["s"] + raw["s"])
-        assert hp["library_overhead_s"] == hp["step_s"] - floor["s"]
-        assert abs(hp["interleave_cost_s"] + hp["library_overhead_s"] - hp["paired_overhead_s"]) < 1e-12
+        # the alternated rounds: hp's step, compute-only, the interleaved floor (the plain
+        # model with the minimal schedule hooked in, sending exactly what the step sends) and
+        # the raw collectives, round by round in every hp launch, pooled
+        alternated = launches["hp"]["alternated"]
+        times = alternated["rounds_max_over_ranks_s"]
+        assert alternated["rounds_per_launch"] == [cfg["steps"]] * rounds
+        assert sorted(times) == ["compute", "interleaved", "raw", "step"]
+        assert all(len(v) == rounds * cfg["steps"] for v in times.values())
+        assert launches["hp"]["interleaved_comm_per_step"] == launches["hp"]["comm_per_step"]
+        med = statistics.median
+        assert hp["interleaved_s"] == med(times["interleaved"])
+        assert hp["alternated_overhead_s"] == med(
+            [s - c - r for s, c, r in zip(times["step"], times["compute"], times["raw"])])
+        assert hp["library_overhead_s"] == med([s - f for s, f in zip(times["step"], times["interleaved"])])
+        assert hp["interleave_cost_s"] == med(
+            [f - c - r for f, c, r in zip(times["interleaved"], times["compute"], times["raw"])])
+        n = cfg["steps"]
         assert hp["library_overhead_pct_per_round"] == [
-            100.0 * (s - f) / s for s, f in zip(per_round, floor["s_per_launch"])]
-        assert "interleaved" not in launches[ref] and "library_overhead_s" not in row["figures"][ref]
+            100.0 * med([s - f for s, f in zip(times["step"][k:k + n], times["interleaved"][k:k + n])])
+            / med(times["step"][k:k + n]) for k in range(0, rounds * n, n)]
+        assert "alternated" not in launches[ref] and "library_overhead_s" not in row["figures"][ref]
         if ref == "fsdp2":  # FSDP2 borrows hp's floor: no launch of its own to pair with
             assert "overhead_pct_per_round" not in row["figures"][ref]
             assert "paired_overhead_pct_per_round" not in row["figures"][ref]
