@@ -31,7 +31,8 @@ all-reduce after it), each collective synchronous on these zero buffers. So
 
 is what the library adds beyond compute, the minimal communication and the cost of
 placing it between the compute, and ``interleaved floor - (compute + raw collectives)`` is
-that placing cost itself (analysis.py, "library overhead").
+that placing cost itself (analysis.py, "alternated overhead", where the three are timed
+round by round).
 
 Each round's CPU time (the whole process, communication threads included, and the calling
 thread's alone) is kept too: collectives that keep the CPU busy cannot be hidden behind
@@ -156,7 +157,6 @@ def interleave(model, issuers: dict):
         block.register_forward_pre_hook(pre_hook(unit))
         block.register_forward_hook(post_hook(unit))
     return lambda: issue(0, "after_backward")
-
 
 
 def interleaved_step(hp, model, schedule: list[dict], groups: dict, make_step):
