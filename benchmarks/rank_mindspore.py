@@ -170,8 +170,9 @@ def run(job: dict, rank: int, world: int) -> dict:
         result["raw_same_size_all_gathers"] = raw_collectives.time_schedule(
             hp, same_size_gathers, groups, 1, cfg["steps"], barrier, finish=_sync)
     if impl != "compute":
-        library_step = step if impl == "hp" else None  # hp's model lives on for the alternation
-        # otherwise the implementation's model, all of it, goes before the plain one
+        # the implementation's model, all of it, goes before the plain one; hp's lives on in
+        # its step for the alternation
+        library_step = step if impl == "hp" else None
         step = model = params = None
         gc.collect()
         compute_step = _step_fn(ms, _build_model(ms, dims), data)
@@ -186,13 +187,9 @@ def run(job: dict, rank: int, world: int) -> dict:
                     return grads
                 return _step_fn(ms, floor, data, last_collectives)
 
-            floor_step, floor_comm = raw_collectives.interleaved_step(
-                hp, floor, job["schedule"], groups, make_floor_step)
-            raw_round = raw_collectives.round_fn(hp, job["schedule"], groups, finish=_sync)
-            result["alternated"] = measure.alternated(
-                {"step": library_step, "compute": compute_step, "interleaved": floor_step,
-                 "raw": lambda i: raw_round()}, 1, cfg["steps"], barrier)
-            result["interleaved_comm"] = floor_comm
+            result.update(raw_collectives.alternate_with_floor(
+                hp, job["schedule"], groups, library_step, compute_step, floor, make_floor_step,
+                cfg["steps"], barrier, finish=_sync))
         hp.destroy_distributed()
     return result
 

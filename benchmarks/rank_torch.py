@@ -15,7 +15,8 @@ batches, and time forward + backward + optimizer step + zero_grad:
   time, so the CPU is shared exactly as in the distributed runs.
 
 Every distributed launch also times compute-only once more at its end (``compute_paired``):
-the plain model, built after the implementation's model is dropped, stepped by the same
+the plain model, built after the implementation's model is dropped (hp's is kept for the
+alternation below), stepped by the same
 code on every rank, so the overhead can subtract a compute time measured in the same
 processes as the step (analysis.py, "overhead"). The hp launch then alternates, step by
 step (``alternated``): its own step, that plain model's, the interleaved floor's (a second
@@ -221,14 +222,10 @@ def run(job: dict, rank: int, world: int) -> dict:
         if impl == "hp":
             floor = _build_model(torch, dims)
             floor_opt = torch.optim.SGD(floor.parameters(), lr=LR, momentum=0.9)
-            floor_step, floor_comm = raw_collectives.interleaved_step(
-                hp, floor, job["schedule"], groups,
-                lambda after: _step_fn(torch, floor, floor_opt, data, bf16, after_backward=after))
-            raw_round = raw_collectives.round_fn(hp, job["schedule"], groups)
-            result["alternated"] = measure.alternated(
-                {"step": library_step, "compute": compute_step, "interleaved": floor_step,
-                 "raw": lambda i: raw_round()}, 1, cfg["steps"], barrier)
-            result["interleaved_comm"] = floor_comm
+            result.update(raw_collectives.alternate_with_floor(
+                hp, job["schedule"], groups, library_step, compute_step, floor,
+                lambda after: _step_fn(torch, floor, floor_opt, data, bf16, after_backward=after),
+                cfg["steps"], barrier))
         hp.destroy_distributed()
     return result
 

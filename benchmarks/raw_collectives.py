@@ -169,3 +169,17 @@ def interleaved_step(hp, model, schedule: list[dict], groups: dict, make_step):
     with measure.track_into(hp, counted):
         step(0)
     return step, counted
+
+
+def alternate_with_floor(hp, schedule: list[dict], groups: dict, library_step, compute_step,
+                         floor, make_floor_step, rounds: int, barrier=None, finish=None) -> dict:
+    """The alternated rounds (analysis.py, "alternated overhead"): the library's step, the
+    compute-only step, the interleaved floor's step (``interleaved_step`` on the plain
+    model ``floor``) and one round of raw collectives, ``rounds`` times after a warm-up round.
+    Returns ``{"alternated": {name: [seconds]}, "interleaved_comm": rows}``."""
+    floor_step, floor_comm = interleaved_step(hp, floor, schedule, groups, make_floor_step)
+    raw_round = round_fn(hp, schedule, groups, finish)
+    times = measure.alternated({"step": library_step, "compute": compute_step,
+                                "interleaved": floor_step, "raw": lambda i: raw_round()},
+                               1, rounds, barrier)
+    return {"alternated": times, "interleaved_comm": floor_comm}
