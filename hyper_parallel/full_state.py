@@ -44,4 +44,5 @@ def _gather_one(platform, fsdp_param) -> Any:
             pieces, _, handle = platform.all_gather_pieces(flat, fsdp_param.mesh_info.shard_group,
                                                            size, dim="shard")
             handle.wait()
-        return fsdp_param.full_from_pieces(pieces, 0)  # new memory, never a view of a shard
+        # new memory, never a view of a shard
+        return fsdp_param.full_from_pieces(pieces, [0] * len(pieces))

@@ -69,9 +69,10 @@ class FSDPParam:
 
     @property
     def gathers_in_place(self) -> bool:
-        """Whether the full parameter, read in place from its own all-gather output
-        (``full_from_whole``), is a prefix of that output: dim-0 shards, where the padding
-        is only ever at the end. A re-gather can then write straight into its memory."""
+        """Whether the full parameter, read in place from the all-gather output where its
+        pieces abut (``full_from_whole``), is a view of that output's memory: dim-0
+        shards, where the padding is only ever at the end. A re-gather can then write
+        straight into its memory."""
         return self.shard_dim == 0 and self.shard_size > 1
 
     # ---------------------------------------------------------------- unshard pieces
@@ -93,19 +94,21 @@ class FSDPParam:
 
     def full_from_whole(self, whole: Any, offset: int) -> Any:
         """The full parameter read in place from a flat all-gather output where it is one
-        contiguous stretch at ``offset`` (alone in the buffer, or one rank): a view of it
+        contiguous stretch at ``offset`` (alone in the buffer, its pieces abutting, or one
+        rank; see param_group.py, "gather layout"): a view of it
         where the layout allows (dim-0 shards), no copy."""
         p = self.platform
         stretch = p.narrow(whole, 0, offset, self.shard_size * self.padded_numel)
         return self._unpad(p.reshape(stretch, (self.shard_size * self.chunk_rows, *self.row_shape)))
 
-    def full_from_pieces(self, pieces: list, offset: int) -> Any:
-        """The full parameter out of a fused all-gather's per-rank pieces: one concatenation
-        of contiguous reads (reading columns of ``[shard_size, total]`` would be a strided
-        copy)."""
+    def full_from_pieces(self, pieces: list, offsets: list) -> Any:
+        """The full parameter out of a fused all-gather's per-rank pieces, where it sits at
+        ``offsets[r]`` of rank r's piece: one concatenation of contiguous reads (reading
+        columns of ``[shard_size, total]`` would be a strided copy)."""
         p = self.platform
         rows = p.cat([p.reshape(p.narrow(piece, 0, offset, self.padded_numel),
-                                (self.chunk_rows, *self.row_shape)) for piece in pieces], 0)
+                                (self.chunk_rows, *self.row_shape))
+                      for piece, offset in zip(pieces, offsets)], 0)
         return self._unpad(rows)
 
     def _unpad(self, rows: Any) -> Any:
@@ -119,11 +122,12 @@ class FSDPParam:
             return rows
         return p.contiguous(p.movedim(rows, 0, self.shard_dim))
 
-    def refill_from_gathered(self, full: Any, pieces: list, offset: int) -> None:
-        """Write the all-gather's pieces back into ``full`` (whose memory was restored), one
-        rank's rows at a time straight from the buffer: a single copy, no temporary."""
+    def refill_from_gathered(self, full: Any, pieces: list, offsets: list) -> None:
+        """Write the all-gather's pieces (this parameter at ``offsets[r]`` of rank r's)
+        back into ``full`` (whose memory was restored), one rank's rows at a time straight
+        from the buffer: a single copy, no temporary."""
         p = self.platform
-        for rank, piece in enumerate(pieces):
+        for rank, (piece, offset) in enumerate(zip(pieces, offsets)):
             first = rank * self.chunk_rows
             rows = min(self.chunk_rows, self.rows - first)
             if rows <= 0:

@@ -5,8 +5,9 @@ A unit's parameters travel in "legs"; each leg has one all-gather (sharded legs)
 flat gradient buffer and one all-reduce bucket (all_reduce.py).
 
 - The fused leg: the all-gather input is the concatenation of every parameter's padded
-  flat shard (``total`` elements per rank); each full parameter is concatenated from its
-  columns of the per-rank pieces of the output (``Platform.all_gather_pieces``). The
+  flat shard (``total`` elements per rank, in the rank's gather order, below); each full
+  parameter is concatenated from its columns of the per-rank pieces of the output
+  (``Platform.all_gather_pieces``), except the one whose pieces abut. The
   reduce-scatter input is rank-major: rank r's padded pieces of every parameter's gradient
   in order (``Platform.reduce_scatter_pieces``, one concatenation); the output is one flat
   buffer, the leg's bucket.
@@ -21,6 +22,22 @@ flat gradient buffer and one all-reduce bucket (all_reduce.py).
 - The small leg: unsharded (below ``shard_threshold_bytes``) parameters skip the gather and
   reduce-scatter: each rank holds them whole and their gradients form one bucket
   all-reduced over the whole data-parallel group.
+
+[Note: gather layout: which parameter is read in place]
+A parameter whose pieces abut in the all-gather output is one contiguous stretch of it,
+which ``full_from_whole`` reads as a view (dim-0 shards): no concatenation, no copy. With
+a leg of one parameter that is always so. Over two ranks, rank 1 lays out its piece in
+the reverse of rank 0's order, so rank 0's last parameter and rank 1's first abut: the
+leg's largest parameter goes there (the "junction"). Its view keeps the whole gather
+buffer alive as long as the full parameter lives, while the other parameters are copied
+out of it too, so a junction is only made where the rest of the leg is at most
+1/``JUNCTION_MAX_REST`` of it (a weight and its bias, not a block of similar matrices). On
+MindSpore CPU that concatenation was most of the cost of building the full parameters
+(docs/platforms.md). From three ranks on, a middle rank's piece cannot abut both
+neighbours with the same parameter, so a leg of several parameters keeps one order and
+copies. The reduce-scatter keeps the ``params`` order on every rank (``offsets``): its
+layout is independent. A re-gather into a released junction (``refill``) writes the
+whole buffer into the junction's own memory, as for a lone parameter.
 """
 
 from __future__ import annotations
@@ -32,6 +49,11 @@ from hyper_parallel.fully_shard.mesh import MeshInfo
 from hyper_parallel.fully_shard.param import FSDPParam
 from hyper_parallel.platform import Platform
 
+# A junction read in place keeps the whole gather buffer alive with it (the rest of the leg
+# is copied out of it as well): allowed where the rest is at most 1/JUNCTION_MAX_REST of it,
+# so the unit holds at most that much more than with copies (see the note "gather layout").
+JUNCTION_MAX_REST = 8
+
 
 class Leg:
     """Parameters that share a collective and a flat gradient buffer, with their offsets."""
@@ -40,12 +62,39 @@ class Leg:
         self.params = params
         self.bucket = bucket
         self.sharded = sharded  # gathered and reduce-scattered over the shard group
-        self.offsets = []
+        self.offsets = []  # in the reduce-scatter's and the bucket's flat buffers
         total = 0
         for fsdp_param in params:
             self.offsets.append(total)
             total += fsdp_param.padded_numel
         self.total_numel = total
+        size = params[0].shard_size if sharded else 1
+        # see the note "gather layout"; one rank: the params order, each read in place
+        self.junction = None
+        order = list(params)
+        largest = max(params, key=lambda fp: fp.padded_numel)
+        if (size == 2 or (size > 2 and len(params) == 1)) and \
+                (total - largest.padded_numel) * JUNCTION_MAX_REST <= largest.padded_numel:
+            self.junction = largest
+            order = [fp for fp in params if fp is not largest] + [largest]
+        self.gather_orders = [order[::-1] if rank % 2 and self.junction is not None else order
+                              for rank in range(size)]
+        self.gather_offsets = [_offsets_in(order, params) for order in self.gather_orders]
+        self._gather_offsets_by_param = {
+            id(fp): [offsets[i] for offsets in self.gather_offsets] for i, fp in enumerate(params)}
+
+    def gather_offsets_of(self, fsdp_param: FSDPParam) -> list:
+        """Where ``fsdp_param`` sits in each rank's all-gather piece."""
+        return self._gather_offsets_by_param[id(fsdp_param)]
+
+
+def _offsets_in(order: list, params: list) -> list:
+    """Each of ``params``' offset in a flat piece laid out in ``order``."""
+    start, total = {}, 0
+    for fsdp_param in order:
+        start[id(fsdp_param)] = total
+        total += fsdp_param.padded_numel
+    return [start[id(fp)] for fp in params]
 
 
 class FSDPParamGroup:
@@ -103,19 +152,23 @@ class FSDPParamGroup:
 
     def _issue_leg_gather(self, leg: Leg, async_op: bool, into: dict) -> tuple:
         """``(leg, pieces, whole, handle, full)``; ``full`` is the released full tensor the
-        gather writes into, or None when it gathers into new memory."""
+        gather writes into (``pieces`` and ``whole`` are then known once it is done), or
+        None when it gathers into new memory."""
         p, size = self.platform, self.mesh_info.shard_size
+        order = leg.gather_orders[self.mesh_info.shard_rank if size > 1 else 0]
         pieces = [fp.padded_flat_shard(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
-                  for fp in leg.params]
+                  for fp in order]
         if size == 1:
             whole = p.cat(pieces, 0)  # cat copies: the fulls must not alias the shards
             return leg, [whole], whole, None, None
-        full = into.get(id(leg.params[0])) if len(leg.params) == 1 else None
-        if full is not None and leg.params[0].gathers_in_place:
-            handle = p.all_gather_into_released(full, pieces[0], self.mesh_info.shard_group,
-                                                size, async_op=async_op, dim="shard")
-            return leg, None, None, handle, full
         flat = pieces[0] if len(pieces) == 1 else p.cat(pieces, 0)
+        junction = leg.junction
+        full = into.get(id(junction)) if junction is not None else None
+        if full is not None and junction.gathers_in_place:
+            handle = p.all_gather_into_released(
+                full, flat, self.mesh_info.shard_group, size, async_op=async_op, dim="shard",
+                start=leg.gather_offsets_of(junction)[0])
+            return leg, None, None, handle, full
         return (leg, *p.all_gather_pieces(flat, self.mesh_info.shard_group, size,
                                           async_op=async_op, dim="shard"), None)
 
@@ -138,26 +191,27 @@ class FSDPParamGroup:
         fulls = {}
         # (a gather into released fulls is never pending here: reshard discards it first)
         for leg, pieces, whole, _ in self._finish_gather():
-            # Each parameter is one contiguous stretch of ``whole`` when it has the buffer
-            # to itself or there is one rank: then it is read in place, else concatenated.
-            in_place = whole is not None and (len(leg.params) == 1 or self.mesh_info.shard_size == 1)
-            for fp, offset in zip(leg.params, leg.offsets):
-                fulls[id(fp)] = (fp.full_from_whole(whole, offset) if in_place
-                                 else fp.full_from_pieces(pieces, offset))
+            for fp in leg.params:
+                offsets = leg.gather_offsets_of(fp)
+                # read in place where it is one contiguous stretch of ``whole`` (see the
+                # note "gather layout"; with one rank, every parameter), else concatenated
+                in_place = whole is not None and (fp is leg.junction or self.mesh_info.shard_size == 1)
+                fulls[id(fp)] = (fp.full_from_whole(whole, offsets[0]) if in_place
+                                 else fp.full_from_pieces(pieces, offsets))
         return [fulls[id(fp)] if fp.is_sharded else
                 fp.full_from_local(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
                 for fp in self.params]
 
     def refill(self, fulls: list) -> None:
         """Finish the all-gathers into ``fulls`` (``params`` order), whose memory was
-        released: a parameter gathered in place needs nothing more, the others are copied
-        from the gathered pieces, one rank's rows at a time."""
+        released: the parameter gathered in place needs nothing more, the others are
+        copied from the gathered pieces, one rank's rows at a time."""
         p = self.platform
         sources = {}
         for leg, pieces, _, into in self._finish_gather(released=fulls):
-            if into is None:
-                for fp, offset in zip(leg.params, leg.offsets):
-                    sources[id(fp)] = (pieces, offset)
+            for fp in leg.params:
+                if into is None or fp is not leg.junction:
+                    sources[id(fp)] = (pieces, leg.gather_offsets_of(fp))
         for fp, full in zip(self.params, fulls):
             p.restore_storage(full)
             if id(fp) in sources:
@@ -171,10 +225,16 @@ class FSDPParamGroup:
         if self._pending_gather is None:
             self.issue_gather(async_op=False, released=released)
         pending, self._pending_gather = self._pending_gather or [], None
-        for *_, handle, _ in pending:
+        finished = []
+        for leg, pieces, whole, handle, into in pending:
             if handle is not None:
                 handle.wait()
-        return [(leg, pieces, whole, into) for leg, pieces, whole, _, into in pending]
+            if into is not None:  # gathered into the restored memory of ``into``
+                whole, numel = handle.result, leg.total_numel
+                pieces = [self.platform.narrow(whole, 0, r * numel, numel)
+                          for r in range(self.mesh_info.shard_size)]
+            finished.append((leg, pieces, whole, into))
+        return finished
 
     # ---------------------------------------------------------------- gradient layout
     def gradient_pieces(self, leg: Leg, grads_by_param: dict, dtype: Any) -> list:

@@ -39,7 +39,9 @@ class Handle:
         self._native = native
         self._on_done = on_done
         self._done = False
-        self.result: Any = None  # the output of collectives that allocate it (reduce_scatter_new)
+        # the output of collectives that allocate it (reduce_scatter_new) or restore it
+        # (all_gather_into_released)
+        self.result: Any = None
 
     def wait(self) -> None:
         if self._done:
@@ -189,15 +191,18 @@ class Platform(abc.ABC):
 
     @abc.abstractmethod
     def all_gather_into_released(self, full: Any, input: Any, group: Any, group_size: int,
-                                 async_op: bool = False, dim: str = "") -> Handle:
+                                 async_op: bool = False, dim: str = "", start: int = 0) -> Handle:
         """Gather every rank's 1-D ``input`` straight into the memory behind ``full``, a
         tensor whose memory ``release_storage`` freed: that memory is restored to hold the
-        ``group_size * numel(input)`` gathered elements (rank-major) from ``full``'s first
-        element on, so ``full`` reads the first ``numel(full)`` of them; any tail beyond it
-        (padding) lies in memory no tensor reads but the one ``full`` was a prefix of.
-        Like ``copy_into``, autograd's bookkeeping of ``full`` is not disturbed.
-        Re-gathering a parameter before backward this way costs no copy out of a gather
-        buffer. Only called where ``can_release_storage``."""
+        ``group_size * numel(input)`` gathered elements (rank-major) from ``start``
+        elements before ``full``'s first element on, so ``full`` reads the gathered
+        elements ``start`` to ``start + numel(full)``; the rest (other parameters of the
+        same gather, padding) lies in memory no tensor reads but the ones ``full`` was cut
+        from. Once ``handle.wait()`` returned, ``handle.result`` is the whole gathered
+        buffer (1-D, on that memory), for copying those other parts out. Like
+        ``copy_into``, autograd's bookkeeping of ``full`` is not disturbed. Re-gathering a
+        parameter before backward this way costs no copy out of a gather buffer. Only
+        called where ``can_release_storage``."""
 
     @abc.abstractmethod
     def all_reduce(self, tensor: Any, group: Any, op: str = "sum", async_op: bool = False,

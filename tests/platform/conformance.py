@@ -1468,37 +1468,43 @@ def check_all_gather_into_released(ctx):
     """The re-gather before backward: a full tensor autograd saved is released, then
     gathered into in place (sync and async); backward sees the gathered values and
     autograd does not complain about the write. Padded: the full tensor is a prefix of
-    the gathered rows (the last rank's row is padding)."""
+    the gathered rows (the last rank's row is padding). With ``start``: the full tensor
+    begins one row into the gathered buffer (another tensor's row before it), and
+    ``handle.result`` is the whole buffer."""
     p, w, r = ctx.p, ctx.world, ctx.rank
     if not p.can_release_storage:
         raise Skip(f"{p.name}: can_release_storage is False")
     rows = np.stack([_arange(3, start=10 * k) for k in range(w)])   # rank k's row
-    for async_op, kept in ((False, w), (True, w), (False, w - 1), (True, w - 1)):
+    cases = [(async_op, kept, 0) for async_op in (False, True) for kept in (w, w - 1)]
+    cases += [(async_op, w - 1, 1) for async_op in (False, True)]
+    for async_op, kept, first in cases:
         gathered = []
         coef = _arange(kept, 3) * 0.1 + 1
 
         def loss_fn(inputs):
             buffer = p.zeros((w, 3), p.dtype("float32"))
-            full = p.narrow(buffer, 0, 0, kept)
+            full = p.narrow(buffer, 0, first, kept)
             product = inputs[0] * full  # autograd saves ``full`` for the gradient of inputs[0]
 
             def before_backward():
                 handle = p.all_gather_into_released(full, _f32(ctx, rows[r]),
-                                                    ctx.mesh1.get_group(0), w, async_op=async_op)
+                                                    ctx.mesh1.get_group(0), w, async_op=async_op,
+                                                    start=3 * first)
                 _check(isinstance(handle, Handle),
                        f"all_gather_into_released returned {type(handle).__name__}")
                 handle.wait()
-                gathered.append(_values(ctx, full))
+                gathered.append((_values(ctx, full), _values(ctx, handle.result)))
             p.register_grad_hook(product, before_backward)
             p.release_storage(full)
             return ctx.side.weighted_sum(product, coef)
 
         _, (grad,), _ = ctx.side.backward(loss_fn, [np.ones((kept, 3), np.float32)])
-        how = f"(async_op={async_op}, {kept} of {w} rows)"
+        how = f"(async_op={async_op}, {kept} of {w} rows from row {first})"
         _check(len(gathered) == 1, f"grad hook ran {len(gathered)} times {how}")
-        _same(gathered[0], rows[:kept], f"all_gather_into_released values {how}")
-        _same(grad, rows[:kept] * coef, f"gradient through a tensor gathered in place {how}",
-              tol=1e-6)
+        _same(gathered[0][0], rows[first:first + kept], f"all_gather_into_released values {how}")
+        _same(gathered[0][1], rows.reshape(-1), f"all_gather_into_released handle.result {how}")
+        _same(grad, rows[first:first + kept] * coef,
+              f"gradient through a tensor gathered in place {how}", tol=1e-6)
 
 
 @collective_check()

@@ -384,7 +384,8 @@ class MindSporePlatform(Platform):
     def restore_storage(self, tensor) -> None:
         raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
 
-    def all_gather_into_released(self, full, input, group, group_size, async_op=False, dim=""):
+    def all_gather_into_released(self, full, input, group, group_size, async_op=False, dim="",
+                                 start=0):
         raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
 
     def storage_bytes(self, tensor) -> int:

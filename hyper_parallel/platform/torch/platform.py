@@ -155,15 +155,19 @@ class TorchPlatform(Platform):
         return Handle(dist.reduce_scatter(output, pieces, op=dist.ReduceOp.SUM, group=group,
                                           async_op=async_op))
 
-    def all_gather_into_released(self, full, input, group, group_size, async_op=False, dim=""):
+    def all_gather_into_released(self, full, input, group, group_size, async_op=False, dim="",
+                                 start=0):
         total = group_size * input.numel()
-        storage = self._grow_storage(full, total)
+        offset = full.storage_offset() - start
+        storage = self._grow_storage(full, total, offset)
         # A new tensor on the same memory, not a view of ``full``: the collective's write
         # then leaves the version counter autograd checks for ``full`` alone (it was saved
         # by the forward, and refilling the values it had is no modification).
         with torch.no_grad():
-            flat = full.new_empty(0).set_(storage, full.storage_offset(), (total,))
-        return self.all_gather_into(flat, input, group, async_op=async_op, dim=dim)
+            flat = full.new_empty(0).set_(storage, offset, (total,))
+        handle = self.all_gather_into(flat, input, group, async_op=async_op, dim=dim)
+        handle.result = flat
+        return handle
 
     def all_reduce(self, tensor, group, op="sum", async_op=False, dim=""):
         self._record("all_reduce", "all_reduce", tensor.numel() * tensor.element_size(), dim)
@@ -276,13 +280,13 @@ class TorchPlatform(Platform):
 
     def restore_storage(self, tensor) -> None:
         # Several full parameters may be views of one buffer: size it for the furthest.
-        self._grow_storage(tensor, tensor.numel())
+        self._grow_storage(tensor, tensor.numel(), tensor.storage_offset())
 
-    def _grow_storage(self, tensor, numel: int):
+    def _grow_storage(self, tensor, numel: int, offset: int):
         """The tensor's storage, given memory (kept memory first, see released_memory.py)
-        if needed to hold ``numel`` elements from its start."""
+        if needed to hold ``numel`` elements from element ``offset`` of the storage."""
         storage = tensor.untyped_storage()
-        needed = (tensor.storage_offset() + numel) * tensor.element_size()
+        needed = (offset + numel) * tensor.element_size()
         if storage.size() < needed and not (
                 self._released is not None and self._released.fill(storage, needed)):
             storage.resize_(needed)
