@@ -95,8 +95,8 @@ class FSDPParam:
     def full_from_whole(self, whole: Any, offset: int) -> Any:
         """The full parameter read in place from a flat all-gather output where it is one
         contiguous stretch at ``offset`` (alone in the buffer, its pieces abutting, or one
-        rank; see param_group.py, "gather layout"): a view of it
-        where the layout allows (dim-0 shards), no copy."""
+        rank; see param_group.py, "gather layout"): a view of it where the layout allows
+        (dim-0 shards), no copy."""
         p = self.platform
         stretch = p.narrow(whole, 0, offset, self.shard_size * self.padded_numel)
         return self._unpad(p.reshape(stretch, (self.shard_size * self.chunk_rows, *self.row_shape)))
