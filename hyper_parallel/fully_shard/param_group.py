@@ -229,7 +229,8 @@ class FSDPParamGroup:
         for leg, pieces, whole, handle, into in pending:
             if handle is not None:
                 handle.wait()
-            if into is not None:  # gathered into the restored memory of ``into``
+            if into is not None and len(leg.params) > 1:
+                # gathered into the restored memory of ``into``: the others are copied out
                 whole, numel = handle.result, leg.total_numel
                 pieces = [self.platform.narrow(whole, 0, r * numel, numel)
                           for r in range(self.mesh_info.shard_size)]
