@@ -10,7 +10,7 @@ hyper_parallel, FSDP2 and compute-only three times (DEFAULT_ROUNDS), so the prod
 ~45 minutes when the machine is quiet and far more when other work shares it. The default
 ("pruned") grid keeps every value of every dimension but varies one dimension at a time
 around the baseline (fp32, even, reshard_after_forward=True): bf16 and the uneven model run
-only with reshard_after_forward=True. That is 4 configurations per mesh, 8 in all (26-42
+only with reshard_after_forward=True. That is 4 configurations per mesh, 8 in all (26-45
 minutes with MindSpore, each launch also timing compute-only at its end and each
 hyper_parallel launch the alternated rounds). ``--grid full`` runs the whole product instead.
 
@@ -166,7 +166,7 @@ def shrink(cfg: Config) -> Config:
                    timeout_s=150)
 
 
-PRUNING_NOTE = ("torch grid pruned to fit ~26-42 min on 2 cores: every value of every dimension "
+PRUNING_NOTE = ("torch grid pruned to fit ~26-45 min on 2 cores: every value of every dimension "
                 "runs, one dimension varied at a time around fp32 / even / "
                 "reshard_after_forward=True (bf16 and the uneven model only with "
                 "reshard_after_forward=True); `--grid full` runs the whole product.")

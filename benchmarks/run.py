@@ -51,7 +51,7 @@ def _parse_args(argv):
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny model, 2 ranks, 1+2 steps, one config per backend")
     parser.add_argument("--grid", choices=("pruned", "full"), default="pruned",
-                        help="pruned (default, ~26-42 min on 2 cores) or the full torch product")
+                        help="pruned (default, ~26-45 min on 2 cores) or the full torch product")
     parser.add_argument("--tiny", action="store_true",
                         help="the selected grid on a tiny model with 1+2 steps (checks every code path)")
     parser.add_argument("--backend", choices=("torch", "mindspore", "all"), default="all")
