@@ -7,8 +7,8 @@ HP_BACKEND (see hyper_parallel.platform).
 from hyper_parallel.comm_stats import CommStats, comm_stats, track_comms
 from hyper_parallel.distributed import destroy_distributed, init_distributed
 from hyper_parallel.fully_shard import (
-    CPUOffloadPolicy, DeviceMesh, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
-    init_device_mesh,
+    CPUOffloadPolicy, DataParallelMeshDims, DeviceMesh, FSDPModule, MixedPrecisionPolicy,
+    OffloadPolicy, fully_shard, init_device_mesh, register_fsdp_forward_method,
 )
 from hyper_parallel.full_state import gather_full_state_dict
 from hyper_parallel.platform import get_platform
@@ -16,7 +16,8 @@ from hyper_parallel.platform import get_platform
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPUOffloadPolicy", "CommStats", "DeviceMesh", "FSDPModule", "MixedPrecisionPolicy",
-    "OffloadPolicy", "comm_stats", "destroy_distributed", "fully_shard", "gather_full_state_dict",
-    "get_platform", "init_device_mesh", "init_distributed", "track_comms",
+    "CPUOffloadPolicy", "CommStats", "DataParallelMeshDims", "DeviceMesh", "FSDPModule",
+    "MixedPrecisionPolicy", "OffloadPolicy", "comm_stats", "destroy_distributed", "fully_shard",
+    "gather_full_state_dict", "get_platform", "init_device_mesh", "init_distributed",
+    "register_fsdp_forward_method", "track_comms",
 ]

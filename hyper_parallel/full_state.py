@@ -16,19 +16,21 @@ from hyper_parallel.platform import get_platform
 def gather_full_state_dict(module: Any, as_numpy: bool = True) -> dict:
     """``{qualified parameter name: full value}`` (numpy arrays, or framework tensors)."""
     platform = get_platform()
-    owners = {}
+    owners = {}  # (id(module), attribute) -> the FSDPParam registered there
     for _, sub in platform.named_modules(module):
         state = sub.__dict__.get(STATE_ATTR)
         if state is not None and state.group is not None:
             for fsdp_param in state.group.params:
-                owners[id(fsdp_param.sharded_param)] = fsdp_param
+                for slot_module, attr in fsdp_param.slots:
+                    owners[(id(slot_module), attr)] = fsdp_param
     result = {}
     for name, sub in platform.named_modules(module):
         for attr, param in platform.direct_params(sub):
             key = f"{name}.{attr}" if name else attr
             if key in result:
                 continue
-            fsdp_param = owners.get(id(param))
+            # by slot: a unit that is unsharded registers its full tensors there (torch)
+            fsdp_param = owners.get((id(sub), attr))
             value = param if fsdp_param is None else _gather_one(platform, fsdp_param)
             result[key] = platform.to_numpy(value) if as_numpy else value
     return result

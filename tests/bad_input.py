@@ -35,15 +35,12 @@ def run_checks() -> dict:
     mesh3 = hp.init_device_mesh(device, (1, 1, 2))
     m = block()
     out["mesh_3d"] = _attempt(kit, platform, m, lambda: hp.fully_shard(m, mesh=mesh3))
-    mesh2_unnamed = hp.init_device_mesh(device, (1, 2))
-    m = block()
-    out["mesh_2d_unnamed"] = _attempt(kit, platform, m, lambda: hp.fully_shard(m, mesh=mesh2_unnamed))
     m = block()
     out["shard_dim_out_of_range"] = _attempt(kit, platform, m, lambda: hp.fully_shard(
         m, shard_placement_fn=lambda p: 5))
-    m, stranger = block(), block()
-    out["ignored_not_in_module"] = _attempt(kit, platform, m, lambda: hp.fully_shard(
-        m, ignored_params=[next(iter(kit.params(stranger)))]))
+    m = block()
+    out["ignored_not_a_parameter"] = _attempt(kit, platform, m, lambda: hp.fully_shard(
+        m, ignored_params=["fc1.bias"]))
     m = block()
     hp.fully_shard(m)
     error = _attempt(kit, platform, m, lambda: hp.fully_shard(m))

@@ -81,10 +81,64 @@ class TorchKit:
                         x = block(torch.tanh(x))
                 return self.head(x)
 
-        self.Block, self.Stack = Block, Stack
+        class LMBlock(nn.Module):
+            """Pre-norm residual block: softmax attention over the sequence and an MLP."""
+
+            def __init__(self, dim, hidden):
+                super().__init__()
+                self.norm, self.attn = nn.LayerNorm(dim), nn.Linear(dim, dim)
+                self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+            def forward(self, x):
+                h = self.norm(x)
+                scores = torch.softmax(h @ h.transpose(-1, -2) / h.shape[-1] ** 0.5, -1)
+                return x + scores @ self.attn(h) + self.down(torch.relu(self.up(h)))
+
+        class LM(nn.Module):
+            """A small language model; ``forward`` stops at the final norm, so the head (a
+            separate call, possibly per chunk) is the caller's: the chunked-loss pattern."""
+
+            def __init__(self, vocab, dim, hidden, n_blocks, tie=False, recompute=False):
+                super().__init__()
+                self.embed = nn.Embedding(vocab, dim)
+                self.blocks = nn.ModuleList([LMBlock(dim, hidden) for _ in range(n_blocks)])
+                self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+                self.recompute = recompute
+                if tie:
+                    self.head.weight = self.embed.weight
+
+            def forward(self, ids):
+                x = self.embed(ids)
+                for block in self.blocks:
+                    x = checkpoint(block, x, use_reentrant=False) if self.recompute else block(x)
+                return self.norm(x)
+
+        self.Block, self.Stack, self.LM = Block, Stack, LM
 
     def linear(self, d_in, d_out):
         return self.nn.Linear(d_in, d_out)
+
+    def ids(self, array):
+        return self.torch.from_numpy(array.astype(np.int64))
+
+    def chunks(self, tensor, n, dim):
+        return tensor.chunk(n, dim)
+
+    def lm_loss(self, logits, targets):
+        """Mean cross-entropy over every token, computed in float32."""
+        vocab = logits.shape[-1]
+        return self.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+
+    def no_grad(self):
+        return self.torch.no_grad()
+
+    def grad_step(self, model, opt, loss_fn):
+        """loss_fn() -> loss; backward, one optimizer step; returns the loss as a float."""
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss.item())
 
     def activation(self):
         return self.nn.ReLU()
@@ -173,10 +227,61 @@ class MindSporeKit:
                         x = block(ops.tanh(x))
                 return self.head(x)
 
-        self.Block, self.Stack = Block, Stack
+        class LMBlock(nn.Cell):
+            """Pre-norm residual block: softmax attention over the sequence and an MLP."""
+
+            def __init__(self, dim, hidden):
+                super().__init__()
+                self.norm, self.attn = nn.LayerNorm((dim,)), nn.Dense(dim, dim)
+                self.up, self.down = nn.Dense(dim, hidden), nn.Dense(hidden, dim)
+
+            def construct(self, x):
+                h = self.norm(x)
+                scores = ops.softmax(ops.matmul(h, h.swapaxes(-1, -2)) / h.shape[-1] ** 0.5, -1)
+                return x + ops.matmul(scores, self.attn(h)) + self.down(ops.relu(self.up(h)))
+
+        class LM(nn.Cell):
+            """See the torch kit's LM."""
+
+            def __init__(self, vocab, dim, hidden, n_blocks, tie=False, recompute=False):
+                super().__init__()
+                self.embed = nn.Embedding(vocab, dim)
+                self.blocks = nn.CellList([LMBlock(dim, hidden) for _ in range(n_blocks)])
+                self.norm, self.head = nn.LayerNorm((dim,)), nn.Dense(dim, vocab, has_bias=False)
+                self.recompute = recompute
+                if tie:
+                    self.head.weight = self.embed.embedding_table
+
+            def construct(self, ids):
+                x = self.embed(ids)
+                for block in self.blocks:
+                    x = ms.recompute(block, x) if self.recompute else block(x)
+                return self.norm(x)
+
+        self.Block, self.Stack, self.LM = Block, Stack, LM
 
     def linear(self, d_in, d_out):
         return self.nn.Dense(d_in, d_out)
+
+    def ids(self, array):
+        return self.ms.Tensor(array.astype(np.int32))
+
+    def chunks(self, tensor, n, dim):
+        return self.ops.chunk(tensor, n, dim)
+
+    def lm_loss(self, logits, targets):
+        vocab = logits.shape[-1]
+        return self.ops.cross_entropy(logits.astype(self.ms.float32).reshape(-1, vocab),
+                                      targets.reshape(-1))
+
+    def no_grad(self):
+        return self.ms._no_grad()
+
+    def grad_step(self, model, opt, loss_fn):
+        params = [p for p in self.params(model) if p.requires_grad]
+        loss, grads = self.ms.value_and_grad(loss_fn, None, params)()
+        opt(grads)
+        return float(loss.asnumpy())
 
     def activation(self):
         return self.nn.ReLU()

@@ -33,10 +33,9 @@ def test_backend_name_is_case_insensitive(monkeypatch):
 @pytest.mark.parametrize("check, error_type, message", [
     ("mesh_size", "ValueError", "holds 3 ranks but the world has 2"),
     ("mesh_dup_names", "ValueError", "has duplicates"),
-    ("mesh_3d", "ValueError", "1-D mesh (FSDP) or a 2-D mesh (HSDP)"),
-    ("mesh_2d_unnamed", "ValueError", "mesh_dim_names ('replicate', 'shard')"),
+    ("mesh_3d", "ValueError", "dp_mesh_dims=hp.DataParallelMeshDims("),
     ("shard_dim_out_of_range", "ValueError", "return a dim in [-2, 2)"),
-    ("ignored_not_in_module", "ValueError", "are not parameters of the module"),
+    ("ignored_not_a_parameter", "TypeError", "is not a parameter"),
     ("twice", "ValueError", "already applied"),
     ("top_down", "ValueError", "apply it to the blocks first"),
     ("tied_across_units", "ValueError", "common ancestor"),

@@ -35,6 +35,10 @@ class FusedAllReduce:
     def defer(self, buffer: Any) -> None:
         self.deferred = buffer if self.deferred is None else self.platform.add(self.deferred, buffer)
 
+    def discard_deferred(self) -> None:
+        """Forget the deferred gradients (an aborted iteration's, see reset_iter_state)."""
+        self.deferred = None
+
     def fold_deferred(self, buffer: Any) -> Any:
         """``buffer`` plus the deferred gradients, which are then no longer held here."""
         if self.deferred is not None:

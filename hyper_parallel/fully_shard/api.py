@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, Callable, Iterable
 
 from hyper_parallel.fully_shard.param import FSDPParam
-from hyper_parallel.fully_shard.mesh import MeshInfo, as_device_mesh
+from hyper_parallel.fully_shard.mesh import (
+    DataParallelMeshDims, MeshInfo, as_device_mesh, data_parallel_dims, data_parallel_mesh,
+)
 from hyper_parallel.fully_shard.param_group import FSDPParamGroup
 from hyper_parallel.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.fully_shard.reduce_op import normalize_reduce_op, validate_factor
@@ -48,10 +51,19 @@ class FSDPModule:
         """Free this unit's full parameters; the module sees its sharded parameters."""
         _state_of(self).reshard()
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Free full parameters after forward (re-gather for backward) or keep them."""
-        for state in _states_under(self, recurse):
-            state.reshard_after_forward = bool(reshard_after_forward)
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int | None,
+                                  recurse: bool = True) -> None:
+        """Free full parameters after forward (re-gather for backward) or keep them. Takes
+        what ``fully_shard`` takes: a bool, None (every unit but the root) or an int, the
+        size of the group to reshard to (1: False, the shard size: True)."""
+        states = _states_under(self, recurse)
+        # resolve for every unit first: a value one unit rejects changes none
+        values = []
+        for state in states:
+            shard_size = None if state.group is None else state.group.mesh_info.shard_size
+            values.append(_resolve_reshard_after_forward(reshard_after_forward, shard_size))
+        for state, value in zip(states, values):
+            state.reshard_after_forward = value
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, recurse: bool = True) -> None:
         """Keep full parameters after backward (saves the next forward's all-gather when no
@@ -105,6 +117,19 @@ class FSDPModule:
         pre-divide). Collectives always use SUM in hyper_parallel (reduce_op.py)."""
         for state in _states_under(self, recurse):
             state.force_sum_reduction = bool(force_sum)
+
+    def reset_iter_state(self) -> None:
+        """Recover from an exception that aborted a forward or backward mid-flight: wait the
+        collectives in flight, drop the gradient reductions pending (that iteration's
+        gradients are lost), reshard every unit and clear the iteration's trackers, so the
+        next iteration runs normally. Call it on the root; on a nested unit it raises
+        RuntimeError. Before the first forward there is nothing to reset."""
+        state = _state_of(self)
+        if state.is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root fully_shard module "
+                               "(the one whose forward starts the iteration), not on a nested unit")
+        if state.iteration is not None:
+            state.iteration.reset()
 
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
         """Units whose all-gather starts when this unit's forward starts."""
@@ -160,14 +185,33 @@ def _resolve_dtype(platform, dtype):
     return platform.dtype(dtype) if isinstance(dtype, str) else dtype
 
 
-def _validate_mesh(mesh) -> None:
-    if mesh.ndim > 2:
-        raise ValueError(f"fully_shard takes a 1-D mesh (FSDP) or a 2-D mesh (HSDP); got {mesh.ndim}-D "
-                         f"{mesh.shape}. Flatten the data-parallel dims into ('replicate', 'shard').")
-    if mesh.ndim == 2 and mesh.mesh_dim_names != ("replicate", "shard"):
-        raise ValueError(f"a 2-D fully_shard mesh must have mesh_dim_names ('replicate', 'shard'), "
-                         f"got {mesh.mesh_dim_names}; create it with init_device_mesh(device, (R, S), "
-                         f"mesh_dim_names=('replicate', 'shard'))")
+def _resolve_reshard_after_forward(value, shard_size: int | None):
+    """``reshard_after_forward`` as the unit stores it: True, False or None (every unit but
+    the root). An int is the size of the group to reshard to after forward and must divide
+    ``shard_size`` (FSDP2's rule): 1 is False, ``shard_size`` is True, and a size between
+    (a sub-group) is not implemented. ``shard_size`` None (a unit without parameters, which
+    has nothing to reshard): any int >= 1 is accepted."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(f"reshard_after_forward must be a bool, None or an int (the size of the "
+                         f"group to reshard to), got {value!r} of type {type(value).__name__}")
+    if value < 1 or (shard_size is not None and shard_size % value != 0):
+        rule = "be >= 1" if shard_size is None else f"be a factor of the shard group size {shard_size}"
+        raise ValueError(f"reshard_after_forward as an int is the size of the group to reshard "
+                         f"to after forward and must {rule}, got {value}")
+    if value == 1:
+        # the default warnings filter shows it once per calling line
+        warnings.warn("reshard_after_forward=1 (int) means resharding to a group of 1 rank, "
+                      "i.e. keeping the full parameters: reshard_after_forward=False, not "
+                      "True", UserWarning, stacklevel=3)
+        return False
+    if shard_size is None or value == shard_size:
+        return True
+    raise NotImplementedError(
+        f"reshard_after_forward={value} (reshard to groups of {value} of the {shard_size} shard "
+        f"ranks after forward) is not implemented; use reshard_after_forward=True (reshard to "
+        f"the whole shard group) or False (keep the full parameters until backward)")
 
 
 def _shard_dim(param, fqn: str, ndim: int, shard_placement_fn: Callable | None) -> int:
@@ -180,6 +224,25 @@ def _shard_dim(param, fqn: str, ndim: int, shard_placement_fn: Callable | None) 
         raise ValueError(f"shard_placement_fn returned {chosen!r} for parameter {fqn!r} of "
                          f"{ndim} dims; return a dim in [{-ndim}, {ndim}) (or None for dim 0)")
     return dim % ndim
+
+
+def _ignored_list(platform, ignored_params) -> list:
+    """``ignored_params`` as a list of tensors. Parameters outside the given modules are
+    allowed and left alone (FSDP2); anything that is not a tensor is an error."""
+    if ignored_params is None:
+        return []
+    if platform.is_tensor(ignored_params) or isinstance(ignored_params, (str, bytes)) \
+            or not isinstance(ignored_params, Iterable):
+        raise TypeError(f"ignored_params must be a collection (set, list or tuple) of parameters, "
+                        f"got a {type(ignored_params).__name__}; wrap a single parameter: "
+                        f"ignored_params={{param}}")
+    ignored = list(ignored_params)
+    for item in ignored:
+        if not platform.is_tensor(item):
+            raise TypeError(f"ignored_params holds a {type(item).__name__} ({item!r:.60}), which "
+                            f"is not a parameter; pass the parameters themselves (e.g. "
+                            f"module.weight), not their names")
+    return ignored
 
 
 def _managed_params(platform, modules: list, ignored_ids: set) -> tuple[list, set]:
@@ -205,15 +268,25 @@ def _managed_params(platform, modules: list, ignored_ids: set) -> tuple[list, se
     return [tuple(v) for v in by_id.values()], seen
 
 
-def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
+def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Callable | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
                 ignored_params: Iterable | None = None, shard_threshold_bytes: int = 0,
-                own_collective_bytes: int | None | str = "auto"):
+                own_collective_bytes: int | None | str = "auto",
+                dp_mesh_dims: DataParallelMeshDims | None = None):
     """Shard ``module``'s parameters over ``mesh`` (FSDP2 semantics); return ``module``.
 
+    ``mesh`` is read by position: 1-D is (shard,), 2-D is (replicate, shard), whatever the
+    dim names. On a mesh of more dims ``dp_mesh_dims`` says which dims shard and replicate;
+    parameters are replicated over the others (e.g. tensor parallel), and no gradient is
+    reduced over them (mesh.py, [Note: which dims are data parallel]).
+
     ``module`` may be a list of modules forming one unit (one all-gather for all of them).
+    ``reshard_after_forward``: True, False, None (True for every unit but the root) or an
+    int, the size of the group to reshard to (1 is False, the shard size is True; a
+    sub-group is not implemented). ``ignored_params`` may hold parameters of other modules
+    (left alone).
     A parameter of fewer than ``shard_threshold_bytes`` bytes is not sharded: every rank
     keeps it whole and its gradient is all-reduced over the data-parallel group (default
     0: shard everything, as FSDP2).
@@ -232,7 +305,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "
                              f"apply it once per module (use the FSDPModule setters to change settings)")
     device_mesh = as_device_mesh(mesh)
-    _validate_mesh(device_mesh)
+    replicate_dims, shard_dims = data_parallel_dims(device_mesh, dp_mesh_dims)
     if isinstance(offload_policy, CPUOffloadPolicy) and platform.device_type() != "cpu":
         raise NotImplementedError("CPUOffloadPolicy is not implemented on accelerators yet; "
                                   "use OffloadPolicy() (on a CPU device it is not needed)")
@@ -246,14 +319,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
             or own_collective_bytes < 0):
         raise ValueError(f"own_collective_bytes must be an int >= 0, None (always fuse) or "
                          f"'auto', got {own_collective_bytes!r}")
-    ignored = list(ignored_params or [])
-    ignored_ids = {id(p) for p in ignored}
-    managed, seen = _managed_params(platform, modules, ignored_ids)
-    strangers = [p for p in ignored if id(p) not in seen]
-    if strangers:
-        raise ValueError(f"{len(strangers)} of ignored_params are not parameters of the module(s) "
-                         f"given to fully_shard (shapes {[platform.shape(p) for p in strangers]}); "
-                         f"pass only parameters registered on them")
+    ignored_ids = {id(p) for p in _ignored_list(platform, ignored_params)}
+    managed, _ = _managed_params(platform, modules, ignored_ids)
     param_dtype = _resolve_dtype(platform, mp_policy.param_dtype)
     reduce_dtype = _resolve_dtype(platform, mp_policy.reduce_dtype)
     _resolve_dtype(platform, mp_policy.output_dtype)
@@ -266,24 +333,28 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool = True,
                 f"fully_shard was applied top-down (apply it to the blocks first, then the root) "
                 f"or the parameter is shared with modules of another unit (wrap only their "
                 f"common ancestor, so one unit owns it)")
-        nbytes = math.prod(platform.shape(param)) * platform.element_size(platform.dtype_of(param))
+        local = platform.param_local_values(param)  # what this rank shards (tensor parallel)
+        nbytes = math.prod(platform.shape(local)) * platform.element_size(platform.dtype_of(local))
         plan.append((fqn, param, slots, _shard_dim(param, fqn, len(platform.shape(param)),
                                                  shard_placement_fn), nbytes >= shard_threshold_bytes))
 
-    info = MeshInfo(device_mesh)
+    info = MeshInfo(data_parallel_mesh(device_mesh, replicate_dims, shard_dims))
     has_small = not all(is_sharded for *_, is_sharded in plan)
     if has_small and info.replicate_size > 1 and info.shard_size > 1 \
-            and device_mesh.size() != platform.world_size():
-        raise ValueError("shard_threshold_bytes on a 2-D mesh that covers only part of the job is not "
-                         "supported (small parameters are all-reduced over the whole job); use a mesh "
-                         "over all ranks or shard_threshold_bytes=0")
+            and info.mesh.size() != platform.world_size():
+        raise ValueError("shard_threshold_bytes with both a shard and a replicate dim is only "
+                         "supported where the data-parallel ranks are the whole job (small "
+                         "parameters are all-reduced over the whole job); use a mesh of only "
+                         "data-parallel dims over all ranks, or shard_threshold_bytes=0")
+    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, info.shard_size)
     unit_name = "+".join(type(m).__name__ for m in modules)
     fsdp_params = []
-    for fqn, param, slots, dim, is_sharded in plan:
-        fsdp_param = FSDPParam(platform, fqn, param, slots, dim, info, is_sharded=is_sharded)
+    for fqn, param, slots, dim, is_sharded in plan:  # may still fail: nothing changed yet
+        fsdp_params.append(FSDPParam(platform, fqn, param, slots, dim, info, is_sharded=is_sharded))
+    for fsdp_param, (_, param, *_) in zip(fsdp_params, plan):
+        fsdp_param.register()
         object.__setattr__(param, _REPLACED_BY, unit_name)
         object.__setattr__(fsdp_param.sharded_param, _SHARDED_BY, unit_name)
-        fsdp_params.append(fsdp_param)
     group = None
     if fsdp_params:
         group = FSDPParamGroup(platform, fsdp_params, info, param_dtype, reduce_dtype,

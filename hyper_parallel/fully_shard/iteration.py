@@ -8,14 +8,19 @@ pending collectives, flags and final callbacks never mix. Nothing here is class-
 [Note: the overlap pipeline]
 Unit N's reduce-scatter is issued (async) in its post-backward and becomes
 ``pending_reduce_scatter``. When unit N-1's post-backward issues its own, unit N's is
-waited and its all-reduce issued (async) into ``pending_all_reduce``. At the end of
-backward (the root's final callback) everything left is drained, before the optimizer can
-see a gradient. ``HP_SYNC_COLLECTIVES=1`` in the environment (read when the root
-initializes) runs every gradient-reduction collective synchronously instead, for
-debugging (all-gathers issued early by a prefetch or ``unshard(async_op=True)`` stay async).
-Unset, it follows ``Platform.collectives_overlap_compute``: MindSpore on CPU, whose
-collectives do not overlap compute, reduces synchronously; ``HP_SYNC_COLLECTIVES=0`` forces
-the pipeline there too.
+waited and its all-reduce issued (async) into ``pending_all_reduce``; unit N's gradients
+that need no all-reduce (plain FSDP) are delivered then. Unit N's all-reduce is waited,
+and the rest of its gradients delivered, when unit N-2's post-backward advances the
+pipeline again. Each gradient is thus delivered during backward as soon as its reduction
+is waited, while one reduce-scatter and one all-reduce stay in flight over the next
+unit's compute. At the end of backward (the root's final callback) everything left is
+drained, before the optimizer can see a gradient. ``HP_SYNC_COLLECTIVES=1`` in the
+environment (read when the root initializes) runs every gradient-reduction collective
+synchronously instead, for debugging (all-gathers issued early by a prefetch or
+``unshard(async_op=True)`` stay async). Unset, it follows
+``Platform.collectives_overlap_compute``: MindSpore on CPU, whose collectives do not
+overlap compute, reduces synchronously; ``HP_SYNC_COLLECTIVES=0`` forces the pipeline there
+too.
 
 [Note: gradients returned from backward]
 Where backward's return value is what the user receives (MindSpore ``value_and_grad``) and
@@ -95,7 +100,7 @@ class IterationContext:
         for state in self.states:
             if state.group is None:
                 continue
-            if state.is_root or not state.reshard_after_forward:
+            if not state.reshards_after_forward:
                 kept += state.group.gathered_bytes
             else:
                 resharded.append(state.group.gathered_bytes)
@@ -132,12 +137,23 @@ class IterationContext:
         return None
 
     def _advance(self) -> None:
+        """Wait the pending reduce-scatter and issue its all-reduces, then deliver every
+        gradient whose reduction is complete: the all-reduces the last advance issued (a
+        unit's backward ran since) and this unit's legs that need none. A gradient is thus
+        delivered during backward, one unit after its reduce-scatter (or its all-reduce)
+        was issued, with one collective of each kind still overlapping compute."""
+        issued_before, self.pending_all_reduce = self.pending_all_reduce, []
         if self.pending_reduce_scatter is not None:
             reduction, requires_all_reduce = self.pending_reduce_scatter
             self.pending_reduce_scatter = None
             reduction.finish_reduce_scatter()
             reduction.start_all_reduce(requires_all_reduce)
             self.pending_all_reduce.append(reduction)
+        for reduction in issued_before:
+            reduction.finish()
+        for reduction in self.pending_all_reduce:
+            reduction.deliver_completed()
+        self.pending_all_reduce = [r for r in self.pending_all_reduce if r.in_flight]
 
     def drain(self) -> None:
         """Wait every collective in flight and deliver every gradient. The joined
@@ -164,3 +180,22 @@ class IterationContext:
             logger.debug("backward ended with is_last_backward=False: reductions left in flight")
         for state in self.states:
             state.finish_backward()
+
+    def reset(self) -> None:
+        """After an exception aborted a forward or backward (``reset_iter_state``): wait every
+        collective in flight and drop what it carried (the aborted iteration's gradients,
+        gradients deferred by ``set_requires_all_reduce(False)`` and those accumulated with
+        ``set_requires_gradient_sync(False)`` are lost, as in FSDP2), reshard every unit and
+        forget the aborted iteration's forward order and queued final callback. The order
+        of the last complete iteration stays known."""
+        in_flight = [self.pending_reduce_scatter[0]] if self.pending_reduce_scatter else []
+        in_flight += self.pending_all_reduce
+        self.pending_reduce_scatter, self.pending_all_reduce = None, []
+        for reduction in in_flight:
+            reduction.abandon()
+        self.joined.abandon()
+        self._final_callback_queued = False
+        self._forward_order, self._seen = [], set()
+        for state in self.states:
+            state.reset()  # also waits and drops an all-gather in flight
+        logger.debug("iteration state reset: %d reductions in flight dropped", len(in_flight))

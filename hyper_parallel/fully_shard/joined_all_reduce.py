@@ -80,3 +80,11 @@ class JoinedAllReduce:
                 numel = leg.leg.total_numel
                 reduction.deliver_joined(leg, p.narrow(batch.reduced, 0, offset, numel))
                 offset += numel
+
+    def abandon(self) -> None:
+        """Wait any all-reduce already issued and drop every buffer unreduced (an aborted
+        iteration's, see reset_iter_state)."""
+        batches, self._batches = self._batches, {}
+        for batch in batches.values():
+            if batch.handle is not None:
+                batch.handle.wait()

@@ -5,11 +5,24 @@ Ranks are laid out row-major over ``mesh_shape``: on a (R, S) mesh rank = r * S 
 group along dim i joins the ranks that differ only in coordinate i. On torch the mesh wraps
 a torch DeviceMesh (``native``), which sharded DTensor parameters need; a torch DeviceMesh
 given by the user is wrapped the same way.
+
+[Note: which dims are data parallel]
+fully_shard reads a mesh as FSDP2 does, by position: a 1-D mesh is (shard,), a 2-D mesh
+is (replicate, shard), whatever the dims are named. On a mesh with more dims,
+``DataParallelMeshDims`` names the shard and replicate dims; the others (tensor
+parallelism, ...) are not fully_shard's: parameters are replicated over them and no
+gradient is reduced over them. fully_shard then works on the data-parallel mesh, a 1-D
+(shard,) or 2-D (replicate, shard) mesh of this rank's data-parallel peers. A role given
+several dims joins them into one group ("flattening"), whose ranks ascend, whatever order
+the dims are listed in (both frameworks order a group's ranks so); that group is new, made
+once per mesh and dims.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hyper_parallel.platform import get_platform
@@ -19,12 +32,14 @@ class DeviceMesh:
     """Process groups of an N-D grid of ranks, with optional dim names."""
 
     def __init__(self, device_type: str, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str],
-                 groups: Sequence[Any], native: Any = None):
+                 groups: Sequence[Any], native: Any = None, ranks: Sequence[int] | None = None):
         self.device_type = device_type
         self.shape = tuple(int(s) for s in mesh_shape)
         self.mesh_dim_names = tuple(mesh_dim_names)
         self._groups = list(groups)
         self.native = native
+        # the global rank at each position, row-major (a mesh made here covers the world)
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(math.prod(self.shape)))
 
     @property
     def ndim(self) -> int:
@@ -50,6 +65,24 @@ class DeviceMesh:
                 raise KeyError(f"mesh has no dim named {dim!r}; its dims are {self.mesh_dim_names}")
             return self.mesh_dim_names.index(dim)
         return dim
+
+    def _strides(self) -> list:
+        return [math.prod(self.shape[d + 1:]) for d in range(self.ndim)]
+
+    def _offsets(self, dims: Sequence[int]) -> list:
+        """Offsets into ``ranks`` of every combination of coordinates along ``dims``
+        (row-major; one offset, 0, for no dims)."""
+        strides = self._strides()
+        return [sum(c * strides[d] for c, d in zip(coord, dims))
+                for coord in itertools.product(*(range(self.shape[d]) for d in dims))]
+
+    def _lines(self, dims: Sequence[int]) -> list:
+        """Every set of ranks that differ only along ``dims``, ranks ascending, in an order
+        every rank computes alike (no dims: each rank alone)."""
+        others = [d for d in range(self.ndim) if d not in dims]
+        steps = self._offsets(dims)
+        return [tuple(sorted(self.ranks[base + step] for step in steps))
+                for base in self._offsets(others)]
 
     def __repr__(self) -> str:
         return f"DeviceMesh({self.device_type!r}, shape={self.shape}, dims={self.mesh_dim_names})"
@@ -91,13 +124,146 @@ def as_device_mesh(mesh: Any) -> DeviceMesh:
     if described is None:
         raise TypeError(f"mesh must be a hyper_parallel DeviceMesh (hp.init_device_mesh) or, on "
                         f"torch, a torch DeviceMesh; got {type(mesh).__name__}")
-    shape, names, groups, device_type, _ = described
-    return DeviceMesh(device_type, shape, names, groups, mesh)
+    shape, names, groups, device_type, rank_grid = described
+    return DeviceMesh(device_type, shape, names, groups, mesh, ranks=_flat(rank_grid))
+
+
+def _flat(nested) -> list:
+    return [r for item in nested for r in _flat(item)] if isinstance(nested, list) else [nested]
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """The dims of a mesh that fully_shard shards over and replicates over (see [Note:
+    which dims are data parallel]). Each is a dim name, a dim position, or a tuple of them,
+    joined into one group; at least one is given. Only ``replicate``: every parameter is
+    replicated (DDP)."""
+
+    shard: str | int | tuple | None = None
+    replicate: str | int | tuple | None = None
+
+    def __post_init__(self):
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims needs shard, replicate or both; e.g. "
+                             "DataParallelMeshDims(shard='dp')")
+        for role in ("shard", "replicate"):
+            for dim in self.dims_of(role):
+                if isinstance(dim, bool) or not isinstance(dim, (str, int)):
+                    raise TypeError(f"DataParallelMeshDims.{role} takes dim names (str), dim "
+                                    f"positions (int) or a tuple of them; got {dim!r}")
+            if isinstance(getattr(self, role), tuple) and not self.dims_of(role):
+                raise ValueError(f"DataParallelMeshDims.{role} is an empty tuple; give at least "
+                                 f"one dim, or None")
+
+    def dims_of(self, role: str) -> tuple:
+        value = getattr(self, role)
+        if value is None:
+            return ()
+        return tuple(value) if isinstance(value, tuple) else (value,)
+
+
+def data_parallel_dims(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None) -> tuple:
+    """``(replicate_dims, shard_dims)``: the positions in ``mesh`` of each role, ascending.
+    Every mistake is a ValueError saying how to fix it."""
+    if dp_mesh_dims is None:
+        if mesh.ndim > 2:
+            raise ValueError(
+                f"fully_shard reads a 1-D mesh as (shard,) and a 2-D mesh as (replicate, shard); "
+                f"this mesh is {mesh.ndim}-D {mesh.shape} with dims {mesh.mesh_dim_names}. Say "
+                f"which dims are data parallel: fully_shard(..., "
+                f"dp_mesh_dims=hp.DataParallelMeshDims(shard=..., replicate=...)); the other "
+                f"dims are left to other parallelism")
+        return ((0,), (1,)) if mesh.ndim == 2 else ((), (0,))
+    if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise TypeError(f"dp_mesh_dims must be a hyper_parallel DataParallelMeshDims, got "
+                        f"{type(dp_mesh_dims).__name__}")
+    roles = {role: tuple(_position(mesh, role, dim) for dim in dp_mesh_dims.dims_of(role))
+             for role in ("replicate", "shard")}
+    for role, dims in roles.items():
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"DataParallelMeshDims.{role} names a dim of the mesh twice "
+                             f"({dp_mesh_dims.dims_of(role)} on dims {mesh.mesh_dim_names}); "
+                             f"list each dim once")
+    both = set(roles["replicate"]) & set(roles["shard"])
+    if both:
+        names = [mesh.mesh_dim_names[d] for d in sorted(both)]
+        raise ValueError(f"DataParallelMeshDims names the dims {names} both as shard and as "
+                         f"replicate; give each dim one role")
+    replicate, shard = (tuple(sorted(roles[role])) for role in ("replicate", "shard"))
+    if (len(shard) != 1 or len(replicate) > 1) and mesh.size() != get_platform().world_size():
+        raise ValueError(f"joining dims into one group (or replicate without shard) makes new "
+                         f"groups, which needs a mesh over all {get_platform().world_size()} "
+                         f"ranks; this mesh holds {mesh.size()}: pass the whole mesh")
+    return replicate, shard
+
+
+def _position(mesh: DeviceMesh, role: str, dim: str | int) -> int:
+    if isinstance(dim, str):
+        if dim not in mesh.mesh_dim_names:
+            raise ValueError(f"DataParallelMeshDims.{role} names dim {dim!r}, which the mesh does "
+                             f"not have; its dims are {mesh.mesh_dim_names} (a name or a position "
+                             f"0..{mesh.ndim - 1})")
+        return mesh.mesh_dim_names.index(dim)
+    if not -mesh.ndim <= dim < mesh.ndim:
+        raise ValueError(f"DataParallelMeshDims.{role} gives dim position {dim}, out of range for "
+                         f"the {mesh.ndim}-D mesh {mesh.shape}; use 0..{mesh.ndim - 1} (or a name "
+                         f"of {mesh.mesh_dim_names})")
+    return dim % mesh.ndim
+
+
+# the data-parallel meshes made from a mesh, kept on the user's mesh object (its native
+# mesh where it has one: a torch mesh is wrapped anew by every call) so every unit over the
+# same mesh shares their groups
+_DERIVED_ATTR = "_hp_data_parallel_meshes"
+
+
+def data_parallel_mesh(mesh: DeviceMesh, replicate: tuple, shard: tuple) -> DeviceMesh:
+    """The 1-D (shard,) or 2-D (replicate, shard) mesh of this rank's data-parallel peers
+    (dims from ``data_parallel_dims``); ``mesh`` itself where it already is one. Makes
+    new groups on every rank, in the same order, where a role joins several dims."""
+    if len(shard) == 1 and len(replicate) <= 1 and replicate + shard == tuple(range(mesh.ndim)):
+        return mesh
+    owner = mesh.native if mesh.native is not None else mesh
+    derived = owner.__dict__.setdefault(_DERIVED_ATTR, {})
+    key = (replicate, shard)
+    if key not in derived:
+        derived[key] = _new_data_parallel_mesh(mesh, replicate, shard)
+    return derived[key]
+
+
+def _new_data_parallel_mesh(mesh: DeviceMesh, replicate: tuple, shard: tuple) -> DeviceMesh:
+    platform = get_platform()
+    strides = mesh._strides()
+    index = mesh.ranks.index(platform.rank())
+    # the position of this rank's block: its coordinates along the data-parallel dims zeroed
+    base = index - sum(index // strides[d] % mesh.shape[d] * strides[d] for d in replicate + shard)
+    rows = [[mesh.ranks[base + r + s] for s in mesh._offsets(shard)]
+            for r in mesh._offsets(replicate)]
+    groups = ([_group_along(mesh, replicate)] if replicate else []) + [_group_along(mesh, shard)]
+    names = ("replicate", "shard") if replicate else ("shard",)
+    grid = rows if replicate else rows[0]
+    native = platform.mesh_from_groups(mesh.device_type, groups, grid, names)
+    shape = (len(rows), len(rows[0])) if replicate else (len(rows[0]),)
+    return DeviceMesh(mesh.device_type, shape, names, groups, native, ranks=_flat(grid))
+
+
+def _group_along(mesh: DeviceMesh, dims: tuple) -> Any:
+    """This rank's group over ``dims`` of ``mesh``: the mesh's own for one dim, else new."""
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    platform = get_platform()
+    me, mine = platform.rank(), None
+    for line in mesh._lines(dims):  # every rank makes every group, in the same order
+        group = platform.new_group(list(line))
+        if me in line:
+            mine = group
+    return mine
 
 
 class MeshInfo:
-    """The groups a unit communicates over: shard dim (all-gather, reduce-scatter) and
-    replicate dim (all-reduce; size 1 for plain FSDP)."""
+    """The groups a unit communicates over, read by position from its data-parallel mesh
+    (``data_parallel_mesh``): shard dim (all-gather, reduce-scatter) and replicate dim
+    (all-reduce; size 1 for plain FSDP)."""
 
     def __init__(self, mesh: DeviceMesh):
         self.mesh = mesh

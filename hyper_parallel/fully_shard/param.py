@@ -25,13 +25,17 @@ from hyper_parallel.platform import Platform
 
 
 class FSDPParam:
-    """Shard one parameter on creation; then translate between its shard and the flat buffers."""
+    """Shard one parameter on creation (``register`` puts the shard in the module); then
+    translate between its shard and the flat buffers."""
 
     def __init__(self, platform: Platform, fqn: str, param: Any, slots: list, shard_dim: int,
                  mesh_info: MeshInfo, is_sharded: bool = True):
         self.platform = platform
         self.fqn = fqn
         self.slots = slots  # [(module, attr_name)] where the parameter is registered
+        orig_param = param
+        # a tensor-parallel parameter: this rank's part is what is sharded and gathered
+        param = platform.param_local_values(param)
         self.full_shape = platform.shape(param)
         self.shard_dim = shard_dim
         self.mesh_info = mesh_info
@@ -47,25 +51,37 @@ class FSDPParam:
         start = min(shard_rank * self.chunk_rows, self.rows)
         self.local_rows = min(self.chunk_rows, self.rows - start)
         self.stored_rows = self.chunk_rows if platform.pads_local_shards else self.local_rows
-        self.orig_dtype = platform.dtype_of(param)
+        dtype = platform.dtype_of(param)
         self.padded_shard = None  # the shard's padded piece, where it lives (torch, see below)
         self._padding_zeros = {}  # (numel, dtype) -> zeros, see gradient_pieces
         with platform.no_grad():
             local = platform.narrow(platform.movedim(param, shard_dim, 0), 0, start, self.local_rows)
             padding = (self.chunk_rows - self.local_rows, *self.row_shape)
             if self.stored_rows > self.local_rows:
-                local = platform.cat([local, platform.zeros(padding, self.orig_dtype)], 0)
+                local = platform.cat([local, platform.zeros(padding, dtype)], 0)
             elif shard_dim == 0 and 0 < self.local_rows < self.chunk_rows:
                 # the shard lives at the start of its padded piece, which the all-gather
                 # then reads as it is (as FSDP2 keeps its padded shard)
-                self.padded_shard = platform.cat([local, platform.zeros(padding, self.orig_dtype)], 0)
+                self.padded_shard = platform.cat([local, platform.zeros(padding, dtype)], 0)
                 local = platform.narrow(self.padded_shard, 0, 0, self.local_rows)
             local = platform.contiguous(platform.movedim(local, 0, shard_dim))
             self.sharded_param = platform.make_sharded_param(
-                param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim,
+                orig_param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim,
                 shard_dim if is_sharded else None, self.full_shape, backing=self.padded_shard)
-        for module, name in slots:
-            platform.register_param(module, name, self.sharded_param)
+
+    def register(self) -> None:
+        """Put the sharded parameter where the original was registered (every slot). Apart
+        from construction, so that a unit's parameters are all made before any module
+        changes (api.py, "validate everything, then change anything")."""
+        for module, name in self.slots:
+            self.platform.register_param(module, name, self.sharded_param)
+
+    @property
+    def orig_dtype(self) -> Any:
+        """The sharded parameter's own dtype, read when needed: a user's ``module.to(dtype)``
+        replaces the parameter's memory in another dtype (keeping the parameter object), and
+        the gathers, the computation and the delivered gradients follow it."""
+        return self.platform.dtype_of(self.sharded_param)
 
     @property
     def gathers_in_place(self) -> bool:
@@ -79,12 +95,14 @@ class FSDPParam:
     def padded_flat_shard(self, local: Any, dtype: Any) -> Any:
         """This rank's piece of the all-gather input: the shard, padded, flat, in ``dtype``.
         A shard kept at the start of its padded piece (``make_sharded_param(backing=...)``)
-        is read in place, unless something replaced the parameter's memory since."""
+        is read in place, unless something replaced the parameter's memory since
+        (``module.to(dtype)``): that piece is then stale for good and is let go."""
         p = self.platform
         if self.stored_rows == 0:
             return p.zeros((self.padded_numel,), dtype)
-        if self.padded_shard is not None and dtype == self.orig_dtype and \
-                p.starts_with(self.padded_shard, local):
+        if self.padded_shard is not None and not p.starts_with(self.padded_shard, local):
+            self.padded_shard = None
+        if self.padded_shard is not None and dtype == p.dtype_of(self.padded_shard):
             return p.reshape(self.padded_shard, (self.padded_numel,))  # no copy
         moved = p.movedim(p.cast(local, dtype), self.shard_dim, 0)
         missing = self.chunk_rows - self.stored_rows

@@ -125,16 +125,22 @@ class FSDPParamGroup:
                 platform, info.data_parallel_group, info.data_parallel_size, "data_parallel"),
                 sharded=False))
         self._pending_gather = None  # [(leg, pieces, whole, handle, full)] in flight
-        # what the unit's full parameters take (see IterationContext.keep_working_set)
-        self.gathered_bytes = sum(
-            fp.shard_size * fp.padded_numel * platform.element_size(self.compute_dtype(fp))
-            for fp in params)
+        self._pending_into = None    # the released fulls it gathers into, or None
 
     def local_shards(self) -> list:
         return [self.platform.local_tensor(p.sharded_param) for p in self.params]
 
     def compute_dtype(self, fsdp_param: FSDPParam) -> Any:
+        """The dtype ``fsdp_param`` is gathered and computed in: ``param_dtype``, else the
+        sharded parameter's dtype now (``module.to(dtype)`` changes it)."""
         return self.param_dtype if self.param_dtype is not None else fsdp_param.orig_dtype
+
+    @property
+    def gathered_bytes(self) -> int:
+        """What the unit's full parameters take in their compute dtypes now (see
+        IterationContext.keep_working_set)."""
+        return sum(fp.shard_size * fp.padded_numel * self.platform.element_size(self.compute_dtype(fp))
+                   for fp in self.params)
 
     # ---------------------------------------------------------------- all-gather
     def issue_gather(self, async_op: bool, released: list | None = None) -> None:
@@ -147,6 +153,7 @@ class FSDPParamGroup:
             return
         into = {id(fp): full for fp, full in zip(self.params, released or ())}
         with self.platform.no_grad():
+            self._pending_into = released
             self._pending_gather = [self._issue_leg_gather(leg, async_op, into)
                                     for leg in self.sharded_legs]
 
@@ -178,7 +185,7 @@ class FSDPParamGroup:
     def discard_gather(self) -> None:
         """Drop all-gathers nobody consumed (their values may be stale by the next use);
         a full tensor one was writing into is released again."""
-        pending, self._pending_gather = self._pending_gather, None
+        pending, self._pending_gather, self._pending_into = self._pending_gather, None, None
         for *_, handle, full in pending or ():
             if handle is not None:
                 handle.wait()
@@ -189,7 +196,6 @@ class FSDPParamGroup:
         """Finish the all-gathers; return new full tensors in ``params`` order."""
         p = self.platform
         fulls = {}
-        # (a gather into released fulls is never pending here: reshard discards it first)
         for leg, pieces, whole, _ in self._finish_gather():
             for fp in leg.params:
                 offsets = leg.gather_offsets_of(fp)
@@ -222,9 +228,13 @@ class FSDPParamGroup:
     def _finish_gather(self, released: list | None = None) -> list:
         """[(leg, per-rank pieces, whole buffer or None, full gathered into or None)] of
         finished all-gathers, issued synchronously if nobody prefetched them."""
+        if self._pending_into is not None and self._pending_into is not released:
+            # in flight into other released fulls (a prefetch for another forward's): those
+            # go back to released, and this gather starts over
+            self.discard_gather()
         if self._pending_gather is None:
             self.issue_gather(async_op=False, released=released)
-        pending, self._pending_gather = self._pending_gather or [], None
+        pending, self._pending_gather, self._pending_into = self._pending_gather or [], None, None
         finished = []
         for leg, pieces, whole, handle, into in pending:
             if handle is not None:

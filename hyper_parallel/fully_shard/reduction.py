@@ -9,11 +9,15 @@
    (which applied ``post_scale`` to its result; a leg with no reduce-scatter is scaled
    here), then either issue the bucket's all-reduce over the replicate
    group (async) or defer the bucket (``set_requires_all_reduce(False)``).
-3. ``finish`` (end of backward): wait the all-reduces and deliver each gradient shard
-   through ``Platform.write_grad`` (torch: accumulate into ``.grad``; MindSpore: fill the
-   tensor that ``value_and_grad`` returned for it), or into ``main_grad``. A synchronous
-   reduction without placeholders returns the shards instead, for the unit's backward to
-   return (iteration.py, "gradients returned from backward").
+3. Delivery, leg by leg, as soon as a leg's reduction is complete: ``deliver_completed``
+   right after stage 2 (a leg with no all-reduce: plain FSDP), ``finish`` once the
+   all-reduces were waited (the next advance, or the end of backward). Each gradient shard
+   goes through ``Platform.write_grad`` (torch: accumulate into ``.grad`` and run the
+   parameter's post-accumulate-grad hooks; MindSpore: fill the tensor that
+   ``value_and_grad`` returned for it), or into ``main_grad``. A synchronous reduction
+   without placeholders returns the shards instead, for the unit's backward to return
+   (iteration.py, "gradients returned from backward"). A deferred leg delivers nothing; a
+   small leg joined into the root's all-reduce is delivered by ``deliver_joined``.
 Running every collective synchronously goes through the same three stages, so both modes
 produce bitwise-identical gradients.
 """
@@ -37,6 +41,7 @@ class _LegInFlight:
         self.handle = handle
         self.deferred = False
         self.joined = False  # in the root's joined all-reduce, delivered by deliver_joined
+        self.settled = False  # delivered, deferred or joined: nothing left for this unit to do
 
 
 class UnitReduction:
@@ -101,22 +106,43 @@ class UnitReduction:
             if leg.handle is not None:
                 logger.debug("%s: %s all-reduce issued", self.name, leg.leg.bucket.dim)
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a leg still waits for its all-reduce (or has not been advanced yet)."""
+        return not all(leg.settled for leg in self.legs)
+
+    def deliver_completed(self) -> None:
+        """Deliver the legs whose reduction is complete without waiting for anything (after
+        ``start_all_reduce``: the legs with no all-reduce in flight)."""
+        self._deliver(wait=False)
+
     def finish(self) -> list | None:
-        """Wait the all-reduces and deliver the gradient shards: through ``write_grad``, or,
-        without placeholders, as the returned list (``params`` order) that backward hands
-        to the user, a zero placeholder where nothing is delivered now (a deferred bucket,
-        a frozen parameter, a joined leg: ``deliver_joined`` fills those later)."""
+        """Wait the all-reduces still in flight and deliver the remaining gradient shards:
+        through ``write_grad``, or, without placeholders, as the returned list (``params``
+        order) that backward hands to the user, a zero placeholder where nothing is
+        delivered now (a deferred bucket, a frozen parameter, a joined leg:
+        ``deliver_joined`` fills those later)."""
+        return self._deliver(wait=True)
+
+    def _deliver(self, wait: bool) -> list | None:
         p = self.group.platform
         delivered = {}
         for leg in self.legs:
+            if leg.settled:
+                continue
             if leg.handle is not None:
+                if not wait:
+                    continue
                 leg.handle.wait()
+                leg.handle = None
+            leg.settled = True
             if leg.deferred or leg.joined:
                 continue
             for fp, grad in zip(leg.leg.params, self.group.sharded_gradients(leg.leg, leg.buffer)):
                 if p.param_requires_grad(fp.sharded_param):
                     delivered[id(fp)] = grad
-        logger.debug("%s: %d gradient shards delivered", self.name, len(delivered))
+        if delivered:
+            logger.debug("%s: %d gradient shards delivered", self.name, len(delivered))
         if self.placeholders is None:
             returned = [delivered[id(fp)] if id(fp) in delivered else p.grad_placeholder(fp.sharded_param)
                         for fp in self.group.params]
@@ -127,6 +153,15 @@ class UnitReduction:
             if id(fp) in delivered:
                 p.write_grad(fp.sharded_param, placeholder, delivered[id(fp)], self.to_main_grad)
         return None
+
+    def abandon(self) -> None:
+        """Wait the collectives still in flight and deliver nothing (an aborted
+        iteration's, see reset_iter_state)."""
+        for leg in self.legs:
+            if leg.handle is not None:
+                leg.handle.wait()
+                leg.handle = None
+            leg.settled = True
 
     def deliver_joined(self, leg: _LegInFlight, reduced: Any) -> None:
         """The joined all-reduce's stretch for ``leg``: deliver its gradients (after

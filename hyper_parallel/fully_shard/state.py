@@ -15,15 +15,30 @@ its forward saved.
 
 [Note: freeing full parameters between forward and backward]
 Autograd keeps the full parameters alive (a Linear saves its weight). Where the platform can
-release a tensor's memory while autograd holds the object (torch), ``reshard_after_forward``
-releases it and a gradient hook on the unit's outputs re-gathers into the same tensors just
-before the unit's backward. Where it cannot (MindSpore), the full parameters stay alive
-until the unit's backward and no second all-gather is issued (docs/platforms.md).
+release a tensor's memory while autograd holds the object (torch), resharding releases it,
+and the memory is gathered again into the same tensors before autograd reads them. Every
+forward of a unit with gradients enabled hooks its outputs: when their gradient arrives,
+the full parameters *that forward used* are re-gathered if their memory was released. So
+it does not matter what released them in between (``reshard_after_forward``, a second
+forward of the model, a ``no_grad`` forward of the unit, an explicit ``reshard()``, the end
+of an earlier backward over a retained graph): autograd never reads freed memory. Where the
+platform cannot release memory (MindSpore), the full parameters stay alive until the unit's
+backward and no second all-gather is issued (docs/platforms.md).
+
+[Note: FullParams: one all-gather's full parameters]
+Each unshard node's outputs are one ``FullParams``: the tensors, whether their memory is
+allocated (``live``, shared by every FullParams over the same memory) and whether the
+node's backward ran (``spent``). The unit's current one is what its modules compute with;
+earlier ones stay referenced by the graphs that saved them (and by their pre-backward
+hooks) until those graphs are gone. A node's backward releases its own FullParams, never
+the one the unit is using now.
 
 [Note: roots]
 The first unit whose forward runs becomes the root: it creates the IterationContext shared
 by every unit in its module tree, starts each iteration, and its final callback reshards
-everything after backward. The root never reshards after forward (its backward comes first).
+everything after backward. ``reshard_after_forward=None`` (the default) means True for
+every unit but the root, whose backward comes first; an explicit True on the root is
+honoured.
 """
 
 from __future__ import annotations
@@ -41,11 +56,32 @@ STATE_ATTR = "_hp_state"
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
+class _Memory:
+    """Whether some full parameters' memory is allocated; shared by the FullParams that
+    alias the same memory (a kept unit's next node), so releasing one shows on all."""
+
+    def __init__(self) -> None:
+        self.live = True
+
+
+class FullParams:
+    """The full parameters one unshard node produced (see the note "FullParams")."""
+
+    def __init__(self, memory: _Memory | None = None):
+        self.tensors: list = []
+        self.memory = memory if memory is not None else _Memory()
+        self.spent = False  # the node's backward ran
+
+    @property
+    def live(self) -> bool:
+        return self.memory.live
+
+
 class FSDPState:
     """State and hooks of one fully_shard unit (one module or a list of modules)."""
 
     def __init__(self, platform: Any, name: str, modules: list, group: Any,
-                 reshard_after_forward: bool, mp_policy: Any):
+                 reshard_after_forward: bool | None, mp_policy: Any):
         self.platform = platform
         self.unit_type = name
         self.name = name  # refined to "<fqn> (<type>)" once the root knows the tree
@@ -69,10 +105,8 @@ class FSDPState:
         self.backward_prefetch: list | None = None
         self.is_root: bool | None = None
         self.iteration: IterationContext | None = None
-        self._full: list | None = None       # this iteration's full parameters
-        self._storage_live = False           # False while their memory is released
+        self._full: FullParams | None = None  # what the modules compute with now
         self._keep_full = False              # survive the next iteration start
-        self._node_spent = False             # _full came from a node backward already ran
         self._forwards_done = 0              # modules of a list unit done this round
         self._unsharded_grads: list | None = None  # accumulated while sync is off
         self._floating = tuple(platform.dtype(n) for n in _FLOAT_NAMES)
@@ -122,21 +156,31 @@ class FSDPState:
             output = self._cast_tree(output, self.output_dtype)
         return output
 
+    @property
+    def reshards_after_forward(self) -> bool:
+        """``reshard_after_forward`` resolved: None means every unit but the root."""
+        if self.reshard_after_forward is None:
+            return not self.is_root
+        return bool(self.reshard_after_forward)
+
     def _after_forward(self, output: Any) -> None:
+        grad_enabled = self.platform.is_grad_enabled()
+        if grad_enabled and (self.is_root or self._full is not None):
+            # Hooked on every forward's outputs, the first gradient of backward also queues
+            # the end-of-backward callback from the outermost backward: queued first from a
+            # unit inside a nested backward (reentrant activation checkpointing), it would
+            # reshard every unit when that nested backward ends.
+            full = self._full
+            for tensor in self._tensors_in(output):
+                self.platform.register_grad_hook(tensor, lambda: self._pre_backward(full))
         self._forwards_done += 1
         if self._forwards_done >= len(self.modules):
             self._forwards_done = 0
-            if not self.platform.is_grad_enabled():
+            if not grad_enabled:
                 self.reshard()
-            elif self.is_root:
-                # Queue the end-of-backward callback from the first gradient of backward, so
-                # it belongs to the outermost backward: queued first from a unit inside a
-                # nested backward (reentrant activation checkpointing), it would reshard
-                # every unit when that nested backward ends.
-                for tensor in self._tensors_in(output):
-                    self.platform.register_grad_hook(tensor, self.iteration.ensure_final_callback)
-            elif self.reshard_after_forward:
-                self._reshard_after_forward(output)
+            elif self.reshards_after_forward and self._full is not None:
+                self._detach()
+                self._release(self._full)
 
     def begin_iteration(self) -> None:
         self._forwards_done = 0
@@ -150,23 +194,30 @@ class FSDPState:
         """Make the full parameters the modules' attributes (gathering them if needed)."""
         if self.group is None:
             return
-        if self._full is None:
+        full = self._full
+        if full is None:
             logger.debug("%s: unshard (all-gather)", self.name)
-            self._full = self.platform.differentiable_call(
-                self.group.local_shards(), self._gather_for_forward, self._post_backward)
-            self._storage_live = True
-        elif self._node_spent:
+            full = self._new_full(self._gather_for_forward)
+        elif full.spent:
             # kept after the last backward (reshard_after_backward=False): no all-gather,
             # but a new node, so this iteration's gradients get their own backward
-            kept = self._full
-            self._full = self.platform.differentiable_call(
-                self.group.local_shards(), lambda _: [self.platform.alias(t) for t in kept],
-                self._post_backward)
-            self._node_spent = False
-        elif not self._storage_live:
-            self._refill()
-        for fsdp_param, full in zip(self.group.params, self._full):
-            fsdp_param.attach(full)
+            if not full.live:
+                self._refill(full)
+            kept = full.tensors
+            full = self._new_full(lambda _: [self.platform.alias(t) for t in kept], full.memory)
+        elif not full.live:
+            self._refill(full)
+        self._full = full
+        for fsdp_param, tensor in zip(self.group.params, full.tensors):
+            fsdp_param.attach(tensor)
+
+    def _new_full(self, forward_fn, memory: _Memory | None = None) -> FullParams:
+        """One unshard node: the local shards in, ``forward_fn``'s full parameters out."""
+        full = FullParams(memory)
+        full.tensors = self.platform.differentiable_call(
+            self.group.local_shards(), forward_fn, lambda grads: self._post_backward(full, grads),
+            grads_to_inputs=self.platform.returns_grads_from_backward)
+        return full
 
     def prefetch(self) -> None:
         """Start this unit's all-gather early, to overlap it with another unit's compute
@@ -178,14 +229,24 @@ class FSDPState:
     def reshard(self) -> None:
         """Free the full parameters; the modules see their sharded parameters again."""
         self._keep_full = False
-        self._node_spent = False
         if self.group is None:
             return
         self.group.discard_gather()
         if self._full is None:
             return
-        self._detach_and_release()
+        self._detach()
+        self._release(self._full)
         self._full = None
+
+    def reset(self) -> None:
+        """``reset_iter_state``: reshard and drop what an aborted iteration left behind:
+        the count of a list unit's modules run, gradients accumulated with sync off, and
+        all-reduce sums deferred by ``set_requires_all_reduce(False)`` (as FSDP2 drops them)."""
+        self.reshard()
+        self._forwards_done = 0
+        self._unsharded_grads = None
+        for leg in self.group.legs if self.group is not None else ():
+            leg.bucket.discard_deferred()
 
     def keep_until_next_forward(self) -> None:
         self._keep_full = True
@@ -195,35 +256,34 @@ class FSDPState:
         # same values (possibly already in flight from a prefetch or an async unshard).
         return self.group.wait_gather()
 
-    def _refill(self) -> None:
+    def _refill(self, full: FullParams) -> None:
         logger.debug("%s: re-gather full parameters for backward", self.name)
         with self.platform.no_grad():
-            self.group.refill(self._full)
-        self._storage_live = True
+            self.group.refill(full.tensors)
+        full.memory.live = True
 
-    def _detach_and_release(self) -> None:
+    def _detach(self) -> None:
         for fsdp_param in self.group.params:
             fsdp_param.detach()
-        if self.platform.can_release_storage and self._storage_live:
-            for full in self._full:
-                self.platform.release_storage(full)
-        self._storage_live = False
 
-    def _reshard_after_forward(self, output: Any) -> None:
-        if self.group is None or self._full is None or not self.platform.can_release_storage:
-            return
-        self._detach_and_release()
-        for tensor in self._tensors_in(output):
-            self.platform.register_grad_hook(tensor, self._pre_backward)
+    def _release(self, full: FullParams) -> None:
+        """Free ``full``'s memory where the platform can (autograd keeps the tensors)."""
+        if self.platform.can_release_storage and full.live:
+            for tensor in full.tensors:
+                self.platform.release_storage(tensor)
+            full.memory.live = False
 
     # ---------------------------------------------------------------- backward
-    def _pre_backward(self) -> None:
+    def _pre_backward(self, full: FullParams | None) -> None:
+        """A gradient reached the outputs of a forward that used ``full``: its memory must
+        be there before autograd reads it (see the note "freeing full parameters")."""
         if self.iteration is not None:
             self.iteration.ensure_final_callback()
-        if self._full is not None and not self._storage_live:
-            self._refill()
-            for fsdp_param, full in zip(self.group.params, self._full):
-                fsdp_param.attach(full)
+        if full is not None and not full.live:
+            self._refill(full)
+            if full is self._full:
+                for fsdp_param, tensor in zip(self.group.params, full.tensors):
+                    fsdp_param.attach(tensor)
         targets = self.backward_prefetch
         if targets is None:
             targets = self.iteration.neighbours(self, step=-1)
@@ -231,20 +291,25 @@ class FSDPState:
             target._pre_backward_prefetch()
 
     def _pre_backward_prefetch(self) -> None:
-        if self.group is not None and self._full is not None and not self._storage_live \
+        full = self._full
+        if self.group is not None and full is not None and not full.live \
                 and not self.group.has_pending_gather():
             logger.debug("%s: prefetch re-gather issued", self.name)
             # its own pre-backward waits for it
-            self.group.issue_gather(async_op=True, released=self._full)
+            self.group.issue_gather(async_op=True, released=full.tensors)
 
-    def _post_backward(self, full_grads: list) -> list:
-        """The unshard node's backward: start the reduction (or accumulate locally) and
-        return what autograd should see for the shards (see reduction.py)."""
+    def _post_backward(self, full: FullParams, full_grads: list) -> list:
+        """The backward of ``full``'s unshard node: start the reduction (or accumulate
+        locally) and return what autograd should see for the shards (see reduction.py)."""
         self.iteration.ensure_final_callback()
+        full.spent = True
         if self.reshard_after_backward:
             # Free the full parameters before the reduction allocates its buffers, so
             # those can take their memory (FSDP2 reshards first too).
-            self.reshard()
+            if full is self._full:
+                self.reshard()
+            else:
+                self._release(full)
         p, group = self.platform, self.group
         dtype = resolve_reduce_dtype(group.reduce_dtype, group.param_dtype, p.dtype_of(full_grads[0]))
         full_grads = [p.cast(g, dtype) for g in full_grads]
@@ -281,7 +346,7 @@ class FSDPState:
             self.reshard()
         else:
             self.keep_until_next_forward()
-            self._node_spent = True
+            self._full.spent = True
 
     # ---------------------------------------------------------------- pytrees
     def _tensors_in(self, tree: Any):

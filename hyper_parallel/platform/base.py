@@ -63,6 +63,9 @@ class Platform(abc.ABC):
     can_release_storage: bool = False
     #: True where a sharded parameter must keep its padding rows (never be empty).
     pads_local_shards: bool = False
+    #: True where ``attach_tensor`` registers the full tensor as the module's parameter
+    #: (``parameters()`` yields it while the unit is unsharded, as FSDP2's do on torch).
+    registers_full_tensors: bool = False
 
     def __init__(self) -> None:
         self.comm_stats = CommStats()
@@ -117,6 +120,19 @@ class Platform(abc.ABC):
     def mesh_from_native(self, native_mesh: Any) -> tuple | None:
         """For a framework mesh object, ``(mesh_shape, dim_names, groups_per_dim, device_type,
         rank_grid)``; None if ``native_mesh`` is not one."""
+
+    @abc.abstractmethod
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        """A process group over the global ``ranks`` (ascending): a mesh role that joins
+        several dims needs one. Every rank calls this for every group, in the same order,
+        also the ranks outside ``ranks``."""
+
+    def mesh_from_groups(self, device_type: str, groups: Sequence[Any], rank_grid: list,
+                         dim_names: Sequence[str]) -> Any:
+        """The framework's own mesh whose dim ``i`` is ``groups[i]`` and whose ranks are
+        ``rank_grid`` (nested lists, one level per dim), for ``make_sharded_param``; None
+        where the framework needs none (the default)."""
+        return None
 
     @abc.abstractmethod
     def group_rank(self, group: Any) -> int:
@@ -365,6 +381,15 @@ class Platform(abc.ABC):
         """Whether the optimizer trains ``param`` (both frameworks spell it the same)."""
         return param.requires_grad
 
+    def param_local_values(self, param: Any) -> Any:
+        """The values fully_shard shards for ``param``: the parameter itself, or, where
+        tensor parallelism already split it across ranks (torch: a DTensor parameter), this
+        rank's part of it (no gradient recorded). The unit's full tensors are then that
+        part gathered over data parallel; ``make_sharded_param`` and ``attach_tensor`` make
+        them the tensor-parallel parameter again. The default (no tensor-parallel
+        parameters, MindSpore) is ``param`` itself."""
+        return param
+
     @abc.abstractmethod
     def make_sharded_param(self, orig_param: Any, local_shard: Any, native_mesh: Any,
                            shard_mesh_dim: int, shard_dim: int, full_shape: tuple,
@@ -379,7 +404,14 @@ class Platform(abc.ABC):
         (the shard with padding rows after it). Where views write through, the parameter
         then keeps that view instead of a copy, so ``backing`` stays the padded shard as the
         optimizer updates it (``starts_with`` tells whether it still is); elsewhere it is
-        ignored."""
+        ignored.
+
+        ``orig_param`` split by tensor parallelism (``param_local_values`` is its local
+        part, which ``local_shard`` and ``full_shape`` describe): the parameter spans the
+        data-parallel and the tensor-parallel mesh dims, with the tensor-parallel
+        placements on the latter (torch: as FSDP2's, ``_StridedShard`` where both shard
+        the same dim), and ``attach_tensor`` presents full tensors for it as
+        tensor-parallel parameters."""
 
     @abc.abstractmethod
     def starts_with(self, whole: Any, part: Any) -> bool:
@@ -409,33 +441,47 @@ class Platform(abc.ABC):
 
     @abc.abstractmethod
     def write_grad(self, param: Any, placeholder: Any, local_grad: Any, to_main_grad: bool) -> None:
-        """Deliver a reduced gradient shard: accumulate it into ``param.grad`` (torch) or
-        fill ``placeholder`` (MindSpore); with ``to_main_grad`` accumulate it in float32 into
-        ``param.main_grad`` instead and leave the gradient untouched."""
+        """Deliver a reduced gradient shard, as soon as its reduction completes (during
+        backward, or when a later drain finishes it): accumulate it into ``param.grad``
+        (torch) or fill ``placeholder`` (MindSpore); with ``to_main_grad`` accumulate it in
+        float32 into ``param.main_grad`` instead and leave the gradient untouched. Then run
+        what the framework runs once a leaf's gradient is accumulated (torch: the
+        parameter's post-accumulate-grad hooks)."""
 
     def attach_tensor(self, module: Any, attr_name: str, tensor: Any) -> None:
-        """Make ``module.<attr_name>`` read ``tensor`` while the registered parameter stays.
+        """Make ``module.<attr_name>`` read ``tensor``, the full parameter, after
+        ``register_param`` registered the sharded one there; ``registers_full_tensors``
+        says whether the full tensor is also what the module's parameters yield.
 
-        An instance attribute shadows a registered parameter in both frameworks' attribute
-        lookup, so the module computes with the full tensor while ``parameters()`` and the
-        optimizer keep seeing the sharded one.
+        By default an instance attribute shadows the registered parameter in both
+        frameworks' attribute lookup, so the module computes with the full tensor while
+        ``parameters()`` keeps seeing the sharded one.
+
+        For a tensor-parallel parameter (``param_local_values``) ``tensor`` is this rank's
+        tensor-parallel part, and the module reads it as the tensor-parallel parameter
+        (torch: a DTensor over the tensor-parallel mesh, differentiable to ``tensor``).
         """
         object.__setattr__(module, attr_name, tensor)
 
     def detach_tensor(self, module: Any, attr_name: str) -> None:
-        """Undo ``attach_tensor``: ``module.<attr_name>`` is the registered parameter again."""
+        """Undo ``attach_tensor``: ``module.<attr_name>`` and the module's parameters are
+        the sharded parameter again (detaching twice is harmless)."""
         module.__dict__.pop(attr_name, None)
 
     # ------------------------------------------------------------------ autograd and hooks
     @abc.abstractmethod
     def differentiable_call(self, inputs: Sequence[Any], forward_fn: Callable,
-                            backward_fn: Callable) -> list:
+                            backward_fn: Callable, grads_to_inputs: bool = True) -> list:
         """Run ``forward_fn(inputs) -> outputs`` (a list of tensors) so that autograd calls
         ``backward_fn(output_grads) -> input_grads`` exactly once per backward, after the
         gradients of *all* outputs (every use) have been summed. Whatever the node saves
         for backward bypasses the user's saved-tensor hooks (activation checkpointing
         matches saved tensors by position, and a recomputation that finds the parameters
-        there makes no node)."""
+        there makes no node). ``grads_to_inputs=False``: the node still runs when any input
+        requires a gradient, but what ``backward_fn`` returns is dropped and the inputs
+        receive no gradient from it (the caller delivers gradients itself, and autograd
+        must not touch the inputs: on torch it would run their post-accumulate-grad
+        hooks)."""
 
     @abc.abstractmethod
     def register_forward_hooks(self, module: Any, pre_hook: Callable, post_hook: Callable) -> list:

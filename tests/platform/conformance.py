@@ -126,6 +126,17 @@ class _TorchSide:
     def set_requires_grad(self, param, flag: bool) -> None:
         param.requires_grad_(flag)
 
+    def tensor_parallel_param(self, array: np.ndarray, native_mesh, mesh_dim: str, dim: int):
+        """``array`` as a DTensor parameter sharded on ``dim`` over ``native_mesh[mesh_dim]``
+        (tensor parallelism; only torch has it)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        sub = native_mesh[mesh_dim]
+        part = np.array_split(array, sub.size(), axis=dim)[sub.get_local_rank()]
+        tensor = DTensor.from_local(self.torch.from_numpy(part.copy()), sub, [Shard(dim)],
+                                    run_check=False)
+        return self.torch.nn.Parameter(tensor)
+
     def weighted_sum(self, tensor, weights: np.ndarray):
         """sum(tensor * weights) as a differentiable scalar."""
         return (tensor * self.torch.from_numpy(weights)).sum()
@@ -1009,15 +1020,20 @@ def check_attach_detach_tensor(ctx):
     x = _arange(2, 4) * 0.1
     full_np = np.full((3, 4), -0.25, np.float32)
     full = p.from_numpy(full_np)
+    p.register_param(model.fc1, "weight", param)  # as fully_shard registers the sharded one
     p.attach_tensor(model.fc1, "weight", full)
     _check(model.fc1.weight is full, "after attach_tensor, module.weight is not the tensor")
-    _check(dict(p.direct_params(model.fc1))["weight"] is param,
-           "after attach_tensor, direct_params no longer returns the registered param")
+    registered = dict(p.direct_params(model.fc1))["weight"]
+    expected = full if p.registers_full_tensors else param
+    _check(registered is expected, f"after attach_tensor, direct_params returns {registered!r}; "
+           f"registers_full_tensors={p.registers_full_tensors}")
     values = dict(_model_values(), **{"fc1.weight": full_np})
     _same(_values(ctx, model(_f32(ctx, x))), model_reference(x, values),
           "forward with the attached tensor", tol=1e-5)
     p.detach_tensor(model.fc1, "weight")
     _check(model.fc1.weight is param, "after detach_tensor, module.weight is not the param")
+    _check(dict(p.direct_params(model.fc1))["weight"] is param,
+           "after detach_tensor, direct_params does not return the registered param")
     _same(_values(ctx, model(_f32(ctx, x))), model_reference(x), "forward after detach", tol=1e-5)
     p.detach_tensor(model.fc1, "weight")  # detaching twice is harmless
     _check(model.fc1.weight is param, "a second detach_tensor lost the param")
@@ -1143,6 +1159,29 @@ def check_differentiable_call(ctx):
     _same(grads[1], c, "backward_fn's gradient of output 1", tol=1e-6)
     _same(gx, 2 * (a + b) + c, "input gradient x", tol=1e-6)
     _same(gy, c, "input gradient y", tol=1e-6)
+
+
+@local_check
+def check_differentiable_call_detached(ctx):
+    """grads_to_inputs=False: backward_fn still runs once with the summed gradients, but
+    the inputs receive nothing from it (None or zeros)."""
+    p = ctx.p
+    x, y = _arange(3) + 1, _arange(3) * -0.5
+    a, c = _arange(3) + 0.5, np.array([3, 0, -2], np.float32)
+    log = []
+    forward_fn, backward_fn = _differentiable_pair(ctx, log)
+
+    def loss_fn(inputs):
+        out = p.differentiable_call(inputs, forward_fn, backward_fn, grads_to_inputs=False)
+        return ctx.side.weighted_sum(out[0], a) + ctx.side.weighted_sum(out[1], c)
+
+    loss, grads, _ = ctx.side.backward(loss_fn, [x, y])
+    _same(loss, float(np.sum(2 * x * a) + np.sum((x + y) * c)), "loss", tol=1e-5)
+    kinds = [entry[0] for entry in log]
+    _check(kinds == ["forward", "backward"], f"forward_fn/backward_fn calls: {kinds}")
+    _same(log[1][1][0], a, "backward_fn's gradient of output 0", tol=1e-6)
+    for name, grad in zip("xy", grads):
+        _check(grad is None or not np.any(grad), f"input {name} received {grad!r}")
 
 
 @local_check
@@ -1347,6 +1386,27 @@ def check_new_mesh_groups(ctx):
     _check(p.group_rank(made[(w,)][0][0]) == ctx.rank, "group_rank in the 1-D mesh group")
     _check(p.group_rank(made[(1, w)][0][0]) == 0, "group_rank in a size-1 dim group")
     _same(_values(ctx, probe), [float(w)], "all_reduce on the size-w dim of a (1, w) mesh")
+
+
+@collective_check(even=True)
+def check_new_group(ctx):
+    """Groups over explicit rank lists (evens, odds), made by every rank in the same order:
+    each rank's own group has the right size, rank and members; a framework mesh over it
+    (where the platform makes one) lists the same ranks."""
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    evens, odds = list(range(0, w, 2)), list(range(1, w, 2))
+    groups = {0: p.new_group(evens), 1: p.new_group(odds)}
+    peers, mine = (evens, odds)[r % 2], groups[r % 2]
+    _check(p.group_size(mine) == len(peers), f"new_group({peers}): size {p.group_size(mine)}")
+    _check(p.group_rank(mine) == peers.index(r), f"new_group({peers}): rank {p.group_rank(mine)}")
+    probe = _f32(ctx, [float(r)])
+    p.all_reduce(probe, mine)
+    _same(_values(ctx, probe), [float(sum(peers))], f"all_reduce over new_group({peers})")
+    native = p.mesh_from_groups(p.device_type(), [mine], peers, ("dp",))
+    if native is not None:
+        described = p.mesh_from_native(native)
+        _check(described is not None and list(described[4]) == peers,
+               f"mesh_from_groups over {peers}: described as {described}")
 
 
 @collective_check()
@@ -1769,6 +1829,45 @@ def check_make_sharded_param(ctx):
     _, _, (grad,) = ctx.side.backward(
         lambda _: ctx.side.weighted_sum(p.local_tensor(param), weights), [], [param])
     _same(grad, weights, "gradient of the sharded param through local_tensor", tol=1e-6)
+
+
+@collective_check(min_world=4, even=True)
+def check_mesh2d_tensor_parallel_param(ctx):
+    """param_local_values, make_sharded_param and attach_tensor for a parameter that
+    tensor parallelism split over the "shard" dim of the 2-D mesh, sharded further over its
+    "replicate" dim (standing in for data parallel)."""
+    p = ctx.p
+    plain = ctx.side.new_param(_arange(3, 4), "conf.plain")
+    _check(p.param_local_values(plain) is plain,
+           "param_local_values of a parameter no parallelism split must be the parameter")
+    make = getattr(ctx.side, "tensor_parallel_param", None)
+    if make is None:
+        raise Skip(f"{p.name} has no tensor-parallel parameters")
+    mesh = ctx.mesh2.native
+    dp, tp = mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")
+    tp_size = mesh.size(1)
+    full = _arange(3, 2 * tp_size * 2)  # split on dim 1: tp_size parts, each over 2 dp ranks
+    param = make(full, mesh, "shard", 1)
+    local = p.param_local_values(param)
+    part = full[:, 4 * tp:4 * tp + 4]
+    _check(p.shape(local) == (3, 4), f"param_local_values shape {p.shape(local)}, expected (3, 4)")
+    _same(_values(ctx, local), part, "param_local_values: this rank's tensor-parallel part")
+    sharded = p.make_sharded_param(param, p.narrow(local, 1, 2 * dp, 2), mesh["replicate"], 0, 1,
+                                   (3, 4))
+    _check(p.shape(sharded) == (3, 4 * tp_size), f"the sharded parameter's shape "
+           f"{p.shape(sharded)} must be the tensor-parallel parameter's, (3, {4 * tp_size})")
+    _same(_values(ctx, p.local_tensor(sharded)), part[:, 2 * dp:2 * dp + 2],
+          "local_tensor of a tensor-parallel sharded parameter")
+    model = ctx.side.model()
+    p.register_param(model.fc1, "weight", sharded)
+    p.attach_tensor(model.fc1, "weight", p.from_numpy(part))
+    attached = model.fc1.weight
+    _check(p.shape(attached) == (3, 4 * tp_size), f"attach_tensor of a tensor-parallel part "
+           f"must present the tensor-parallel parameter (shape (3, {4 * tp_size})), got "
+           f"{p.shape(attached)}")
+    _same(_values(ctx, attached), part, "attached tensor-parallel parameter's local values")
+    p.detach_tensor(model.fc1, "weight")
+    _check(model.fc1.weight is sharded, "after detach_tensor, module.weight is not the param")
 
 
 def _views_write_through(ctx) -> bool:

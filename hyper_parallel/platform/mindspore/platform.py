@@ -165,14 +165,16 @@ class MindSporePlatform(Platform):
             mine = None
             for line in lines:  # every rank creates every group, in the same order
                 ranks = [int(r) for r in line]
-                if len(ranks) == self.world_size():
-                    group = GlobalComm.WORLD_COMM_GROUP
-                else:
-                    group = msdist.new_group(ranks, backend="mccl" if self._on_cpu else "hccl")
+                group = self.new_group(ranks)
                 if me in ranks:
                     mine = group
             groups.append(mine)
         return groups, None
+
+    def new_group(self, ranks):
+        if len(ranks) == self.world_size():
+            return GlobalComm.WORLD_COMM_GROUP
+        return msdist.new_group(list(ranks), backend="mccl" if self._on_cpu else "hccl")
 
     def mesh_from_native(self, native_mesh):
         return None
@@ -450,12 +452,17 @@ class MindSporePlatform(Platform):
             param.main_grad = local_grad if existing is None else existing + local_grad
         else:
             self.copy_into(placeholder, local_grad)  # value_and_grad returned this very tensor
+        # No hook to run: MindSpore has no post-accumulate-grad hook, and a Parameter's
+        # register_hook already saw what the unshard node's backward returned for it.
 
     # ------------------------------------------------------------------ autograd and hooks
-    def differentiable_call(self, inputs, forward_fn, backward_fn):
+    def differentiable_call(self, inputs, forward_fn, backward_fn, grads_to_inputs=True):
         # A custom-bprop Cell saves its inputs and outputs for backward. Kept out of the
         # user's saved-tensor hooks: non-reentrant mindspore.recompute matches saved tensors
         # by position, and the recomputed forward finds the parameters there and makes no node.
+        if not grads_to_inputs:  # the bprop's None becomes zeros (see _CoreDefinedCell)
+            backward = backward_fn
+            backward_fn = lambda grads: [None for _ in backward(grads)]  # noqa: E731
         with _disable_saved_tensors_hooks("hyper_parallel: unshard node",
                                           is_error_on_outer_hook=False):
             return list(_CoreDefinedCell(forward_fn, backward_fn)(*inputs))

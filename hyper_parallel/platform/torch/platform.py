@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial
 
 from hyper_parallel.platform.base import Handle, Platform
 from hyper_parallel.platform.torch.released_memory import ReleasedMemory
@@ -37,6 +38,28 @@ _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
     "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
 }
+
+
+# on a module with sharded parameters: {attribute name: its sharded parameter}
+_SHARDED_PARAMS = "_hp_sharded_params"
+
+
+def _register_sharded(module) -> None:
+    """Make the module's registered parameters its sharded ones again."""
+    module._parameters.update(module.__dict__[_SHARDED_PARAMS])
+
+
+# on a sharded parameter made from a tensor-parallel DTensor: (its tensor-parallel mesh,
+# placements, global shape, global stride), to present the full tensors as such DTensors
+_TP_SPEC = "_hp_tp_spec"
+
+
+def _strided_shard(dim: int, split_factor: int):
+    """FSDP2's placement for sharding a dim over data parallel that tensor parallelism,
+    on a mesh dim to its right, already splits ``split_factor`` ways."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 def _check_version() -> None:
@@ -61,6 +84,7 @@ def _uses_list_reduce_scatter(group, input_bytes: int) -> bool:
 class TorchPlatform(Platform):
     name = "torch"
     can_release_storage = True
+    registers_full_tensors = True
 
     def __init__(self) -> None:
         _check_version()
@@ -70,6 +94,7 @@ class TorchPlatform(Platform):
         # pool moves memory with a private storage method: a torch without it frees.
         self._released = ReleasedMemory() if self.device_type() == "cpu" and hasattr(
             torch.UntypedStorage, "_swap_data_ptr_") else None
+        self._spmd_meshes = {}  # see _spmd_mesh
 
     def keep_released_memory(self, nbytes: int) -> None:
         if self._released is not None:
@@ -118,6 +143,15 @@ class TorchPlatform(Platform):
         groups = [native_mesh.get_group(i) for i in range(native_mesh.ndim)]
         return (tuple(native_mesh.mesh.shape), tuple(names), groups,
                 native_mesh.device_type, native_mesh.mesh.tolist())
+
+    def new_group(self, ranks):
+        if len(ranks) == self.world_size():
+            return dist.group.WORLD
+        return dist.new_group(list(ranks))
+
+    def mesh_from_groups(self, device_type, groups, rank_grid, dim_names):
+        return TorchDeviceMesh.from_group(list(groups), device_type, mesh=rank_grid,
+                                          mesh_dim_names=tuple(dim_names))
 
     def group_rank(self, group) -> int:
         return dist.get_rank(group)
@@ -313,10 +347,91 @@ class TorchPlatform(Platform):
 
     def register_param(self, module, attr_name, param) -> None:
         module._parameters[attr_name] = param
+        sharded = module.__dict__.get(_SHARDED_PARAMS)
+        if sharded is None:
+            sharded = module.__dict__[_SHARDED_PARAMS] = {}
+            # state dicts hold the sharded parameters whatever the unit's state (FSDP2)
+            module.register_state_dict_pre_hook(lambda m, *_: _register_sharded(m))
+            module.register_load_state_dict_pre_hook(lambda m, *_: _register_sharded(m))
+        sharded[attr_name] = param
+
+    def attach_tensor(self, module, attr_name, tensor) -> None:
+        # As FSDP2: while the unit is unsharded, parameters() and named_parameters() yield
+        # the full tensors; module.<attr_name> reads them from there.
+        tp = getattr(module.__dict__.get(_SHARDED_PARAMS, {}).get(attr_name), _TP_SPEC, None)
+        if tp is not None:
+            # this rank's tensor-parallel part, as the tensor-parallel DTensor the layers
+            # compute with; its gradient comes back to ``tensor`` as a local tensor
+            mesh, placements, shape, stride = tp
+            tensor = DTensor.from_local(tensor, mesh, placements, run_check=False,
+                                        shape=shape, stride=stride)
+        module._parameters[attr_name] = tensor
+
+    def detach_tensor(self, module, attr_name) -> None:
+        module._parameters[attr_name] = module.__dict__[_SHARDED_PARAMS][attr_name]
+
+    def param_local_values(self, param):
+        if not isinstance(param, DTensor):
+            return param
+        if any(isinstance(pl, Partial) for pl in param.placements):
+            raise ValueError(f"fully_shard takes DTensor parameters that are sharded or "
+                             f"replicated over their mesh (tensor parallelism); this one has "
+                             f"placements {param.placements}: redistribute it first")
+        return param.to_local().detach()
+
+    def _spmd_mesh(self, dp_mesh, tp_mesh):
+        """The mesh (data-parallel dims, then tensor-parallel dims) a tensor-parallel
+        parameter's shard lives on: the two concatenated where they come from one torch
+        mesh (FSDP2's), else one made from their groups, with the rank grid gathered once
+        from every rank (all ranks shard the same parameters in the same order)."""
+        key = (id(dp_mesh), id(tp_mesh))
+        if key in self._spmd_meshes:
+            return self._spmd_meshes[key][2]
+        dp_ranks, tp_ranks = dp_mesh.mesh.flatten().tolist(), tp_mesh.mesh.flatten().tolist()
+        if set(dp_ranks) & set(tp_ranks) != {self.rank()}:
+            raise ValueError(f"a tensor-parallel parameter's mesh {tp_mesh} shares ranks other "
+                             f"than this one with the data-parallel mesh {dp_mesh}; tensor "
+                             f"parallelism must use the mesh dims that fully_shard does not")
+        names = tuple(dp_mesh.mesh_dim_names or ()) + tuple(tp_mesh.mesh_dim_names or ())
+        mesh = None
+        concatenate = getattr(TorchDeviceMesh, "_concatenate", None)
+        if concatenate is not None and len(set(names)) == dp_mesh.ndim + tp_mesh.ndim:
+            try:
+                mesh = concatenate([dp_mesh, tp_mesh])
+            except (RuntimeError, AttributeError):
+                mesh = None  # not slices of one torch mesh
+        if mesh is None:
+            everyone = [None] * self.world_size()
+            dist.all_gather_object(everyone, (self.rank(), tp_ranks))
+            tp_of = dict(everyone)
+            grid = torch.tensor([tp_of[r] for r in dp_ranks]).reshape(
+                *dp_mesh.mesh.shape, *tp_mesh.mesh.shape)
+            groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)] + \
+                     [tp_mesh.get_group(i) for i in range(tp_mesh.ndim)]
+            if len(set(names)) != len(groups):
+                names = tuple(f"dp{i}" for i in range(dp_mesh.ndim)) + \
+                    tuple(f"tp{i}" for i in range(tp_mesh.ndim))
+            mesh = TorchDeviceMesh.from_group(groups, dp_mesh.device_type, mesh=grid,
+                                              mesh_dim_names=names)
+        self._spmd_meshes[key] = (dp_mesh, tp_mesh, mesh)  # keeps the ids valid
+        return mesh
 
     def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
                            shard_dim, full_shape, backing=None):
         placements = [Replicate()] * native_mesh.ndim
+        tp = None
+        if isinstance(orig_param, DTensor):
+            # already split by tensor parallelism: the shard spans both, as FSDP2's
+            spec = orig_param._spec
+            tp = (orig_param.device_mesh, tuple(orig_param.placements), orig_param.shape,
+                  orig_param.stride())
+            if shard_dim is not None:
+                split = spec.num_shards_map[shard_dim]
+                placements[shard_mesh_dim] = (_strided_shard(shard_dim, split) if split > 1
+                                              else Shard(shard_dim))
+            placements += list(orig_param.placements)
+            native_mesh = self._spmd_mesh(native_mesh, orig_param.device_mesh)
+            full_shape, shard_dim = tuple(orig_param.shape), None
         if shard_dim is not None:
             placements[shard_mesh_dim] = Shard(shard_dim)
         stride = torch.empty(full_shape, device="meta").stride()
@@ -328,7 +443,10 @@ class TorchPlatform(Platform):
             own = local_shard.detach().clone(memory_format=torch.contiguous_format)
         dtensor = DTensor.from_local(own, native_mesh, placements,
                                      run_check=False, shape=torch.Size(full_shape), stride=stride)
-        return torch.nn.Parameter(dtensor, requires_grad=orig_param.requires_grad)
+        param = torch.nn.Parameter(dtensor, requires_grad=orig_param.requires_grad)
+        if tp is not None:
+            setattr(param, _TP_SPEC, tp)
+        return param
 
     def local_tensor(self, param):
         return param.to_local()
@@ -348,10 +466,18 @@ class TorchPlatform(Platform):
         attr = "main_grad" if to_main_grad else "grad"
         existing = getattr(param, attr, None)
         setattr(param, attr, grad if existing is None else existing + grad)
+        # Autograd accumulates nothing into a sharded parameter (the unshard node returns no
+        # gradient for it): the hooks of register_post_accumulate_grad_hook run here, once
+        # the reduced gradient is in place, without grad recording, as autograd runs them.
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            with torch.no_grad():
+                for hook in list(hooks.values()):
+                    hook(param)
 
     # ------------------------------------------------------------------ autograd and hooks
-    def differentiable_call(self, inputs, forward_fn, backward_fn):
-        return run_differentiable(inputs, forward_fn, backward_fn)
+    def differentiable_call(self, inputs, forward_fn, backward_fn, grads_to_inputs=True):
+        return run_differentiable(inputs, forward_fn, backward_fn, grads_to_inputs)
 
     def register_forward_hooks(self, module, pre_hook, post_hook):
         return [

@@ -26,6 +26,19 @@ class _CoreDefinedFunction(torch.autograd.Function):
         return (None, None, *input_grads)
 
 
-def run_differentiable(inputs, forward_fn, backward_fn) -> list:
-    """Apply the core's (forward_fn, backward_fn) pair as one autograd node."""
-    return list(_CoreDefinedFunction.apply(forward_fn, backward_fn, *inputs))
+def run_differentiable(inputs, forward_fn, backward_fn, grads_to_inputs=True) -> list:
+    """Apply the core's (forward_fn, backward_fn) pair as one autograd node. Without
+    ``grads_to_inputs`` the node hangs off one private empty tensor instead of the inputs:
+    autograd then never reaches them (no accumulation into ``.grad`` and none of their
+    post-accumulate-grad hooks, which the platform runs itself when it writes the reduced
+    gradient), and backward_fn's results are dropped."""
+    if grads_to_inputs:
+        return list(_CoreDefinedFunction.apply(forward_fn, backward_fn, *inputs))
+    anchor = torch.empty(0, requires_grad=any(t.requires_grad for t in inputs))
+
+    def backward_to_anchor(grads):
+        backward_fn(grads)
+        return [None]
+
+    return list(_CoreDefinedFunction.apply(lambda _: forward_fn(list(inputs)),
+                                           backward_to_anchor, anchor))
