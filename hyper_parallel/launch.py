@@ -21,6 +21,11 @@ starts (the framework's kernel and communication threads) inherits it. Unbound, 
 ranks' threads between cores, and a thread that spins while waiting for a collective
 (MindSpore's runtime does) can take a core from another rank's computation.
 
+Ranks start quiet: the frameworks' native loggers (MindSpore's glog, torch's C++ log that
+gloo writes through) are set to errors only, so the first screen is the user's own output.
+A level the user set (``GLOG_v``, ``TORCH_CPP_LOG_LEVEL``) is kept, and ``--verbose`` keeps
+the frameworks' defaults (``NATIVE_LOG_QUIET``).
+
 ``find_free_port``, ``rank_environment``, ``core_slices`` and ``RankProcesses`` are the reusable
 pieces; the test harness (tests/multirank.py) and the benchmarks drive them with log files
 instead of pipes.
@@ -43,6 +48,9 @@ CAN_BIND_CORES = hasattr(os, "sched_setaffinity")  # Linux; not macOS or Windows
 TIMEOUT_EXIT_CODE = 124
 _POLL_S = 0.05
 _TAIL_LINES = 20
+# the native loggers' "errors only" levels: MindSpore's glog (0 debug .. 3 error) and torch's
+# C++ log (gloo's warnings go through it)
+NATIVE_LOG_QUIET = {"GLOG_v": "3", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -54,10 +62,12 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 def rank_environment(rank: int, local_rank: int, world_size: int, local_world_size: int,
                      master_addr: str, master_port: int, backend: str | None = None,
-                     base: dict[str, str] | None = None) -> dict[str, str]:
+                     base: dict[str, str] | None = None,
+                     verbose: bool = False) -> dict[str, str]:
     """Environment of one rank: ``base`` (default ``os.environ``) plus the rendezvous variables.
 
-    ``backend`` None keeps whatever HP_BACKEND the caller inherited.
+    ``backend`` None keeps whatever HP_BACKEND the caller inherited. Unless ``verbose``, the
+    native loggers are kept at errors only where ``base`` sets no level of its own.
     """
     env = dict(os.environ if base is None else base)
     env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
@@ -67,6 +77,9 @@ def rank_environment(rank: int, local_rank: int, world_size: int, local_world_si
         env["HP_BACKEND"] = backend
     # N ranks each running one OpenMP thread per core would oversubscribe the CPUs N-fold.
     env.setdefault("OMP_NUM_THREADS", "1")
+    if not verbose:
+        for name, level in NATIVE_LOG_QUIET.items():
+            env.setdefault(name, level)
     return env
 
 
@@ -229,6 +242,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bind-cores", action="store_true",
                         help="bind each local rank to its own equal slice of the cores hp-run "
                              "may use (ranks share cores when there are more ranks than cores)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="keep the frameworks' native logging at their own default levels "
+                             "(by default the ranks' MindSpore and gloo logs show errors only)")
     parser.add_argument("script", help="Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     args = parser.parse_args(argv)
@@ -255,7 +271,8 @@ def _run(args: argparse.Namespace) -> int:
     first = args.node_rank * args.nproc
     port = args.master_port if args.master_port is not None else find_free_port()
     envs = [rank_environment(first + i, i, args.nnodes * args.nproc, args.nproc,
-                             args.master_addr, port, args.backend) for i in range(args.nproc)]
+                             args.master_addr, port, args.backend, verbose=args.verbose)
+            for i in range(args.nproc)]
     command = [sys.executable, args.script, *args.script_args]
     cores = core_slices(args.nproc) if args.bind_cores else None
     ranks = RankProcesses([command] * args.nproc, envs, cores=cores)

@@ -38,9 +38,9 @@ def wait_for(paths, limit=20):
 """
 
 
-def _hp_run(*argv, timeout=60):
+def _hp_run(*argv, timeout=60, env=None):
     return subprocess.run([sys.executable, "-m", "hyper_parallel.launch", *map(str, argv)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _write_script(tmp_path, body):
@@ -101,6 +101,27 @@ def test_hp_run_sets_rank_environment_and_prefixes_output(tmp_path, nodes, first
         ports.add(int(fields["MASTER_PORT"]))
         assert f"[rank {rank}] to stderr" in result.stderr.splitlines()
     assert len(ports) == 1 and (not nodes or ports == {29531})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("user_level, argv, expected", [
+    (None, [], {"GLOG_v": "3", "TORCH_CPP_LOG_LEVEL": "ERROR"}),
+    ("1", [], {"GLOG_v": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}),
+    (None, ["--verbose"], {"GLOG_v": None, "TORCH_CPP_LOG_LEVEL": None}),
+], ids=["quiet_by_default", "user_level_kept", "verbose"])
+def test_hp_run_keeps_native_logs_at_errors_unless_asked(tmp_path, user_level, argv, expected):
+    """The frameworks' native loggers show errors only, unless the user set a level or passed
+    --verbose (then the frameworks' own defaults apply)."""
+    script = _write_script(tmp_path, """
+        print(f"GLOG_v={os.environ.get('GLOG_v')} CPP={os.environ.get('TORCH_CPP_LOG_LEVEL')}")
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOG_v", "TORCH_CPP_LOG_LEVEL")}
+    if user_level is not None:
+        env["GLOG_v"] = user_level
+    result = _hp_run("--nproc", 2, *argv, script, env=env)
+    assert result.returncode == 0, result.stderr
+    want = f"GLOG_v={expected['GLOG_v']} CPP={expected['TORCH_CPP_LOG_LEVEL']}"
+    assert [line.split("] ", 1)[1] for line in result.stdout.splitlines()] == [want, want]
 
 
 @pytest.mark.timeout(60)
