@@ -23,8 +23,10 @@ ranks' threads between cores, and a thread that spins while waiting for a collec
 
 Ranks start quiet: the frameworks' native loggers (MindSpore's glog, torch's C++ log that
 gloo writes through) are set to errors only, so the first screen is the user's own output.
-A level the user set (``GLOG_v``, ``TORCH_CPP_LOG_LEVEL``) is kept, and ``--verbose`` keeps
-the frameworks' defaults (``NATIVE_LOG_QUIET``).
+A level the user set (``GLOG_v``, ``MS_SUBMODULE_LOG_v``, ``TORCH_CPP_LOG_LEVEL``) is kept, and ``--verbose`` keeps
+the frameworks' defaults (``NATIVE_LOG_QUIET``). MindSpore's start-up threads can log
+before its level is read, so a quiet relay also drops the lines in MindSpore's own format
+below error level (``_NATIVE_BELOW_ERROR``).
 
 ``find_free_port``, ``rank_environment``, ``core_slices`` and ``RankProcesses`` are the reusable
 pieces; the test harness (tests/multirank.py) and the benchmarks drive them with log files
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -48,9 +51,16 @@ CAN_BIND_CORES = hasattr(os, "sched_setaffinity")  # Linux; not macOS or Windows
 TIMEOUT_EXIT_CODE = 124
 _POLL_S = 0.05
 _TAIL_LINES = 20
-# the native loggers' "errors only" levels: MindSpore's glog (0 debug .. 3 error) and torch's
-# C++ log (gloo's warnings go through it)
-NATIVE_LOG_QUIET = {"GLOG_v": "3", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+# the native loggers' "errors only" levels, per framework: MindSpore's glog (0 debug .. 3
+# error; its DISTRIBUTED module logs INFO lines at start-up unless given a level of its own)
+# and torch's C++ log (gloo's warnings go through it). A framework whose variables the user
+# set any of is left as the user set it.
+# "[INFO] DISTRIBUTED(pid,thread,python):time [file:line] ..." as MindSpore's C++ log writes it
+_NATIVE_BELOW_ERROR = re.compile(rb"^\[(DEBUG|INFO|WARNING)\] [A-Z_]+\(\d+,\w+,")
+NATIVE_LOG_QUIET = (
+    {"GLOG_v": "3", "MS_SUBMODULE_LOG_v": "{DISTRIBUTED:3}"},
+    {"TORCH_CPP_LOG_LEVEL": "ERROR"},
+)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -78,8 +88,9 @@ def rank_environment(rank: int, local_rank: int, world_size: int, local_world_si
     # N ranks each running one OpenMP thread per core would oversubscribe the CPUs N-fold.
     env.setdefault("OMP_NUM_THREADS", "1")
     if not verbose:
-        for name, level in NATIVE_LOG_QUIET.items():
-            env.setdefault(name, level)
+        for levels in NATIVE_LOG_QUIET:
+            if not any(name in env for name in levels):
+                env.update(levels)
     return env
 
 
@@ -210,12 +221,15 @@ def _on_signal(signum, _frame):
 
 
 def _relay(pipe, prefix: bytes, sink, lock: threading.Lock,
-           tail: collections.deque | None) -> None:
+           tail: collections.deque | None, quiet: bool) -> None:
     """Copy ``pipe`` to ``sink`` line by line under ``prefix``; keep the last lines in ``tail``.
 
-    The lock keeps lines of different ranks from interleaving mid-line.
+    The lock keeps lines of different ranks from interleaving mid-line. ``quiet`` drops the
+    framework's native lines below error level.
     """
     for line in iter(pipe.readline, b""):
+        if quiet and _NATIVE_BELOW_ERROR.match(line):
+            continue
         if not line.endswith(b"\n"):
             line += b"\n"
         with lock:
@@ -279,13 +293,16 @@ def _run(args: argparse.Namespace) -> int:
     tails = [collections.deque(maxlen=_TAIL_LINES) for _ in ranks.procs]
     relays: list[threading.Thread] = []
     timed_out, failed = False, None
+    # the user asked for MindSpore's log by setting its level: relay it whole
+    drop_native = not args.verbose and not any(name in os.environ for name in NATIVE_LOG_QUIET[0])
     try:
         lock = threading.Lock()
         for i, proc in enumerate(ranks.procs):
             prefix = f"[rank {first + i}] ".encode()
             for pipe, sink, tail in ((proc.stdout, sys.stdout.buffer, None),
                                      (proc.stderr, sys.stderr.buffer, tails[i])):
-                relay = threading.Thread(target=_relay, args=(pipe, prefix, sink, lock, tail),
+                relay = threading.Thread(target=_relay, args=(pipe, prefix, sink, lock, tail,
+                                                               drop_native),
                                          daemon=True)
                 relay.start()
                 relays.append(relay)

@@ -105,23 +105,43 @@ def test_hp_run_sets_rank_environment_and_prefixes_output(tmp_path, nodes, first
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("user_level, argv, expected", [
-    (None, [], {"GLOG_v": "3", "TORCH_CPP_LOG_LEVEL": "ERROR"}),
-    ("1", [], {"GLOG_v": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}),
-    (None, ["--verbose"], {"GLOG_v": None, "TORCH_CPP_LOG_LEVEL": None}),
+    (None, [], ("3", "{DISTRIBUTED:3}", "ERROR")),
+    ("1", [], ("1", None, "ERROR")),
+    (None, ["--verbose"], (None, None, None)),
 ], ids=["quiet_by_default", "user_level_kept", "verbose"])
 def test_hp_run_keeps_native_logs_at_errors_unless_asked(tmp_path, user_level, argv, expected):
-    """The frameworks' native loggers show errors only, unless the user set a level or passed
-    --verbose (then the frameworks' own defaults apply)."""
-    script = _write_script(tmp_path, """
-        print(f"GLOG_v={os.environ.get('GLOG_v')} CPP={os.environ.get('TORCH_CPP_LOG_LEVEL')}")
+    """The frameworks' native loggers show errors only, unless the user set a level of that
+    framework or passed --verbose (then the frameworks' own defaults apply)."""
+    names = ("GLOG_v", "MS_SUBMODULE_LOG_v", "TORCH_CPP_LOG_LEVEL")
+    script = _write_script(tmp_path, f"""
+        print(" ".join(str(os.environ.get(name)) for name in {names!r}))
     """)
-    env = {k: v for k, v in os.environ.items() if k not in ("GLOG_v", "TORCH_CPP_LOG_LEVEL")}
+    env = {k: v for k, v in os.environ.items() if k not in names}
     if user_level is not None:
         env["GLOG_v"] = user_level
     result = _hp_run("--nproc", 2, *argv, script, env=env)
     assert result.returncode == 0, result.stderr
-    want = f"GLOG_v={expected['GLOG_v']} CPP={expected['TORCH_CPP_LOG_LEVEL']}"
+    want = " ".join(str(level) for level in expected)
     assert [line.split("] ", 1)[1] for line in result.stdout.splitlines()] == [want, want]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv", [[], ["--verbose"]], ids=["quiet", "verbose"])
+def test_hp_run_drops_native_lines_below_error_unless_verbose(tmp_path, argv):
+    """MindSpore's start-up threads can log before its level is read: a quiet hp-run drops
+    the lines in MindSpore's native format below error level, and nothing else."""
+    native_info = "[INFO] DISTRIBUTED(7,7f11b129d6c0,python):2026-12-02 [tcp_client.cc:367] up"
+    native_error = "[ERROR] DISTRIBUTED(7,7f11b129d6c0,python):2026-12-02 [tcp_client.cc:9] down"
+    own = "[INFO] the script's own line"
+    script = _write_script(tmp_path, f"""
+        for line in {[native_info, native_error, own]!r}:
+            print(line, file=sys.stderr)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOG_v", "MS_SUBMODULE_LOG_v")}
+    result = _hp_run("--nproc", 1, *argv, script, env=env)
+    assert result.returncode == 0, result.stderr
+    relayed = [line.split("] ", 1)[1] for line in result.stderr.splitlines()]
+    assert relayed == ([native_info] if argv else []) + [native_error, own]
 
 
 @pytest.mark.timeout(60)
