@@ -14,6 +14,8 @@ counted on, and on torch the ranks of the DTensor parameters' mesh.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 import hyper_parallel as hp
@@ -149,6 +151,13 @@ def run_reshard_to_pairs() -> dict:
         "post_forward_ranks": _group_ranks(platform, info.post_forward_group(2), 2)
         if platform.can_release_storage else None,
     }
+    if platform.can_release_storage:
+        # what each rank keeps after a forward, and so sends in the re-gather before backward
+        model(kit.tensor(x[local]))
+        kept = [state._full.memory.post_forward for state in states]
+        result["kept_bytes"] = sum(math.prod(platform.shape(shard)) *
+                                   platform.element_size(platform.dtype_of(shard))
+                                   for pf in kept for shard in pf.shards)
     if on_torch:
         result["fsdp2_losses"] = losses[2]
         result["fsdp2_param_diff"] = max(float(np.abs(full[k] - v.full_tensor().detach().numpy()).max())

@@ -120,6 +120,8 @@ def test_reshard_after_forward_to_a_smaller_group(backend):
                 assert step["post_forward"] == [0, 0], f"rank {rank}: kept until backward"
         if result["can_release"]:
             assert result["post_forward_ranks"] == _pair(rank), f"rank {rank}: post-forward group"
+            # each of the pair keeps, and sends, half of the blocks' full parameters
+            assert 2 * result["kept_bytes"] == result["block_gathered_bytes"], f"rank {rank}"
         if backend == "torch":
             np.testing.assert_allclose(result["losses"], result["fsdp2_losses"], atol=ATOL, rtol=0)
             assert result["fsdp2_param_diff"] <= ATOL, f"rank {rank}: against FSDP2"
