@@ -7,7 +7,8 @@ reduce-scatter from an all-reduce) is recorded as what it really was: ``op`` is 
 caller asked for, ``wire`` what the framework executed, ``nbytes`` the size of the buffer
 that crossed the wire (all-gather: the gathered output; reduce-scatter: the input;
 all-reduce and broadcast: the tensor). ``dim`` names the mesh dimension ("shard",
-"replicate", or "" when not called through a mesh).
+"post_forward" (the smaller group of ``reshard_after_forward=k``), "replicate", or ""
+when not called through a mesh).
 
 The counters live on the platform instance (one per process), never on a class.
 """

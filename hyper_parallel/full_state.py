@@ -1,8 +1,9 @@
 """Gather a sharded model's full parameters: for checkpoints, evaluation and parity checks.
 
 Works the same on both frameworks: each managed parameter's shard is all-gathered over its
-unit's shard group (padded like the unit's buffers) and trimmed; unmanaged parameters are
-returned as they are. Every rank gets the full values.
+unit's shard group (padded like the unit's buffers) and trimmed, then, for a parameter
+tensor parallelism split (torch DTensor), gathered over the tensor-parallel ranks too;
+unmanaged parameters are returned as they are. Every rank gets the full values.
 """
 
 from __future__ import annotations
@@ -47,4 +48,5 @@ def _gather_one(platform, fsdp_param) -> Any:
                                                            size, dim="shard")
             handle.wait()
         # new memory, never a view of a shard
-        return fsdp_param.full_from_pieces(pieces, [0] * len(pieces))
+        local_full = fsdp_param.full_from_pieces(pieces, [0] * len(pieces))
+        return platform.full_over_tensor_parallel(fsdp_param.sharded_param, local_full)

@@ -14,6 +14,8 @@ counted on, and on torch the ranks of the DTensor parameters' mesh.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 import hyper_parallel as hp
@@ -94,5 +96,76 @@ def run_scenario(name: str) -> dict:
     }
 
 
+def run_reshard_to_pairs() -> dict:
+    """``reshard_after_forward=2`` on the 1-D mesh of the 4 ranks (block 0 given it by
+    ``fully_shard``, the others by ``set_reshard_after_forward``): losses and gathered
+    parameters next to the single-process reference and, on torch, to FSDP2 with
+    ``reshard_after_forward=2``; what the all-gathers of each step sent, per mesh dim; the
+    ranks of the group the re-gather before backward crossed."""
+    kit = get_kit()
+    platform = hp.get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    on_torch = platform.name == "torch"
+    mesh = _mesh("torch" if on_torch else "hp", (world,), ("shard",))
+    model, ref = _build(kit, "nested"), _build(kit, "nested")
+    kit.load(model, 0)
+    kit.load(ref, 0)
+    for index, block in enumerate(model.blocks):
+        hp.fully_shard(block, mesh=mesh, reshard_after_forward=2 if index == 0 else True)
+    hp.fully_shard(model, mesh=mesh)
+    for block in model.blocks[1:]:
+        block.set_reshard_after_forward(2)
+    models, opts = [model, ref], [kit.optimizer(kit.params(model)), kit.optimizer(kit.params(ref))]
+    if on_torch:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        theirs = _build(kit, "nested")
+        kit.load(theirs, 0)
+        for block in theirs.blocks:
+            torch_fully_shard(block, mesh=mesh, reshard_after_forward=2)
+        torch_fully_shard(theirs, mesh=mesh)
+        models.append(theirs)
+        opts.append(kit.optimizer(kit.params(theirs)))
+    size = GLOBAL_BATCH // world
+    local = slice(rank * size, (rank + 1) * size)
+    losses = [[] for _ in models]
+    gathered = []  # per step: {dim: (calls, bytes)} of the all-gathers
+    for x, y in make_batches(3, GLOBAL_BATCH, D_IN, D_OUT, seed=5):
+        with hp.track_comms() as comms:
+            losses[0].append(kit.train_step(model, opts[0], x[local], y[local]))
+        gathered.append({dim: [comms.calls("all_gather", dim=dim), comms.nbytes("all_gather", dim=dim)]
+                         for dim in ("shard", "post_forward")})
+        losses[1].append(kit.train_step(ref, opts[1], x, y))
+        if on_torch:
+            losses[2].append(kit.train_step(models[2], opts[2], x[local], y[local]))
+    full = hp.gather_full_state_dict(model)
+    ref_full = {k: kit.to_numpy(v) for k, v in _named(kit, ref).items()}
+    states = [block.__dict__[STATE_ATTR] for block in model.blocks]
+    info = states[0].group.mesh_info
+    result = {
+        "losses": losses[0], "ref_losses": losses[1],
+        "param_diff": max(float(np.abs(full[k] - ref_full[k]).max()) for k in ref_full),
+        "gathered": gathered, "units": len(states) + 1,
+        "block_gathered_bytes": sum(state.group.gathered_bytes for state in states),
+        "can_release": platform.can_release_storage,
+        "post_forward_ranks": _group_ranks(platform, info.post_forward_group(2), 2)
+        if platform.can_release_storage else None,
+    }
+    if platform.can_release_storage:
+        # what each rank keeps after a forward, and so sends in the re-gather before backward
+        model(kit.tensor(x[local]))
+        kept = [state._full.memory.post_forward for state in states]
+        result["kept_bytes"] = sum(math.prod(platform.shape(shard)) *
+                                   platform.element_size(platform.dtype_of(shard))
+                                   for pf in kept for shard in pf.shards)
+    if on_torch:
+        result["fsdp2_losses"] = losses[2]
+        result["fsdp2_param_diff"] = max(float(np.abs(full[k] - v.full_tensor().detach().numpy()).max())
+                                         for k, v in models[2].state_dict().items())
+    return result
+
+
 def run_all(names: list) -> dict:
-    return {name: run_scenario(name) for name in names}
+    results = {name: run_scenario(name) for name in names}
+    results["reshard_to_pairs"] = run_reshard_to_pairs()
+    return results

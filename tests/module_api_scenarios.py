@@ -350,8 +350,9 @@ def run_reshard_after_forward(kit) -> dict:
         block = kit.Block(8, 12, 6)
         out[f"bad {value!r}"] = _attempt(
             lambda: hp.fully_shard(block, reshard_after_forward=value), block)
-    # a sub-group needs a shard group with a non-trivial factor: a 4-rank shard dim (the
-    # validation runs before anything is built or communicated)
+    # a sub-group needs a shard group with a non-trivial factor: a 4-rank shard dim over
+    # the 2 ranks' group, a mesh that does not cover the job: where the platform frees full
+    # parameters (torch) making its post-forward groups is refused before anything changes
     real = hp.init_device_mesh(platform.device_type(), (world,), mesh_dim_names=("shard",))
     four = hp.DeviceMesh(real.device_type, (4,), ("shard",), [real.get_group(0)], real.native)
     block = kit.Block(8, 12, 6)

@@ -21,11 +21,6 @@ FOUR_RANKS = ("hsdp_optimizer_in_backward", "hsdp_deferred_all_reduce")
 FLOAT64_ATOL = 1e-10  # two ranks sum in another order than one process: rounding only
 ATOL = 1e-5
 REDUCED_IN_FLOAT32_ATOL = 1e-5
-MINDSPORE_CAST_AFTER = (
-    "MindSpore 2.10 returns a Parameter's gradient through a custom-bprop Cell (the unshard "
-    "node) in the dtype the Parameter object was created with: after fully_shard, "
-    "Cell.to(dtype) gives gradients in the old dtype (zeros with the overlapped pipeline). "
-    "Cast before fully_shard (docs/api.md, 'Changing the dtype')")
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,8 +48,8 @@ def _assert_parity(per_rank: list, atol: float, losses="losses", ref="ref_losses
 def test_float64_model_trains_in_float64(backend):
     """``model.to(float64)``: the sharded parameters, the full parameters a forward sees,
     the gathered state and the delivered gradients are float64, and training matches a
-    float64 reference to rounding (on torch also torch's own fully_shard). On torch the
-    cast comes after fully_shard; on MindSpore before (MINDSPORE_CAST_AFTER)."""
+    float64 reference to rounding (on torch also torch's own fully_shard). The cast comes
+    after fully_shard."""
     per_rank = _results(backend, 2)["cast"]
     for r in per_rank:
         for key in ("param_dtypes", "full_dtypes_in_forward", "gathered_dtypes", "grad_dtypes"):
@@ -70,8 +65,6 @@ def test_float64_model_trains_in_float64(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cast_back_to_float32_after_training(backend):
     """Back to float32 after float64 steps: parameters, gathers and gradients follow."""
-    if backend == "mindspore":
-        pytest.skip(MINDSPORE_CAST_AFTER)
     per_rank = _results(backend, 2)["cast"]
     for r in per_rank:
         assert _dtypes(r["back_param_dtypes"]) == {"float32"}

@@ -99,6 +99,35 @@ def test_groups_hold_only_data_parallel_peers(backend, name):
             assert result["dtensor_meshes"] == [str(dtensor_mesh(rank))], f"rank {rank}"
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reshard_after_forward_to_a_smaller_group(backend):
+    """reshard_after_forward=2 on 4 ranks: parity (and on torch the same as FSDP2's);
+    forward gathers over the shard group, the re-gather before backward over pairs of
+    ranks only, the blocks' whole full parameters; on MindSpore, which keeps the full
+    parameters until backward (as with True), no re-gather."""
+    per_rank = [per_rank["reshard_to_pairs"] for per_rank in _launch(backend)]
+    mean_losses = np.mean([r["losses"] for r in per_rank], axis=0)
+    np.testing.assert_allclose(mean_losses, per_rank[0]["ref_losses"], atol=ATOL, rtol=0)
+    for rank, result in enumerate(per_rank):
+        assert result["param_diff"] <= ATOL, f"rank {rank}"
+        blocks = result["units"] - 1
+        for step in result["gathered"]:
+            assert step["shard"][0] == result["units"], f"rank {rank}: one forward gather per unit"
+            if result["can_release"]:
+                assert step["post_forward"] == [blocks, result["block_gathered_bytes"]], f"rank {rank}"
+            else:
+                assert step["post_forward"] == [0, 0], f"rank {rank}: kept until backward"
+        if result["can_release"]:
+            assert result["post_forward_ranks"] == _pair(rank), f"rank {rank}: post-forward group"
+            # each of the pair keeps, and sends, half of the blocks' full parameters
+            assert 2 * result["kept_bytes"] == result["block_gathered_bytes"], f"rank {rank}"
+        if backend == "torch":
+            np.testing.assert_allclose(result["losses"], result["fsdp2_losses"], atol=ATOL, rtol=0)
+            assert result["fsdp2_param_diff"] <= ATOL, f"rank {rank}: against FSDP2"
+    assert per_rank[0]["can_release"] == (backend == "torch")
+
+
 def _fake_mesh(hp, shape, names):
     """A mesh of 4 ranks without process groups: enough for checks that come before any
     collective."""

@@ -52,6 +52,8 @@ def test_matches_single_process_reference():
         assert result["moved"] > 1e-3, f"rank {rank}: training did not change the parameters"
         assert result["ref_diff"] <= ATOL, f"rank {rank}: parameters differ by {result['ref_diff']}"
         assert result["dp_mesh_diff"] <= ATOL, f"rank {rank}: mesh['dp']: {result['dp_mesh_diff']}"
+        for key in ("gathered_full_diff", "dp_mesh_gathered_full_diff"):
+            assert result[key] <= ATOL, f"rank {rank}: hp.gather_full_state_dict: {key} {result[key]}"
     # ranks 2k, 2k+1 form a tp group (same data); the dp groups' mean is the global loss
     for rank in (1, 3):
         np.testing.assert_array_equal(per_rank[rank]["losses"], per_rank[rank - 1]["losses"])

@@ -180,10 +180,13 @@ def run_all(checkpoint_dir: str) -> dict:
     full = _full(model)
     result["ref_diff"] = _max_diff(full, ref_full)
     result["moved"] = _max_diff(full, initial)  # training changed the parameters at all
+    # the whole tensors, gathered over dp and tp, on every rank
+    result["gathered_full_diff"] = _max_diff(hp.gather_full_state_dict(model), ref_full)
 
     on_dp_mesh = hp_model(0, mesh=mesh["dp"])
     result["dp_mesh_losses"] = _train(on_dp_mesh, batches, rows)
     result["dp_mesh_diff"] = _max_diff(_full(on_dp_mesh), ref_full)
+    result["dp_mesh_gathered_full_diff"] = _max_diff(hp.gather_full_state_dict(on_dp_mesh), ref_full)
     # the shard's mesh: made from groups (a data-parallel mesh derived from ``mesh``), or
     # ``mesh["dp"]`` and ``mesh["tp"]`` concatenated (slices of one torch mesh)
     result["mesh_from_slices"] = [m.attn.q.weight.device_mesh._get_root_mesh() is mesh

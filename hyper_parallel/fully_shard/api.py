@@ -51,6 +51,18 @@ class FSDPModule:
         """Free this unit's full parameters; the module sees its sharded parameters."""
         _state_of(self).reshard()
 
+    def _apply(self, fn, *args, **kwargs):
+        """The framework's conversion of a module's parameters (``.to(dtype)``), on a unit:
+        resharded first (full parameters of the old dtype are dropped; the next forward
+        gathers the converted shards), then each sharded parameter made one of its new
+        dtype (``Platform.refresh_converted_param``)."""
+        state = _state_of(self)
+        state.reshard()
+        result = super()._apply(fn, *args, **kwargs)
+        for fsdp_param in state.group.params if state.group is not None else ():
+            state.platform.refresh_converted_param(fsdp_param.sharded_param)
+        return result
+
     def set_reshard_after_forward(self, reshard_after_forward: bool | int | None,
                                   recurse: bool = True) -> None:
         """Free full parameters after forward (re-gather for backward) or keep them. Takes
@@ -62,6 +74,9 @@ class FSDPModule:
         for state in states:
             shard_size = None if state.group is None else state.group.mesh_info.shard_size
             values.append(_resolve_reshard_after_forward(reshard_after_forward, shard_size))
+        for state, value in zip(states, values):
+            if state.group is not None:
+                _make_post_forward_group(state.platform, value, state.group.mesh_info)
         for state, value in zip(states, values):
             state.reshard_after_forward = value
 
@@ -187,10 +202,10 @@ def _resolve_dtype(platform, dtype):
 
 def _resolve_reshard_after_forward(value, shard_size: int | None):
     """``reshard_after_forward`` as the unit stores it: True, False or None (every unit but
-    the root). An int is the size of the group to reshard to after forward and must divide
-    ``shard_size`` (FSDP2's rule): 1 is False, ``shard_size`` is True, and a size between
-    (a sub-group) is not implemented. ``shard_size`` None (a unit without parameters, which
-    has nothing to reshard): any int >= 1 is accepted."""
+    the root) or an int. An int is the size of the group to reshard to after forward and
+    must divide ``shard_size`` (FSDP2's rule): 1 is False, ``shard_size`` is True, and a
+    size between stays an int (post_forward.py). ``shard_size`` None (a unit without
+    parameters, which has nothing to reshard): any int >= 1 is accepted."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
@@ -208,10 +223,15 @@ def _resolve_reshard_after_forward(value, shard_size: int | None):
         return False
     if shard_size is None or value == shard_size:
         return True
-    raise NotImplementedError(
-        f"reshard_after_forward={value} (reshard to groups of {value} of the {shard_size} shard "
-        f"ranks after forward) is not implemented; use reshard_after_forward=True (reshard to "
-        f"the whole shard group) or False (keep the full parameters until backward)")
+    return value
+
+
+def _make_post_forward_group(platform, value, mesh_info: MeshInfo) -> None:
+    """Make the groups ``reshard_after_forward=value`` reshards to (a collective call, on
+    every rank), where the platform can free full parameters after forward; elsewhere an
+    int keeps them until backward, as True does there."""
+    if not isinstance(value, bool) and isinstance(value, int) and platform.can_release_storage:
+        mesh_info.post_forward_group(value)
 
 
 def _shard_dim(param, fqn: str, ndim: int, shard_placement_fn: Callable | None) -> int:
@@ -284,8 +304,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
 
     ``module`` may be a list of modules forming one unit (one all-gather for all of them).
     ``reshard_after_forward``: True, False, None (True for every unit but the root) or an
-    int, the size of the group to reshard to (1 is False, the shard size is True; a
-    sub-group is not implemented). ``ignored_params`` may hold parameters of other modules
+    int k, the size of the group to reshard to (1 is False, the shard size is True; between,
+    each rank keeps its part of the full parameters over a group of k ranks and the
+    re-gather before backward goes over that group only, post_forward.py). ``ignored_params`` may hold parameters of other modules
     (left alone).
     A parameter of fewer than ``shard_threshold_bytes`` bytes is not sharded: every rank
     keeps it whole and its gradient is all-reduced over the data-parallel group (default
@@ -338,7 +359,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         plan.append((fqn, param, slots, _shard_dim(param, fqn, len(platform.shape(param)),
                                                  shard_placement_fn), nbytes >= shard_threshold_bytes))
 
-    info = MeshInfo(data_parallel_mesh(device_mesh, replicate_dims, shard_dims))
+    info = MeshInfo(data_parallel_mesh(device_mesh, replicate_dims, shard_dims), device_mesh,
+                    shard_dims)
     has_small = not all(is_sharded for *_, is_sharded in plan)
     if has_small and info.replicate_size > 1 and info.shard_size > 1 \
             and info.mesh.size() != platform.world_size():
@@ -347,6 +369,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
                          "parameters are all-reduced over the whole job); use a mesh of only "
                          "data-parallel dims over all ranks, or shard_threshold_bytes=0")
     reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, info.shard_size)
+    _make_post_forward_group(platform, reshard_after_forward, info)
     unit_name = "+".join(type(m).__name__ for m in modules)
     fsdp_params = []
     for fqn, param, slots, dim, is_sharded in plan:  # may still fail: nothing changed yet

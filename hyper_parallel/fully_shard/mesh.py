@@ -260,13 +260,46 @@ def _group_along(mesh: DeviceMesh, dims: tuple) -> Any:
     return mine
 
 
+# the post-forward groups made from a mesh, kept like _DERIVED_ATTR's meshes
+_POST_FORWARD_ATTR = "_hp_post_forward_groups"
+
+
+def post_forward_group(mesh: DeviceMesh, shard_dims: tuple, size: int) -> Any:
+    """This rank's group for ``reshard_after_forward=size``: each line of shard ranks of
+    ``mesh`` (along ``shard_dims``, ranks ascending) cut into contiguous blocks of ``size``,
+    as FSDP2 builds its post-forward mesh. New groups, made once per mesh, dims and size,
+    by every rank in the same order: so ``mesh`` must span the whole job."""
+    platform = get_platform()
+    if mesh.size() != platform.world_size():
+        raise ValueError(f"reshard_after_forward={size} makes new groups, which needs a mesh over "
+                         f"all {platform.world_size()} ranks; this mesh holds {mesh.size()}: pass "
+                         f"the whole mesh (with dp_mesh_dims), or use True or False")
+    owner = mesh.native if mesh.native is not None else mesh
+    made = owner.__dict__.setdefault(_POST_FORWARD_ATTR, {})
+    key = (shard_dims, size)
+    if key not in made:
+        me = platform.rank()
+        for line in mesh._lines(shard_dims):
+            for start in range(0, len(line), size):
+                block = list(line[start:start + size])
+                group = platform.new_group(block)
+                if me in block:
+                    made[key] = group
+    return made[key]
+
+
 class MeshInfo:
     """The groups a unit communicates over, read by position from its data-parallel mesh
     (``data_parallel_mesh``): shard dim (all-gather, reduce-scatter) and replicate dim
-    (all-reduce; size 1 for plain FSDP)."""
+    (all-reduce; size 1 for plain FSDP). ``source`` and ``shard_dims``: the mesh it was
+    read from and the dims of it that shard, which smaller groups are cut from
+    (``post_forward_group``)."""
 
-    def __init__(self, mesh: DeviceMesh):
+    def __init__(self, mesh: DeviceMesh, source: DeviceMesh | None = None,
+                 shard_dims: tuple = ()):
         self.mesh = mesh
+        self.source = source if source is not None else mesh
+        self.source_shard_dims = shard_dims if source is not None else (mesh.ndim - 1,)
         self.shard_mesh_dim = mesh.ndim - 1
         self.shard_group = mesh.get_group(self.shard_mesh_dim)
         self.shard_size = mesh.shape[self.shard_mesh_dim]
@@ -286,3 +319,7 @@ class MeshInfo:
         if self.shard_size == 1:
             return self.replicate_group
         return None
+
+    def post_forward_group(self, size: int) -> Any:
+        """The group of ``size`` shard ranks this rank reshards to after forward."""
+        return post_forward_group(self.source, self.source_shard_dims, size)

@@ -42,12 +42,15 @@ whole buffer into the junction's own memory, as for a lone parameter.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.fully_shard.all_reduce import FusedAllReduce
 from hyper_parallel.fully_shard.mesh import MeshInfo
 from hyper_parallel.fully_shard.param import FSDPParam
 from hyper_parallel.platform import Platform
+
+if TYPE_CHECKING:
+    from hyper_parallel.fully_shard.post_forward import PostForwardShards
 
 # A junction read in place keeps the whole gather buffer alive with it (the rest of the leg
 # is copied out of it as well): allowed where the rest is at most 1/JUNCTION_MAX_REST of it,
@@ -126,6 +129,7 @@ class FSDPParamGroup:
                 sharded=False))
         self._pending_gather = None  # [(leg, pieces, whole, handle, full)] in flight
         self._pending_into = None    # the released fulls it gathers into, or None
+        self._pending_post_forward = None  # the post-forward shards it gathers, or None
 
     def local_shards(self) -> list:
         return [self.platform.local_tensor(p.sharded_param) for p in self.params]
@@ -143,17 +147,27 @@ class FSDPParamGroup:
                    for fp in self.params)
 
     # ---------------------------------------------------------------- all-gather
-    def issue_gather(self, async_op: bool, released: list | None = None) -> None:
+    def issue_gather(self, async_op: bool, released: list | None = None,
+                     post_forward: PostForwardShards | None = None) -> None:
         """Start the all-gathers of the current shards (no-op if they are already in flight).
 
         ``released``: this unit's full parameters (``params`` order) whose memory was
         released, for a re-gather before backward: a leg whose parameter ``gathers_in_place``
-        is gathered straight into its full tensor (see ``refill``)."""
+        is gathered straight into its full tensor (see ``refill``). ``post_forward``: what
+        was kept of them after forward, gathered instead of the shards, over its smaller
+        group (post_forward.py)."""
         if self._pending_gather is not None or not self.sharded_legs:
             return
         into = {id(fp): full for fp, full in zip(self.params, released or ())}
         with self.platform.no_grad():
             self._pending_into = released
+            self._pending_post_forward = post_forward
+            if post_forward is not None:
+                gathers = [post_forward.issue_gather(i, async_op)
+                           for i in range(len(self.sharded_legs))]
+                self._pending_gather = [(leg, pieces, None, handle, None) for leg, (pieces, handle)
+                                        in zip(self.sharded_legs, gathers)]
+                return
             self._pending_gather = [self._issue_leg_gather(leg, async_op, into)
                                     for leg in self.sharded_legs]
 
@@ -186,6 +200,7 @@ class FSDPParamGroup:
         """Drop all-gathers nobody consumed (their values may be stale by the next use);
         a full tensor one was writing into is released again."""
         pending, self._pending_gather, self._pending_into = self._pending_gather, None, None
+        self._pending_post_forward = None
         for *_, handle, full in pending or ():
             if handle is not None:
                 handle.wait()
@@ -208,13 +223,14 @@ class FSDPParamGroup:
                 fp.full_from_local(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
                 for fp in self.params]
 
-    def refill(self, fulls: list) -> None:
+    def refill(self, fulls: list, post_forward: PostForwardShards | None = None) -> None:
         """Finish the all-gathers into ``fulls`` (``params`` order), whose memory was
-        released: the parameter gathered in place needs nothing more, the others are
-        copied from the gathered pieces, one rank's rows at a time."""
+        released (of ``post_forward``, if kept): the parameter gathered in place needs
+        nothing more, the others are copied from the gathered pieces, one rank's rows at
+        a time."""
         p = self.platform
         sources = {}
-        for leg, pieces, _, into in self._finish_gather(released=fulls):
+        for leg, pieces, _, into in self._finish_gather(released=fulls, post_forward=post_forward):
             for fp in leg.params:
                 if into is None or fp is not leg.junction:
                     sources[id(fp)] = (pieces, leg.gather_offsets_of(fp))
@@ -225,7 +241,8 @@ class FSDPParamGroup:
             elif not fp.is_sharded:
                 p.copy_into(full, p.cast(p.local_tensor(fp.sharded_param), self.compute_dtype(fp)))
 
-    def _finish_gather(self, released: list | None = None) -> list:
+    def _finish_gather(self, released: list | None = None,
+                       post_forward: PostForwardShards | None = None) -> list:
         """[(leg, per-rank pieces, whole buffer or None, full gathered into or None)] of
         finished all-gathers, issued synchronously if nobody prefetched them."""
         if self._pending_into is not None and self._pending_into is not released:
@@ -233,12 +250,15 @@ class FSDPParamGroup:
             # go back to released, and this gather starts over
             self.discard_gather()
         if self._pending_gather is None:
-            self.issue_gather(async_op=False, released=released)
+            self.issue_gather(async_op=False, released=released, post_forward=post_forward)
         pending, self._pending_gather, self._pending_into = self._pending_gather or [], None, None
+        gathered_post_forward, self._pending_post_forward = self._pending_post_forward, None
         finished = []
         for leg, pieces, whole, handle, into in pending:
             if handle is not None:
                 handle.wait()
+            if gathered_post_forward is not None:
+                pieces = gathered_post_forward.shard_rank_pieces(leg, pieces)
             if into is not None and len(leg.params) > 1:
                 # gathered into the restored memory of ``into``: the others are copied out
                 whole, numel = handle.result, leg.total_numel

@@ -47,6 +47,7 @@ import logging
 from typing import Any
 
 from hyper_parallel.fully_shard.iteration import IterationContext
+from hyper_parallel.fully_shard.post_forward import PostForwardShards
 from hyper_parallel.fully_shard.reduce_op import plan_reduction, resolve_reduce_dtype
 from hyper_parallel.fully_shard.reduction import UnitReduction
 
@@ -62,6 +63,7 @@ class _Memory:
 
     def __init__(self) -> None:
         self.live = True
+        self.post_forward: PostForwardShards | None = None  # kept while released
 
 
 class FullParams:
@@ -81,7 +83,7 @@ class FSDPState:
     """State and hooks of one fully_shard unit (one module or a list of modules)."""
 
     def __init__(self, platform: Any, name: str, modules: list, group: Any,
-                 reshard_after_forward: bool | None, mp_policy: Any):
+                 reshard_after_forward: bool | int | None, mp_policy: Any):
         self.platform = platform
         self.unit_type = name
         self.name = name  # refined to "<fqn> (<type>)" once the root knows the tree
@@ -180,7 +182,7 @@ class FSDPState:
                 self.reshard()
             elif self.reshards_after_forward and self._full is not None:
                 self._detach()
-                self._release(self._full)
+                self._release(self._full, after_forward=True)
 
     def begin_iteration(self) -> None:
         self._forwards_done = 0
@@ -259,16 +261,21 @@ class FSDPState:
     def _refill(self, full: FullParams) -> None:
         logger.debug("%s: re-gather full parameters for backward", self.name)
         with self.platform.no_grad():
-            self.group.refill(full.tensors)
+            self.group.refill(full.tensors, full.memory.post_forward)
+        full.memory.post_forward = None
         full.memory.live = True
 
     def _detach(self) -> None:
         for fsdp_param in self.group.params:
             fsdp_param.detach()
 
-    def _release(self, full: FullParams) -> None:
-        """Free ``full``'s memory where the platform can (autograd keeps the tensors)."""
+    def _release(self, full: FullParams, after_forward: bool = False) -> None:
+        """Free ``full``'s memory where the platform can (autograd keeps the tensors); after
+        forward with ``reshard_after_forward`` an int, keep its post-forward shards."""
         if self.platform.can_release_storage and full.live:
+            size = self.reshard_after_forward
+            if after_forward and not isinstance(size, bool) and isinstance(size, int):
+                full.memory.post_forward = PostForwardShards(self.group, full.tensors, size)
             for tensor in full.tensors:
                 self.platform.release_storage(tensor)
             full.memory.live = False
@@ -296,7 +303,8 @@ class FSDPState:
                 and not self.group.has_pending_gather():
             logger.debug("%s: prefetch re-gather issued", self.name)
             # its own pre-backward waits for it
-            self.group.issue_gather(async_op=True, released=full.tensors)
+            self.group.issue_gather(async_op=True, released=full.tensors,
+                                    post_forward=full.memory.post_forward)
 
     def _post_backward(self, full: FullParams, full_grads: list) -> list:
         """The backward of ``full``'s unshard node: start the reduction (or accumulate

@@ -390,6 +390,18 @@ class Platform(abc.ABC):
         parameters, MindSpore) is ``param`` itself."""
         return param
 
+    def refresh_converted_param(self, param: Any) -> None:
+        """``param``'s values were converted in place by the framework's module conversion
+        (``.to(dtype)``): make the same object a parameter of its new dtype in every respect.
+        The default does nothing (torch: its conversion already swaps in a new DTensor)."""
+
+    def full_over_tensor_parallel(self, sharded_param: Any, local_full: Any) -> Any:
+        """``local_full``, this rank's tensor-parallel part of ``sharded_param``'s values
+        (its shards gathered over data parallel), gathered over tensor parallelism into the
+        whole tensor (a collective over the tensor-parallel ranks). The default (no
+        tensor-parallel parameters) returns ``local_full``."""
+        return local_full
+
     @abc.abstractmethod
     def make_sharded_param(self, orig_param: Any, local_shard: Any, native_mesh: Any,
                            shard_mesh_dim: int, shard_dim: int, full_shape: tuple,

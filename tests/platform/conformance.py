@@ -1840,6 +1840,8 @@ def check_mesh2d_tensor_parallel_param(ctx):
     plain = ctx.side.new_param(_arange(3, 4), "conf.plain")
     _check(p.param_local_values(plain) is plain,
            "param_local_values of a parameter no parallelism split must be the parameter")
+    _check(p.full_over_tensor_parallel(plain, plain) is plain,
+           "full_over_tensor_parallel of a parameter no parallelism split must return it")
     make = getattr(ctx.side, "tensor_parallel_param", None)
     if make is None:
         raise Skip(f"{p.name} has no tensor-parallel parameters")
@@ -1858,6 +1860,8 @@ def check_mesh2d_tensor_parallel_param(ctx):
            f"{p.shape(sharded)} must be the tensor-parallel parameter's, (3, {4 * tp_size})")
     _same(_values(ctx, p.local_tensor(sharded)), part[:, 2 * dp:2 * dp + 2],
           "local_tensor of a tensor-parallel sharded parameter")
+    _same(_values(ctx, p.full_over_tensor_parallel(sharded, p.from_numpy(part))), full,
+          "full_over_tensor_parallel: every rank's tensor-parallel part, whole")
     model = ctx.side.model()
     p.register_param(model.fc1, "weight", sharded)
     p.attach_tensor(model.fc1, "weight", p.from_numpy(part))

@@ -33,6 +33,7 @@ import time
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint, nn, ops
+from mindspore.common.tensor import swap_tensors
 from mindspore.communication import GlobalComm
 from mindspore.graph.api import _disable_saved_tensors_hooks
 from mindspore.mint import distributed as msdist
@@ -423,6 +424,15 @@ class MindSporePlatform(Platform):
         # set_data cannot shrink a Parameter: autograd keeps its original shape.
         return Parameter(local_shard + 0, name=orig_param.name,
                          requires_grad=orig_param.requires_grad)
+
+    def refresh_converted_param(self, param) -> None:
+        # Cell.to assigns param.data, but a custom-bprop Cell returns a Parameter's
+        # gradient in the dtype the object was created with: swap in a fresh one (the
+        # object keeps its identity, so optimizers still hold it), with our attributes.
+        fresh = Parameter(param + 0, name=param.name, requires_grad=param.requires_grad)
+        for key, value in param.__dict__.items():
+            fresh.__dict__.setdefault(key, value)
+        swap_tensors(param, fresh)
 
     def local_tensor(self, param):
         return param

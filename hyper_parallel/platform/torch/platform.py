@@ -448,6 +448,14 @@ class TorchPlatform(Platform):
             setattr(param, _TP_SPEC, tp)
         return param
 
+    def full_over_tensor_parallel(self, sharded_param, local_full):
+        tp = getattr(sharded_param, _TP_SPEC, None)
+        if tp is None:
+            return local_full
+        mesh, placements, shape, stride = tp
+        return DTensor.from_local(local_full, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride).full_tensor()
+
     def local_tensor(self, param):
         return param.to_local()
 
