@@ -72,15 +72,16 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total}, "
                            f"so they cannot be clipped; pass error_if_nonfinite=False to scale "
                            f"them anyway (they then become non-finite too)")
-    coef = min(max_norm / (total + EPS), 1.0)
+    coef = max_norm / (total + EPS)
+    clips = coef < 1.0 or math.isnan(coef)  # a NaN total makes the gradients NaN, as torch's
     norm = platform.from_numpy(np.array(total, dtype=np.float32))
     if grads is None:
-        if coef < 1.0:
+        if clips:
             for param, g in pairs:
                 local = _local(platform, param, g)
                 platform.copy_into(local, platform.scale(local, coef))
         return norm
-    clipped = tuple(None if g is None else (platform.scale(g, coef) if coef < 1.0 else g)
+    clipped = tuple(None if g is None else (platform.scale(g, coef) if clips else g)
                     for g in grads)
     return clipped, norm
 

@@ -33,7 +33,7 @@ from tests.scenarios import _named
 
 VOCAB, DIM, HIDDEN, BLOCKS = 37, 16, 24, 2
 SEQ, LOCAL_BATCH = 8, 2
-STEPS = {"torch": 4, "mindspore": 3}
+STEPS = {"torch": 4, "mindspore": 2}  # MindSpore CPU steps cost ~10x torch's
 THRESHOLD = 128  # bytes: the LayerNorms' and small biases' parameters stay whole
 INF = math.inf
 # a step clips by CLIP_BY[step % 2] at MAX_NORM[that norm] (below the gradients' norm)
@@ -198,7 +198,7 @@ def run_bad_input() -> dict:
     _wrap(model, LAYOUTS["fsdp"], hp.fully_shard, None, None, shard_threshold_bytes=THRESHOLD)
     params = [p for p in kit.params(model) if p.requires_grad]
     ids = kit.ids(np.arange(2 * SEQ).reshape(2, SEQ) % VOCAB)
-    loss, grads = _backward(kit, lambda: kit.lm_loss(model.head(model(ids)), ids), params)
+    _, grads = _backward(kit, lambda: kit.lm_loss(model.head(model(ids)), ids), params)
     before = [platform.to_numpy(platform.local_tensor(p.grad if grads is None else g))
               for p, g in zip(params, grads or params)]
     calls = {
@@ -221,7 +221,14 @@ def run_bad_input() -> dict:
     after = [platform.to_numpy(platform.local_tensor(p.grad if grads is None else g))
              for p, g in zip(params, grads or params)]
     unchanged = all(np.array_equal(a, b) for a, b in zip(before, after))
-    return {"errors": errors, "grads_unchanged": unchanged}
+    result = {"errors": errors, "grads_unchanged": unchanged}
+    if kit.name == "torch":  # the grads= form returns what the in-place form leaves in .grad
+        returned, norm = hp.clip_grad_norm_(params, 1e-3, grads=[p.grad for p in params])
+        in_place = hp.clip_grad_norm_(params, 1e-3)
+        result["grads_form_same"] = float(norm) == float(in_place) and all(
+            np.array_equal(platform.to_numpy(g), platform.to_numpy(p.grad))
+            for g, p in zip(returned, params))
+    return result
 
 
 def _call(params, grads, max_norm, norm_type=2.0):

@@ -93,3 +93,5 @@ def test_bad_input_is_rejected_and_changes_nothing(backend):
         if backend == "mindspore":
             assert "grads=grads" in errors["mindspore_without_grads"][1]
         assert bad["grads_unchanged"]
+        if backend == "torch":
+            assert bad["grads_form_same"], "grads= returned other gradients than .grad holds"

@@ -293,8 +293,6 @@ class TorchPlatform(Platform):
         return tensor * factor
 
     def vector_norm(self, tensor, norm_type):
-        if isinstance(tensor, DTensor):
-            tensor = tensor.to_local()
         with torch.no_grad():
             return torch.linalg.vector_norm(tensor, norm_type, dtype=torch.float32)
 
