@@ -93,16 +93,17 @@ def total_norm(platform: Platform, pairs: list, norm_type: float) -> float:
     by_group: dict = {}  # id(shard group) -> (group, norms of this rank's shards)
     for param, grad in pairs:
         fsdp_param = fsdp_param_of(param)
+        if fsdp_param.spans_tensor_parallel if fsdp_param is not None else \
+                platform.param_local_values(param) is not param:
+            raise NotImplementedError(
+                f"a parameter of shape {platform.shape(param)} is split by tensor parallelism, "
+                f"whose dims this norm does not reduce over: use "
+                f"torch.nn.utils.clip_grad_norm_, which reads the DTensor gradients' placements")
         grad = _local(platform, param, grad)
         if fsdp_param is None or fsdp_param.shard_size == 1:
             if _numel(platform, grad):
                 whole.append(platform.vector_norm(grad, norm_type))
             continue
-        if fsdp_param.spans_tensor_parallel:
-            raise NotImplementedError(
-                f"{fsdp_param.fqn} is also split by tensor parallelism, whose dims this norm "
-                f"does not reduce over: use torch.nn.utils.clip_grad_norm_, which reads the "
-                f"DTensor gradients' placements")
         group = fsdp_param.mesh_info.shard_group
         _, norms = by_group.setdefault(id(group), (group, []))
         real = _without_padding(platform, fsdp_param, grad)

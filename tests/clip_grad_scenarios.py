@@ -208,6 +208,8 @@ def run_bad_input() -> dict:
         "norm_type_negative": lambda: _call(params, grads, 1.0, norm_type=-2.0),
         "norm_type_zero": lambda: _call(params, grads, 1.0, norm_type=0),
         "grads_wrong_length": lambda: hp.clip_grad_norm_(params, 1.0, grads=list(grads or params)[:-1]),
+        "nonfinite": lambda: hp.clip_grad_norm_(params, 1.0, error_if_nonfinite=True,
+                                                grads=_with_inf(params, grads)),
     }
     if kit.name == "mindspore":
         calls["mindspore_without_grads"] = lambda: hp.clip_grad_norm_(params, 1.0)
@@ -229,6 +231,12 @@ def run_bad_input() -> dict:
             np.array_equal(platform.to_numpy(g), platform.to_numpy(p.grad))
             for g, p in zip(returned, params))
     return result
+
+
+def _with_inf(params, grads) -> list:
+    """The gradients with an infinite first element."""
+    grads = [p.grad for p in params] if grads is None else list(grads)
+    return [grads[0] * float("inf"), *grads[1:]]
 
 
 def _call(params, grads, max_norm, norm_type=2.0):

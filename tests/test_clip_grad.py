@@ -90,6 +90,7 @@ def test_bad_input_is_rejected_and_changes_nothing(backend):
         for key in ("norm_type_negative", "norm_type_zero"):
             assert errors[key][0] == "ValueError" and "norm_type must be positive" in errors[key][1]
         assert "one gradient (or None) per parameter" in errors["grads_wrong_length"][1]
+        assert errors["nonfinite"][0] == "RuntimeError" and "error_if_nonfinite" in errors["nonfinite"][1]
         if backend == "mindspore":
             assert "grads=grads" in errors["mindspore_without_grads"][1]
         assert bad["grads_unchanged"]
