@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 import hyper_parallel as hp
+from tests.clip_grad_scenarios import run_layout
 from tests.kit import get_kit, make_batches
 from tests.scenarios import D_IN, D_OUT, GLOBAL_BATCH, STEPS, _build, _named
 
@@ -118,6 +119,7 @@ def run_configs(configs: list) -> list:
     results = []
     for config in configs:
         hp.comm_stats().reset()
-        results.append(run_config(config))
+        # the clipping suite's HSDP layout (tests/clip_grad_scenarios.py) shares this launch
+        results.append(run_layout("hsdp", {}) if config.get("clip") else run_config(config))
     return results
 

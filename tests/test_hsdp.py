@@ -20,6 +20,7 @@ ATOL = 1e-5
 LOW_PRECISION = {"torch": "bfloat16", "mindspore": "float16"}  # MindSpore CPU has no bf16 matmul
 LOW_PRECISION_ATOL = {"bfloat16": 5e-2, "float16": 5e-3}
 
+CLIP_CONFIG = "clip_grad_hsdp"
 CONFIGS_4 = {
     "mesh_2x2": {"mesh": (2, 2)},
     "mesh_1x4": {"mesh": (1, 4)},
@@ -39,6 +40,8 @@ CONFIGS_4 = {
     "own_collectives": {"mesh": (2, 2), "own": 0, "threshold": 256},
     "own_no_all_reduce": {"mesh": (2, 2), "own": 0, "accum": "no_all_reduce"},
     "own_mixed_precision": {"mesh": (2, 2), "own": 0, "mp": "low"},
+    # gradient clipping on HSDP: checked by tests/test_clip_grad.py, in this launch
+    CLIP_CONFIG: {"clip": True},
 }
 SYNC_COMPARED = ["mesh_2x2", "no_all_reduce", "threshold", "mixed_precision", "own_collectives"]
 
@@ -74,7 +77,8 @@ def _assert_parity(per_rank, atol=ATOL):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", [n for n in CONFIGS_4 if not n.endswith("mixed_precision")])
+@pytest.mark.parametrize("name", [n for n in CONFIGS_4
+                                  if not n.endswith("mixed_precision") and n != CLIP_CONFIG])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parity_4_ranks(backend, name):
     _assert_parity(_four(backend)[name])

@@ -18,10 +18,23 @@ optimizers (weight decay of zero is zero); gathering drops them.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 from hyper_parallel.fully_shard.mesh import MeshInfo
 from hyper_parallel.platform import Platform
+
+
+#: the attribute of a sharded parameter naming its FSDPParam (a weak reference: the unit's
+#: state owns the FSDPParam), read by ``fsdp_param_of``
+FSDP_PARAM_ATTR = "_hp_fsdp_param"
+
+
+def fsdp_param_of(param: Any) -> FSDPParam | None:
+    """The FSDPParam whose sharded parameter ``param`` is, or None (a parameter no unit
+    manages, or a full tensor registered while a unit is unsharded)."""
+    ref = getattr(param, FSDP_PARAM_ATTR, None)
+    return None if ref is None else ref()
 
 
 class FSDPParam:
@@ -36,6 +49,7 @@ class FSDPParam:
         orig_param = param
         # a tensor-parallel parameter: this rank's part is what is sharded and gathered
         param = platform.param_local_values(param)
+        self.spans_tensor_parallel = param is not orig_param
         self.full_shape = platform.shape(param)
         self.shard_dim = shard_dim
         self.mesh_info = mesh_info
@@ -68,6 +82,7 @@ class FSDPParam:
             self.sharded_param = platform.make_sharded_param(
                 orig_param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim,
                 shard_dim if is_sharded else None, self.full_shape, backing=self.padded_shard)
+        setattr(self.sharded_param, FSDP_PARAM_ATTR, weakref.ref(self))
 
     def register(self) -> None:
         """Put the sharded parameter where the original was registered (every slot). Apart

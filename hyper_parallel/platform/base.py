@@ -314,6 +314,12 @@ class Platform(abc.ABC):
         place and return it, which saves an allocation the size of the tensor."""
 
     @abc.abstractmethod
+    def vector_norm(self, tensor: Any, norm_type: float) -> Any:
+        """A new 0-d float32 tensor: the ``norm_type``-norm (> 0) of all of a non-empty
+        ``tensor``'s elements, computed in float32 whatever its dtype; ``inf``: the largest
+        absolute value."""
+
+    @abc.abstractmethod
     def add(self, a: Any, b: Any) -> Any:
         """A new tensor ``a + b``."""
 
@@ -434,6 +440,12 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def local_tensor(self, param: Any) -> Any:
         """The differentiable local shard of a parameter made by ``make_sharded_param``."""
+
+    @abc.abstractmethod
+    def param_grad(self, param: Any) -> Any:
+        """The gradient accumulated on ``param`` (torch: ``.grad``), None if it has none;
+        only asked where gradients accumulate on the parameters (not
+        ``returns_grads_from_backward``)."""
 
     #: True where backward's return value is the gradient the user receives (MindSpore
     #: ``value_and_grad``); False where gradients accumulate on the parameters (torch).

@@ -665,6 +665,38 @@ def check_scale(ctx):
 
 
 @local_check
+def check_vector_norm(ctx):
+    p = ctx.p
+    base = np.array([[3.0, -4.0, 0.5], [0.0, 2.0, -1.5]], np.float32)
+    for name in ("float32", "float16", "bfloat16"):
+        t = p.cast(p.from_numpy(base), p.dtype(name))
+        for norm_type in (2.0, 1.0, 3.0, float("inf")):
+            out = p.vector_norm(t, norm_type)
+            _check(p.dtype_of(out) == p.dtype("float32") and p.shape(out) == (),
+                   f"vector_norm of {name} gave {p.dtype_of(out)} {p.shape(out)}: want a 0-d float32")
+            expected = np.linalg.norm(base.reshape(-1).astype(np.float64), norm_type)
+            _same(_values(ctx, out), np.float32(expected), f"vector_norm({name}, {norm_type})",
+                  tol=1e-6)
+    _same(_values(ctx, p.vector_norm(p.narrow(p.from_numpy(base), 1, 1, 1), 2.0)),
+          np.float32(np.sqrt(20.0)), "vector_norm of a narrow", tol=1e-6)
+
+
+@local_check
+def check_param_grad(ctx):
+    p = ctx.p
+    if p.returns_grads_from_backward:
+        raise Skip("gradients are returned by backward, not attached to the parameters")
+    param = ctx.side.new_param(np.ones(3, np.float32), "w")
+    _check(p.param_grad(param) is None, "param_grad of a parameter without a gradient: want None")
+    weights = np.array([1.0, -2.0, 3.0], np.float32)
+    ctx.side.backward(lambda _: ctx.side.weighted_sum(param, weights), [], [param])
+    grad = p.param_grad(param)
+    _same(_values(ctx, grad), weights, "param_grad after backward")
+    p.copy_into(grad, p.scale(grad, 0.5))  # the clipping's in-place write reaches the gradient
+    _same(_values(ctx, p.param_grad(param)), weights * 0.5, "copy_into the gradient param_grad gave")
+
+
+@local_check
 def check_add(ctx):
     p = ctx.p
     a, b = _arange(2, 3), _arange(2, 3, start=10) * -1

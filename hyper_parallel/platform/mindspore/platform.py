@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
 
@@ -367,6 +368,14 @@ class MindSporePlatform(Platform):
     def scale(self, tensor, factor, may_overwrite=False):
         return tensor * factor  # in-place arithmetic does not write through (platform-facts)
 
+    def vector_norm(self, tensor, norm_type):
+        values = tensor.astype(ms.float32)  # mint.linalg.vector_norm has no CPU kernel
+        if math.isinf(norm_type):
+            return values.abs().max()
+        if norm_type == 2.0:
+            return (values * values).sum().sqrt()
+        return (values.abs() ** norm_type).sum() ** (1.0 / norm_type)
+
     def add(self, a, b):
         return a + b
 
@@ -451,6 +460,10 @@ class MindSporePlatform(Platform):
         # the kernel pipeline (platform-facts), so a reduction pipeline would only add the
         # placeholder copies. On Ascend HCCL runs on its own stream.
         return not self._on_cpu
+
+    def param_grad(self, param):
+        raise NotImplementedError("MindSpore gradients are what value_and_grad returns; "
+                                  "they are not attached to the parameters")
 
     def grad_placeholder(self, param):
         return mint.zeros(param.shape, dtype=param.dtype)

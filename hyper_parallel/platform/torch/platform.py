@@ -292,6 +292,10 @@ class TorchPlatform(Platform):
                 return tensor.mul_(factor)
         return tensor * factor
 
+    def vector_norm(self, tensor, norm_type):
+        with torch.no_grad():
+            return torch.linalg.vector_norm(tensor, norm_type, dtype=torch.float32)
+
     def add(self, a, b):
         return a + b
 
@@ -462,6 +466,9 @@ class TorchPlatform(Platform):
     def starts_with(self, whole, part) -> bool:
         return part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() and \
             part.storage_offset() == whole.storage_offset() and part.is_contiguous()
+
+    def param_grad(self, param):
+        return param.grad
 
     def grad_placeholder(self, param):
         return None
