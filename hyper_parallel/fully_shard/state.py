@@ -119,6 +119,9 @@ class FSDPState:
             if state is not None and all(state is not s for s in states):
                 state.name = f"{fqn or '<root>'} ({state.unit_type})"  # logs tell units apart
                 states.append(state)
+        for state in states:  # every check before anything changes
+            for fsdp_param in state.group.params if state.group is not None else ():
+                fsdp_param.reset_sharded_param()
         context = IterationContext(self.platform, states)
         for state in states:
             state.is_root = state is self
@@ -188,6 +191,10 @@ class FSDPState:
             self._keep_full = False
         else:
             self.reshard()
+        if self._full is None and self.group is not None:
+            # parameters replaced since the last iteration (a load between steps)
+            for fsdp_param in self.group.params:
+                fsdp_param.pick_up_replacement()
 
     # ---------------------------------------------------------------- unshard / reshard
     def unshard(self) -> None:
