@@ -74,10 +74,15 @@ def _train(kit, model, slice_) -> list:
     return losses
 
 
-def _reference(kit, tie) -> tuple:
+def _reference_model(kit, tie):
     ref = kit.LM(VOCAB, DIM, HIDDEN, BLOCKS, tie=tie)
     kit.load(ref, seed=3)
-    values = {k: kit.to_numpy(v) for k, v in _named(kit, ref).items()}
+    return ref, {k: kit.to_numpy(v) for k, v in _named(kit, ref).items()}
+
+
+def _reference(kit, tie) -> tuple:
+    """(initial values, losses, trained values) of the single-process reference."""
+    ref, values = _reference_model(kit, tie)
     losses = _train(kit, ref, slice(None))
     return values, losses, {k: kit.to_numpy(v) for k, v in _named(kit, ref).items()}
 
@@ -207,8 +212,10 @@ def run_ms_flow(mine: slice) -> dict:
                                        for fp in params),
                    "gamma_ones": bool((kit.to_numpy(norm_gamma.sharded_param)
                                        [:norm_gamma.local_rows] == 1).all())}
+    names = {id(cell): name for name, cell in hp.get_platform().named_modules(model)}
     for fp in params:  # the user loads each shard of the reference's values
-        key = next(k for k in values if k.endswith(fp.fqn))
+        cell, attr = fp.slots[0]
+        key = f"{names[id(cell)]}.{attr}" if names[id(cell)] else attr
         fp.sharded_param.set_data(kit.tensor(_shard_of(fp, values[key])))
     losses = _train(kit, model, mine)
     return {"ref_losses": ref_losses, "hp_losses": losses, "initialised": initialised,
@@ -219,7 +226,7 @@ def _ms_errors(kit) -> dict:
     import mindspore as ms
 
     ids = np.zeros((LOCAL_BATCH, SEQ), np.int64)
-    values, _, _ = _reference(kit, False)
+    _, values = _reference_model(kit, False)
     model, _ = _ms_lazy_model(kit)
     full = {k: ms.Parameter(kit.tensor(v), name=k) for k, v in values.items()}
     messages = {"load_full": _error_of(lambda: ms.load_param_into_net(model, full))}
