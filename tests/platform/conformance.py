@@ -1794,10 +1794,10 @@ def check_deferred_and_replaced_params(ctx):
     _check(tuple(p.shape(part)) == (3, 2), f"deferred_part shape {p.shape(part)}, expected (3, 2)")
     if not p.is_deferred(part):  # materialised: the One initializer's values
         _same(p.to_numpy(part), np.ones((3, 2), np.float32), "deferred_part values")
-    model = ctx.side.model()
-    attr, param = p.direct_params(model)[0]
-    _check(p.registered_param(model, attr) is param, "registered_param is not the registered one")
-    _check(p.registered_param(model, "conf_missing") is None, "registered_param of no parameter")
+    module = next(m for _, m in p.named_modules(ctx.side.model()) if p.direct_params(m))
+    attr, param = p.direct_params(module)[0]
+    _check(p.registered_param(module, attr) is param, "registered_param is not the registered one")
+    _check(p.registered_param(module, "conf_missing") is None, "registered_param of no parameter")
     full = _arange(2 * w, 3)
     orig = ctx.side.new_param(full, "conf.replaced")
     sharded = p.make_sharded_param(orig, p.from_numpy(full[:2]), ctx.mesh1.native, 0, 0,
