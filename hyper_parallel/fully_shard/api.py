@@ -19,7 +19,7 @@ import math
 import warnings
 from typing import Any, Callable, Iterable
 
-from hyper_parallel.fully_shard.param import FSDPParam
+from hyper_parallel.fully_shard.param import SHARDED_BY as _SHARDED_BY, FSDPParam
 from hyper_parallel.fully_shard.mesh import (
     DataParallelMeshDims, MeshInfo, as_device_mesh, data_parallel_dims, data_parallel_mesh,
 )
@@ -29,7 +29,6 @@ from hyper_parallel.fully_shard.reduce_op import normalize_reduce_op, validate_f
 from hyper_parallel.fully_shard.state import STATE_ATTR, FSDPState
 from hyper_parallel.platform import get_platform
 
-_SHARDED_BY = "_hp_sharded_by"      # on a sharded parameter: the unit that owns it
 _REPLACED_BY = "_hp_replaced_by"    # on an original parameter a unit replaced
 
 

@@ -24,6 +24,8 @@ from typing import Any
 from hyper_parallel.fully_shard.mesh import MeshInfo
 from hyper_parallel.platform import Platform
 
+SHARDED_BY = "_hp_sharded_by"  # on a sharded parameter: the unit that owns it
+
 
 #: the attribute of a sharded parameter naming its FSDPParam (a weak reference: the unit's
 #: state owns the FSDPParam), read by ``fsdp_param_of``
@@ -57,32 +59,122 @@ class FSDPParam:
         self.is_sharded = is_sharded
         self.shard_size = shard_size = mesh_info.shard_size if is_sharded else 1
         shard_rank = mesh_info.shard_rank if is_sharded else 0
-        moved = platform.shape(platform.movedim(param, shard_dim, 0))
+        shape = platform.shape(param)  # read without touching values (meta, lazy init)
+        moved = (shape[shard_dim], *shape[:shard_dim], *shape[shard_dim + 1:])
         self.rows, self.row_shape = moved[0], tuple(moved[1:])
         self.row_numel = math.prod(self.row_shape)
         self.chunk_rows = -(-self.rows // shard_size)
         self.padded_numel = self.chunk_rows * self.row_numel
-        start = min(shard_rank * self.chunk_rows, self.rows)
-        self.local_rows = min(self.chunk_rows, self.rows - start)
+        self.start = min(shard_rank * self.chunk_rows, self.rows)
+        self.local_rows = min(self.chunk_rows, self.rows - self.start)
         self.stored_rows = self.chunk_rows if platform.pads_local_shards else self.local_rows
-        dtype = platform.dtype_of(param)
-        self.padded_shard = None  # the shard's padded piece, where it lives (torch, see below)
         self._padding_zeros = {}  # (numel, dtype) -> zeros, see gradient_pieces
         with platform.no_grad():
-            local = platform.narrow(platform.movedim(param, shard_dim, 0), 0, start, self.local_rows)
-            padding = (self.chunk_rows - self.local_rows, *self.row_shape)
-            if self.stored_rows > self.local_rows:
-                local = platform.cat([local, platform.zeros(padding, dtype)], 0)
-            elif shard_dim == 0 and 0 < self.local_rows < self.chunk_rows:
-                # the shard lives at the start of its padded piece, which the all-gather
-                # then reads as it is (as FSDP2 keeps its padded shard)
-                self.padded_shard = platform.cat([local, platform.zeros(padding, dtype)], 0)
-                local = platform.narrow(self.padded_shard, 0, 0, self.local_rows)
-            local = platform.contiguous(platform.movedim(local, 0, shard_dim))
+            local, self.padded_shard = self._local_piece(orig_param)
             self.sharded_param = platform.make_sharded_param(
                 orig_param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim,
                 shard_dim if is_sharded else None, self.full_shape, backing=self.padded_shard)
         setattr(self.sharded_param, FSDP_PARAM_ATTR, weakref.ref(self))
+
+    @property
+    def _padded_at_end(self) -> bool:
+        """Whether the shard lives at the start of its padded piece, which the all-gather
+        then reads as it is (as FSDP2 keeps its padded shard): dim-0 shards with missing
+        rows, where the sharded parameter itself is not padded."""
+        return (not self.platform.pads_local_shards and self.shard_dim == 0
+                and 0 < self.local_rows < self.chunk_rows)
+
+    def _local_piece(self, param: Any) -> tuple:
+        """``(local, padded)``: this rank's shard of ``param`` as stored, and the padded
+        piece it is a leading view of (None where there is none). A deferred parameter
+        (meta, MindSpore lazy init) gives ``Platform.deferred_part``: no full tensor is
+        ever made."""
+        p = self.platform
+        values = p.param_local_values(param)  # a tensor-parallel parameter: this rank's part
+        if p.is_deferred(values):
+            local = p.movedim(p.deferred_part(values, self.shard_dim, self.start, self.local_rows),
+                              self.shard_dim, 0)
+        else:
+            local = p.narrow(p.movedim(values, self.shard_dim, 0), 0, self.start, self.local_rows)
+        padded = None
+        padding = (self.chunk_rows - self.local_rows, *self.row_shape)
+        dtype = p.dtype_of(values)
+        if p.is_deferred(local):
+            pass  # no values yet (meta): padded once materialised (reset_sharded_param)
+        elif self.stored_rows > self.local_rows:
+            local = p.cat([local, p.zeros(padding, dtype)], 0)
+        elif self._padded_at_end:
+            padded = p.cat([local, p.zeros(padding, dtype)], 0)
+            local = p.narrow(padded, 0, 0, self.local_rows)
+        return p.contiguous(p.movedim(local, 0, self.shard_dim)), padded
+
+    # ---------------------------------------------------------------- replaced parameters
+    def reset_sharded_param(self) -> None:
+        """At the root's lazy init, as FSDP2's: take a parameter that replaced the sharded
+        one (``pick_up_replacement``), insist that it holds values now, and give a shard
+        materialised since ``fully_shard`` (``to_empty`` after a meta build) its padded
+        piece back, so the all-gather reads it in place."""
+        p = self.platform
+        self.pick_up_replacement()
+        if p.is_deferred(p.local_tensor(self.sharded_param)):
+            raise RuntimeError(
+                f"parameter {self.fqn!r} has no values at the first forward (built on the meta "
+                f"device or lazily): after fully_shard, materialise it (torch: "
+                f"model.to_empty(device=...) then reset_parameters() or your init_weights()) "
+                f"or load weights into it (docs/api.md, Deferred initialisation)")
+        if not self._padded_at_end:
+            return
+        with p.no_grad():
+            local = p.local_tensor(self.sharded_param)
+            if self.padded_shard is not None and p.starts_with(self.padded_shard, local):
+                return
+            padding = (self.chunk_rows - self.local_rows, *self.row_shape)
+            padded = p.cat([local, p.zeros(padding, p.dtype_of(local))], 0)
+            if p.replace_local(self.sharded_param, p.narrow(padded, 0, 0, self.local_rows)):
+                self.padded_shard = padded
+
+    def pick_up_replacement(self) -> None:
+        """Adopt a parameter registered in place of the sharded one since fully_shard
+        (``load_state_dict(assign=True)``, torch's ``set_model_state_dict``, a user's
+        ``setattr``), keeping that object (an optimizer made after the load holds it):
+        one laid out as the shard is taken as it is; one of the full shape is cut to this
+        rank's shard in place where the framework can (``Platform.replace_local``).
+        Anything else is an error naming the parameter and the fix, with nothing changed.
+        A tied parameter takes its first slot's replacement in every slot."""
+        p = self.platform
+        registered = [p.registered_param(module, name) for module, name in self.slots]
+        new = next((r for r in registered if r is not self.sharded_param), self.sharded_param)
+        if new is self.sharded_param:
+            return
+        where = ", ".join(f"{type(m).__name__}.{n}" for m, n in self.slots)
+        if new is None:
+            raise ValueError(f"parameter {self.fqn!r} ({where}) was removed after fully_shard; "
+                             f"a fully_shard unit needs every parameter it manages: replace it "
+                             f"with a parameter of shape {self.full_shape} instead")
+        padded = None
+        if not p.is_shard_like(new, self.sharded_param):
+            shape = tuple(p.shape(p.param_local_values(new)))
+            if shape != tuple(self.full_shape):
+                raise ValueError(
+                    f"parameter {self.fqn!r} ({where}) was replaced after fully_shard by one of "
+                    f"shape {shape}; it must have the parameter's full shape "
+                    f"{tuple(self.full_shape)} (or be laid out as its shard)")
+            with p.no_grad():
+                local, padded = self._local_piece(new)
+                if not p.replace_local(new, local):
+                    raise ValueError(
+                        f"parameter {self.fqn!r} ({where}) was replaced after fully_shard by a "
+                        f"full tensor, which cannot become this rank's shard in place (an "
+                        f"optimizer may hold it): load full weights through the state-dict path "
+                        f"instead (torch: torch.distributed.checkpoint.state_dict."
+                        f"set_model_state_dict(model, sd, options=StateDictOptions("
+                        f"full_state_dict=True)); see docs/api.md, Deferred initialisation), or "
+                        f"replace it by a parameter laid out as its shard")
+        self.padded_shard = padded  # a shard-like replacement: padded by reset_sharded_param
+        owner = getattr(self.sharded_param, SHARDED_BY, None)
+        self.sharded_param = new
+        object.__setattr__(new, SHARDED_BY, owner)
+        self.register()
 
     def register(self) -> None:
         """Put the sharded parameter where the original was registered (every slot). Apart

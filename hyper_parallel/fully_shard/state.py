@@ -116,11 +116,20 @@ class FSDPState:
     # ---------------------------------------------------------------- lazy root init
     def _lazy_init(self, root_module: Any) -> None:
         states = []
+        names = {}  # id(module) -> its name under the root, for the parameters' names
         for fqn, module in self.platform.named_modules(root_module):
+            names.setdefault(id(module), fqn)
             state = module.__dict__.get(STATE_ATTR)
             if state is not None and all(state is not s for s in states):
                 state.name = f"{fqn or '<root>'} ({state.unit_type})"  # logs tell units apart
                 states.append(state)
+        for state in states:  # every check before anything changes
+            for fsdp_param in state.group.params if state.group is not None else ():
+                module, attr = fsdp_param.slots[0]
+                prefix = names.get(id(module))
+                if prefix is not None:  # errors name the parameter as the user does
+                    fsdp_param.fqn = f"{prefix}.{attr}" if prefix else attr
+                fsdp_param.reset_sharded_param()
         context = IterationContext(self.platform, states)
         for state in states:
             state.is_root = state is self
@@ -190,6 +199,10 @@ class FSDPState:
             self._keep_full = False
         else:
             self.reshard()
+        if self._full is None and self.group is not None:
+            # parameters replaced since the last iteration (a load between steps)
+            for fsdp_param in self.group.params:
+                fsdp_param.pick_up_replacement()
 
     # ---------------------------------------------------------------- unshard / reshard
     def unshard(self) -> None:

@@ -431,6 +431,34 @@ class Platform(abc.ABC):
         the same dim), and ``attach_tensor`` presents full tensors for it as
         tensor-parallel parameters."""
 
+    # ------------------------------------------------------------------ deferred init
+    @abc.abstractmethod
+    def is_deferred(self, tensor: Any) -> bool:
+        """Whether ``tensor`` has a shape but no values yet: torch's meta device, a
+        MindSpore Parameter built under ``no_init_parameters()``."""
+
+    @abc.abstractmethod
+    def deferred_part(self, param: Any, dim: int, start: int, length: int) -> Any:
+        """Elements ``[start, start + length)`` of ``dim`` of a deferred ``param``, without
+        making the whole tensor: torch a meta tensor (values come with ``to_empty``),
+        MindSpore the parameter's initializer run at the part's shape (materialised)."""
+
+    @abc.abstractmethod
+    def registered_param(self, module: Any, attr_name: str) -> Any:
+        """The parameter registered on ``module`` as ``attr_name`` now (None if none)."""
+
+    @abc.abstractmethod
+    def is_shard_like(self, new: Any, sharded: Any) -> bool:
+        """Whether ``new``, registered in place of the sharded parameter ``sharded``, is laid
+        out as it is (torch: a DTensor of the same global shape, mesh and placements;
+        MindSpore: the same local shape)."""
+
+    @abc.abstractmethod
+    def replace_local(self, param: Any, local: Any) -> bool:
+        """Make ``param`` hold ``local`` as its local shard, keeping the object (an optimizer
+        may hold it). Return False where the framework cannot: a plain torch tensor
+        cannot become a DTensor in place."""
+
     @abc.abstractmethod
     def starts_with(self, whole: Any, part: Any) -> bool:
         """Whether ``part``'s elements are the leading elements of ``whole``'s memory, so

@@ -123,6 +123,10 @@ class _TorchSide:
         return self.torch.nn.Parameter(self.torch.from_numpy(array.copy()),
                                        requires_grad=requires_grad)
 
+    def deferred_param(self, shape: tuple, name: str):
+        """A parameter with a shape and no values: on the meta device."""
+        return self.torch.nn.Parameter(self.torch.empty(shape, device="meta"))
+
     def set_requires_grad(self, param, flag: bool) -> None:
         param.requires_grad_(flag)
 
@@ -193,6 +197,14 @@ class _MindSporeSide:
     def new_param(self, array: np.ndarray, name: str, requires_grad: bool = True):
         return self.ms.Parameter(self.ms.Tensor(array.copy()), name=name,
                                  requires_grad=requires_grad)
+
+    def deferred_param(self, shape: tuple, name: str):
+        """A parameter with a shape and no values: built under no_init_parameters()."""
+        from mindspore.common.initializer import One, initializer
+        from mindspore.nn.utils import no_init_parameters
+
+        with no_init_parameters():
+            return self.ms.Parameter(initializer(One(), shape, self.ms.float32), name=name)
 
     def set_requires_grad(self, param, flag: bool) -> None:
         param.requires_grad = flag
@@ -1800,6 +1812,34 @@ def check_comm_stats(ctx):
     _check(mixed.calls() == 3, f"track_comms window counts {mixed.calls()} calls, expected 3")
     _check(live_delta.summary() == mixed.summary(),
            f"live comm_stats delta {live_delta.summary()} != window {mixed.summary()}")
+
+
+@collective_check()
+def check_deferred_and_replaced_params(ctx):
+    """A deferred parameter's part is made without the whole (MindSpore: materialised by its
+    initializer); a replacement is told from the sharded parameter it replaces."""
+    p, w = ctx.p, ctx.world
+    deferred = ctx.side.deferred_param((3, 2 * w), "conf.deferred")
+    _check(p.is_deferred(deferred), "is_deferred(a parameter without values) is False")
+    _check(not p.is_deferred(p.from_numpy(_arange(2, 2))), "is_deferred(a tensor) is True")
+    part = p.deferred_part(deferred, 1, 2, 2)
+    _check(tuple(p.shape(part)) == (3, 2), f"deferred_part shape {p.shape(part)}, expected (3, 2)")
+    if not p.is_deferred(part):  # materialised: the One initializer's values
+        _same(p.to_numpy(part), np.ones((3, 2), np.float32), "deferred_part values")
+    module = next(m for _, m in p.named_modules(ctx.side.model()) if p.direct_params(m))
+    attr, param = p.direct_params(module)[0]
+    _check(p.registered_param(module, attr) is param, "registered_param is not the registered one")
+    _check(p.registered_param(module, "conf_missing") is None, "registered_param of no parameter")
+    full = _arange(2 * w, 3)
+    orig = ctx.side.new_param(full, "conf.replaced")
+    sharded = p.make_sharded_param(orig, p.from_numpy(full[:2]), ctx.mesh1.native, 0, 0,
+                                   (2 * w, 3))
+    _check(p.is_shard_like(sharded, sharded), "is_shard_like(a sharded parameter, itself) is False")
+    _check(not p.is_shard_like(orig, sharded), "is_shard_like(the full parameter, its shard) is True")
+    _check(p.replace_local(orig, p.from_numpy(full[:2])) is False,
+           "replace_local turned a plain full parameter into a shard")
+    if p.replace_local(sharded, p.from_numpy(full[2:4] if w > 1 else full[:2])):
+        _same(p.to_numpy(sharded), full[2:4] if w > 1 else full[:2], "replace_local values")
 
 
 @collective_check()

@@ -36,6 +36,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.common.tensor import swap_tensors
 from mindspore.communication import GlobalComm
+from mindspore.common.initializer import initializer
 from mindspore.graph.api import _disable_saved_tensors_hooks
 from mindspore.mint import distributed as msdist
 
@@ -445,6 +446,33 @@ class MindSporePlatform(Platform):
 
     def local_tensor(self, param):
         return param
+
+    def is_deferred(self, tensor) -> bool:
+        return bool(getattr(tensor, "has_init", False))
+
+    def deferred_part(self, param, dim, start, length):
+        shape = list(param.shape)
+        shape[dim] = length
+        init = getattr(getattr(param, "init_mode", None), "init", None)
+        if init is None:
+            raise ValueError(f"parameter {param.name!r} is uninitialised and has no initializer "
+                             f"to make its shard from; build it with an initializer "
+                             f"(mindspore.common.initializer) under no_init_parameters()")
+        if length == 0:
+            return mint.zeros(tuple(shape), dtype=param.dtype)
+        # the initializer at the shard's shape, as MindSpore's own sliced init does
+        return initializer(init, tuple(shape), param.dtype).init_data()
+
+    def registered_param(self, module, attr_name):
+        return module._params.get(attr_name)
+
+    def is_shard_like(self, new, sharded) -> bool:
+        return tuple(new.shape) == tuple(sharded.shape)
+
+    def replace_local(self, param, local) -> bool:
+        # set_data would shrink it, but an optimizer made from it already holds buffers of
+        # its full shape (mindspore.experimental.optim clones them at construction)
+        return False
 
     def starts_with(self, whole, part) -> bool:
         return False  # a view never writes through to its base (platform-facts)

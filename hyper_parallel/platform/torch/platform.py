@@ -45,8 +45,11 @@ _SHARDED_PARAMS = "_hp_sharded_params"
 
 
 def _register_sharded(module) -> None:
-    """Make the module's registered parameters its sharded ones again."""
-    module._parameters.update(module.__dict__[_SHARDED_PARAMS])
+    """Make the module's registered parameters its sharded ones again where a full tensor
+    (never a Parameter) is registered; a user's replacement stays for the next forward."""
+    for name, param in module.__dict__[_SHARDED_PARAMS].items():
+        if not isinstance(module._parameters.get(name), torch.nn.Parameter):
+            module._parameters[name] = param
 
 
 # on a sharded parameter made from a tensor-parallel DTensor: (its tensor-parallel mesh,
@@ -462,6 +465,26 @@ class TorchPlatform(Platform):
 
     def local_tensor(self, param):
         return param.to_local()
+
+    def is_deferred(self, tensor) -> bool:
+        return tensor.is_meta
+
+    def deferred_part(self, param, dim, start, length):
+        return param.narrow(dim, start, length)
+
+    def registered_param(self, module, attr_name):
+        return module._parameters.get(attr_name)
+
+    def is_shard_like(self, new, sharded) -> bool:
+        return isinstance(new, DTensor) and new.shape == sharded.shape and \
+            new.device_mesh == sharded.device_mesh and \
+            tuple(new.placements) == tuple(sharded.placements)
+
+    def replace_local(self, param, local) -> bool:
+        if not isinstance(param, DTensor):
+            return False
+        param._local_tensor = local  # as FSDP2 re-pads a materialised shard
+        return True
 
     def starts_with(self, whole, part) -> bool:
         return part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() and \
