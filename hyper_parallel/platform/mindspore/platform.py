@@ -38,6 +38,7 @@ from mindspore.graph.api import _disable_saved_tensors_hooks
 from mindspore.mint import distributed as msdist
 
 from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
 
 SUPPORTED_MINOR = "2.10"
 
@@ -77,7 +78,7 @@ class _CoreDefinedCell(nn.Cell):
                      for x, g in zip(inputs, self._backward_fn(list(grads))))
 
 
-class MindSporePlatform(Platform):
+class MindSporePlatform(MindSporeStateIO, Platform):
     name = "mindspore"
     can_release_storage = False
     pads_local_shards = True  # its optimizers cannot create state for an empty parameter
