@@ -18,8 +18,8 @@ from hyper_parallel.platform import get_platform
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPUOffloadPolicy", "CommStats", "ShardedValue", "DataParallelMeshDims", "DeviceMesh", "FSDPModule",
-    "MixedPrecisionPolicy", "OffloadPolicy", "comm_stats", "destroy_distributed", "fully_shard",
+    "CPUOffloadPolicy", "CommStats", "DataParallelMeshDims", "DeviceMesh", "FSDPModule",
+    "MixedPrecisionPolicy", "OffloadPolicy", "ShardedValue", "comm_stats", "destroy_distributed", "fully_shard",
     "gather_full_state_dict", "get_full_state_dict", "get_platform", "get_state_dict",
     "init_device_mesh", "init_distributed", "load_sharded_checkpoint",
     "register_fsdp_forward_method", "save_sharded_checkpoint", "set_state_dict", "track_comms",

@@ -98,8 +98,9 @@ def _read_layouts(directory: str) -> dict:
 
 
 def _needs(piece: ShardedValue, target: ShardedValue, have: list) -> bool:
-    """Whether ``piece`` holds rows of ``target`` that the pieces in ``have`` lack."""
-    if any(p.shard_dim is None for p in have):
+    """Whether ``piece`` holds rows of ``target`` that the pieces in ``have`` lack. An
+    empty piece never does (and MindSpore's checkpoint leaves empty tensors out)."""
+    if any(p.shard_dim is None for p in have) or piece.shard_dim is not None and not piece.length:
         return False
     if piece.shard_dim is None:
         return not have

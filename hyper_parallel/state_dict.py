@@ -111,8 +111,7 @@ def state_entries(model: Any, optimizer: Any = None, tensor_parallel_parts: bool
             if fsdp_param is not None:
                 param = fsdp_param.sharded_param
                 layout = fsdp_param if fsdp_param.is_sharded else None
-                # a tensor-parallel parameter's local part is what fully_shard sharded
-                tensor_parallel = tuple(platform.shape(param)) != tuple(fsdp_param.full_shape)
+                tensor_parallel = fsdp_param.is_tensor_parallel
             else:
                 layout = None
                 tensor_parallel = platform.param_local_values(param) is not param

@@ -332,7 +332,7 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         return mint.empty(tuple(shape), dtype=dtype)
 
     def from_numpy(self, array):
-        return Tensor(np.ascontiguousarray(array).copy())
+        return Tensor(np.array(array, order="C"))  # a copy; ascontiguousarray makes 0-d 1-d
 
     def to_numpy(self, tensor):
         return tensor.asnumpy().copy()
