@@ -63,7 +63,8 @@ def test_framework_round_trip_at_same_world_size(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_load_reshards_and_resumes(backend, world):
     """Every checkpoint loads into a model with other values at another world size with
-    exactly the saved state, and training resumes as if never interrupted."""
+    exactly the saved state, and training resumes (from the sharded checkpoint of 4 ranks
+    at 2, of 2 ranks at 1) as if never interrupted."""
     chain = _chain(backend)
     saved = chain[4][0]
     reference = chain[1][0]["reference"]
@@ -71,17 +72,16 @@ def test_load_reshards_and_resumes(backend, world):
                if s not in ("all_ranks_full", "reference", "bad_input", "nn_adam")]
     assert "sharded_from_4" in sources and "full" in sources
     for source in sources:
-        for rank, r in enumerate(chain[world]):
-            loaded = r[source]
-            if rank == 0:
-                assert _max_diff(loaded["loaded"], saved["full_state"]) == 0.0, source
-            np.testing.assert_allclose(loaded["after"], saved["after"], atol=ATOL, rtol=0,
-                                       err_msg=source)
-            np.testing.assert_allclose(loaded["after"], reference["losses"][-len(saved["after"]):],
-                                       atol=ATOL, rtol=0, err_msg=source)
-        final = chain[world][0][source]["final"]
-        assert _max_diff(final, saved["final"]) <= PARAM_ATOL, source
-        assert _max_diff(final, reference["final"]) <= PARAM_ATOL, source
+        assert _max_diff(chain[world][0][source]["loaded"], saved["full_state"]) == 0.0, source
+    resumed = [s for s in sources if "after" in chain[world][0][s]]
+    assert len(resumed) == 1, resumed
+    for r in chain[world]:
+        after = r[resumed[0]]["after"]
+        np.testing.assert_allclose(after, saved["after"], atol=ATOL, rtol=0)
+        np.testing.assert_allclose(after, reference["losses"][-len(after):], atol=ATOL, rtol=0)
+    final = chain[world][0][resumed[0]]["final"]
+    assert _max_diff(final, saved["final"]) <= PARAM_ATOL
+    assert _max_diff(final, reference["final"]) <= PARAM_ATOL
     np.testing.assert_allclose(saved["before"], reference["losses"][:len(saved["before"])],
                                atol=ATOL, rtol=0)
 
