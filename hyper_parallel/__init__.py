@@ -11,14 +11,17 @@ from hyper_parallel.fully_shard import (
     CPUOffloadPolicy, DataParallelMeshDims, DeviceMesh, FSDPModule, MixedPrecisionPolicy,
     OffloadPolicy, fully_shard, init_device_mesh, register_fsdp_forward_method,
 )
-from hyper_parallel.full_state import gather_full_state_dict
+from hyper_parallel.full_state import gather_full_state_dict, get_full_state_dict
+from hyper_parallel.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from hyper_parallel.state_dict import ShardedValue, get_state_dict, set_state_dict
 from hyper_parallel.platform import get_platform
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadPolicy", "CommStats", "DataParallelMeshDims", "DeviceMesh", "FSDPModule",
-    "MixedPrecisionPolicy", "OffloadPolicy", "clip_grad_norm_", "comm_stats", "destroy_distributed", "fully_shard",
-    "gather_full_state_dict", "get_platform", "init_device_mesh", "init_distributed",
-    "register_fsdp_forward_method", "track_comms",
+    "MixedPrecisionPolicy", "OffloadPolicy", "ShardedValue", "clip_grad_norm_", "comm_stats",
+    "destroy_distributed", "fully_shard", "gather_full_state_dict", "get_full_state_dict", "get_platform", "get_state_dict",
+    "init_device_mesh", "init_distributed", "load_sharded_checkpoint",
+    "register_fsdp_forward_method", "save_sharded_checkpoint", "set_state_dict", "track_comms",
 ]

@@ -93,7 +93,7 @@ def total_norm(platform: Platform, pairs: list, norm_type: float) -> float:
     by_group: dict = {}  # id(shard group) -> (group, norms of this rank's shards)
     for param, grad in pairs:
         fsdp_param = fsdp_param_of(param)
-        if fsdp_param.spans_tensor_parallel if fsdp_param is not None else \
+        if fsdp_param.is_tensor_parallel if fsdp_param is not None else \
                 platform.param_local_values(param) is not param:
             raise NotImplementedError(
                 f"a parameter of shape {platform.shape(param)} is split by tensor parallelism, "

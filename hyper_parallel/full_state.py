@@ -1,52 +1,73 @@
-"""Gather a sharded model's full parameters: for checkpoints, evaluation and parity checks.
+"""Full (unsharded) state dicts: gathered one value at a time, to rank 0 or to every rank.
 
-Works the same on both frameworks: each managed parameter's shard is all-gathered over its
-unit's shard group (padded like the unit's buffers) and trimmed, then, for a parameter
-tensor parallelism split (torch DTensor), gathered over the tensor-parallel ranks too;
-unmanaged parameters are returned as they are. Every rank gets the full values.
+Each sharded value is all-gathered over its unit's shard group (padded like the unit's
+buffers) and trimmed; whole values (unsharded parameters, step counters) are read as they
+are. One value is gathered at a time, and a rank that does not keep the result drops it
+before the next: no rank holds more than the full state plus one value. The inverse, a
+full state dict loaded into a sharded model, is ``set_state_dict`` (state_dict.py) given
+full tensors or arrays: each rank keeps its rows.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hyper_parallel.fully_shard.state import STATE_ATTR
 from hyper_parallel.platform import get_platform
+from hyper_parallel.state_dict import state_entries, to_numpy
+
+if TYPE_CHECKING:
+    from hyper_parallel.platform.base import Platform
+    from hyper_parallel.state_dict import Entry
 
 
-def gather_full_state_dict(module: Any, as_numpy: bool = True) -> dict:
-    """``{qualified parameter name: full value}`` (numpy arrays, or framework tensors)."""
+def get_full_state_dict(model: Any, optimizer: Any = None, rank0_only: bool = True,
+                        as_numpy: bool = True, tensor_parallel_parts: bool = False) -> dict:
+    """``{key: full value}`` of the model (and optimizer; keys as in ``get_state_dict``)
+    on global rank 0, ``{}`` on the others; every rank on ``rank0_only=False``. Every rank
+    must call it (each sharded value is one all-gather). Values are numpy arrays (new
+    memory), or framework tensors with ``as_numpy=False``. ``tensor_parallel_parts``: a
+    tensor-parallel parameter is gathered over its tensor-parallel ranks too (otherwise it
+    is an error)."""
     platform = get_platform()
-    owners = {}  # (id(module), attribute) -> the FSDPParam registered there
-    for _, sub in platform.named_modules(module):
-        state = sub.__dict__.get(STATE_ATTR)
-        if state is not None and state.group is not None:
-            for fsdp_param in state.group.params:
-                for slot_module, attr in fsdp_param.slots:
-                    owners[(id(slot_module), attr)] = fsdp_param
-    result = {}
-    for name, sub in platform.named_modules(module):
-        for attr, param in platform.direct_params(sub):
-            key = f"{name}.{attr}" if name else attr
-            if key in result:
-                continue
-            # by slot: a unit that is unsharded registers its full tensors there (torch)
-            fsdp_param = owners.get((id(sub), attr))
-            value = param if fsdp_param is None else _gather_one(platform, fsdp_param)
-            result[key] = platform.to_numpy(value) if as_numpy else value
+    keep = not rank0_only or platform.rank() == 0
+    result, gathered = {}, {}  # gathered: id(live tensor) -> value, for tied parameters
+    with platform.no_grad():
+        for entry in state_entries(model, optimizer, tensor_parallel_parts):
+            value = gathered.get(id(entry.tensor))
+            if value is None:
+                value = _full_value(platform, entry)
+                if as_numpy:
+                    value = to_numpy(platform, value)
+            if keep:
+                result[entry.key] = value
+                gathered[id(entry.tensor)] = value
     return result
 
 
-def _gather_one(platform, fsdp_param) -> Any:
-    size = fsdp_param.shard_size
-    with platform.no_grad():
-        local = platform.local_tensor(fsdp_param.sharded_param)
-        flat = fsdp_param.padded_flat_shard(local, fsdp_param.orig_dtype)
-        pieces = [flat]
-        if size > 1:
-            pieces, _, handle = platform.all_gather_pieces(flat, fsdp_param.mesh_info.shard_group,
-                                                           size, dim="shard")
-            handle.wait()
-        # new memory, never a view of a shard
-        local_full = fsdp_param.full_from_pieces(pieces, [0] * len(pieces))
-        return platform.full_over_tensor_parallel(fsdp_param.sharded_param, local_full)
+def gather_full_state_dict(module: Any, as_numpy: bool = True) -> dict:
+    """``{qualified parameter name: full value}`` of the model's parameters on every rank; a
+    tensor-parallel parameter (torch) is gathered over its tensor-parallel ranks too."""
+    return get_full_state_dict(module, rank0_only=False, as_numpy=as_numpy,
+                               tensor_parallel_parts=True)
+
+
+def _full_value(platform: Platform, entry: Entry) -> Any:
+    fp = entry.fsdp_param
+    if fp is None:
+        return platform.clone(entry.tensor)  # new memory, never the live tensor
+    moved = platform.movedim(entry.tensor, fp.shard_dim, 0)
+    if fp.stored_rows != fp.local_rows:
+        moved = platform.narrow(moved, 0, 0, fp.local_rows)
+    if fp.chunk_rows != fp.local_rows:
+        padding = platform.zeros((fp.chunk_rows - fp.local_rows, *fp.row_shape),
+                                 platform.dtype_of(moved))
+        moved = platform.cat([moved, padding], 0)
+    flat = platform.reshape(platform.contiguous(moved), (fp.padded_numel,))
+    pieces = [flat]
+    if fp.shard_size > 1:
+        pieces, _, handle = platform.all_gather_pieces(flat, fp.mesh_info.shard_group,
+                                                       fp.shard_size, dim="shard")
+        handle.wait()
+    # new memory, never a view of a shard
+    return platform.full_over_tensor_parallel(fp.sharded_param,
+                                              fp.full_from_pieces(pieces, [0] * len(pieces)))

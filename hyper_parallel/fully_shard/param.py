@@ -51,7 +51,7 @@ class FSDPParam:
         orig_param = param
         # a tensor-parallel parameter: this rank's part is what is sharded and gathered
         param = platform.param_local_values(param)
-        self.spans_tensor_parallel = param is not orig_param
+        self.is_tensor_parallel = param is not orig_param
         self.full_shape = platform.shape(param)
         self.shard_dim = shard_dim
         self.mesh_info = mesh_info

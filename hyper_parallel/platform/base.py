@@ -557,3 +557,29 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def memory_allocated(self) -> int | None:
         """Bytes currently allocated on the device, or None when unknown."""
+
+    # ------------------------------------------------------------------ state dicts
+    #: the file extension ``save_tensors`` writes (the framework's own checkpoint format)
+    checkpoint_extension: str = "ckpt"
+
+    @abc.abstractmethod
+    def optimizer_state(self, optimizer: Any) -> list:
+        """Every state tensor of ``optimizer`` as ``(state name, parameter or None, local
+        tensor)``: per-parameter state (moments) with the parameter object it belongs to, the
+        optimizer's own values (step counters) with None. The tensor is the live one a load
+        writes with ``copy_into`` (on torch a DTensor's local part). State an optimizer has
+        not created yet (torch before its first step) is not listed."""
+
+    def create_optimizer_state(self, optimizer: Any) -> Callable[[], None] | None:
+        """Make ``optimizer`` create its state (zeros) if it has none yet, so that a load can
+        write it; return what undoes that, or None where nothing was created (the default:
+        a framework whose optimizers create their state on construction)."""
+        return None
+
+    @abc.abstractmethod
+    def save_tensors(self, tensors: dict, path: str) -> None:
+        """Write ``{name: tensor or numpy array}`` to ``path`` in the framework's own format."""
+
+    @abc.abstractmethod
+    def load_tensors(self, path: str) -> dict:
+        """Read a file ``save_tensors`` wrote: ``{name: tensor}``."""

@@ -459,6 +459,24 @@ def check_from_numpy_to_numpy(ctx):
 
 
 @local_check
+def check_save_tensors_load_tensors(ctx):
+    import os
+    import tempfile
+
+    p = ctx.p
+    saved = {"a.weight": p.from_numpy(_arange(3, 2)), "step": p.from_numpy(np.array(3, np.int32)),
+             "from_numpy": _arange(4)}
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, f"t.{p.checkpoint_extension}")
+        p.save_tensors(saved, path)
+        back = p.load_tensors(path)
+    _check(sorted(back) == sorted(saved), f"load_tensors keys {sorted(back)}")
+    for key, expected in (("a.weight", _arange(3, 2)), ("step", np.array(3, np.int32)),
+                          ("from_numpy", _arange(4))):
+        _same(p.to_numpy(back[key]), expected, f"save_tensors/load_tensors of {key}")
+
+
+@local_check
 def check_is_tensor(ctx):
     p = ctx.p
     _check(p.is_tensor(p.zeros((2,), p.dtype("float32"))), "is_tensor(zeros) is False")

@@ -41,6 +41,7 @@ from mindspore.graph.api import _disable_saved_tensors_hooks
 from mindspore.mint import distributed as msdist
 
 from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
 
 SUPPORTED_MINOR = "2.10"
 
@@ -80,7 +81,7 @@ class _CoreDefinedCell(nn.Cell):
                      for x, g in zip(inputs, self._backward_fn(list(grads))))
 
 
-class MindSporePlatform(Platform):
+class MindSporePlatform(MindSporeStateIO, Platform):
     name = "mindspore"
     can_release_storage = False
     pads_local_shards = True  # its optimizers cannot create state for an empty parameter
@@ -334,7 +335,7 @@ class MindSporePlatform(Platform):
         return mint.empty(tuple(shape), dtype=dtype)
 
     def from_numpy(self, array):
-        return Tensor(np.ascontiguousarray(array).copy())
+        return Tensor(np.array(array, order="C"))  # a copy; ascontiguousarray makes 0-d 1-d
 
     def to_numpy(self, tensor):
         return tensor.asnumpy().copy()

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial
 
 from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.torch.state_io import TorchStateIO
 from hyper_parallel.platform.torch.released_memory import ReleasedMemory
 from hyper_parallel.platform.torch.unshard_function import run_differentiable
 
@@ -84,7 +85,7 @@ def _uses_list_reduce_scatter(group, input_bytes: int) -> bool:
     return dist.get_backend(group) == "gloo" and input_bytes >= _GLOO_LIST_REDUCE_SCATTER_BYTES
 
 
-class TorchPlatform(Platform):
+class TorchPlatform(TorchStateIO, Platform):
     name = "torch"
     can_release_storage = True
     registers_full_tensors = True

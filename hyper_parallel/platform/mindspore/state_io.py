@@ -1,0 +1,42 @@
+"""The MindSpore platform's state-dict primitives: optimizer state and checkpoint files.
+
+A MindSpore optimizer is a Cell whose per-parameter state are Parameters cloned from the
+parameters it steps, named ``<state>.<parameter name>`` (``exp_avg.0.weight``,
+``moment1.0.weight``); its other Parameters (``state_step``, ``global_step``,
+``beta1_power``, ``learning_rate``) are its own values.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor
+
+
+class MindSporeStateIO:
+    """Mixed into MindSporePlatform."""
+
+    checkpoint_extension = "ckpt"
+
+    def optimizer_state(self, optimizer):
+        stepped = {id(p) for p in optimizer.parameters}
+        by_name = {p.name: p for p in optimizer.parameters}
+        state = []
+        for name, value in optimizer.parameters_and_names():
+            if id(value) in stepped:
+                continue
+            prefix, _, param_name = value.name.partition(".")
+            owner = by_name.get(param_name) if param_name else None
+            if owner is not None and owner.shape == value.shape:
+                state.append((prefix, owner, value))
+            else:
+                state.append((value.name, None, value))
+        return state
+
+    def save_tensors(self, tensors, path):
+        ms.save_checkpoint(
+            [{"name": k, "data": Tensor(v) if isinstance(v, np.ndarray) else v}
+             for k, v in tensors.items()], path)
+
+    def load_tensors(self, path):
+        return dict(ms.load_checkpoint(path))

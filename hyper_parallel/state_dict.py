@@ -1,0 +1,323 @@
+"""Sharded state dicts that carry their layout, on both frameworks; loading in any layout.
+
+[Note: sharded value]
+A ``ShardedValue`` is this rank's part of one model or optimizer value: ``local`` holds
+rows ``[offset, offset + length)`` of dim ``shard_dim`` of a tensor of ``global_shape``,
+padding stripped (MindSpore's sharded Parameters keep padding rows, see param.py; they
+never appear here). ``shard_dim=None`` is a whole value: an unsharded parameter, a step
+counter. So values saved by any number of ranks can be put together again in any other
+layout: loading takes, for each value, the pieces that overlap this rank's rows.
+
+Keys: a parameter's qualified name (tied parameters under each of their names, as
+``state_dict()`` gives them on torch); per-parameter optimizer state as
+``optim.<state>.<parameter key>`` (moments, torch's per-parameter ``step``); the
+optimizer's own values as ``optim.<name>`` (MindSpore's step counters).
+
+``set_state_dict`` accepts, per key, one ``ShardedValue``, a list of them (pieces saved by
+several ranks) or a full tensor or numpy array, and checks every key, shape and the
+coverage of this rank's rows before it writes anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hyper_parallel.fully_shard.state import STATE_ATTR
+from hyper_parallel.platform import get_platform
+
+if TYPE_CHECKING:
+    from hyper_parallel.fully_shard.param import FSDPParam
+    from hyper_parallel.platform.base import Platform
+
+OPTIM_PREFIX = "optim."
+
+
+@dataclass(frozen=True)
+class ShardedValue:
+    """This rank's rows ``[offset, offset + length)`` of dim ``shard_dim`` of a value of
+    ``global_shape`` (``shard_dim=None``: the whole value). ``local`` is a framework tensor
+    or a numpy array, or None in a layout read without its data."""
+
+    local: Any
+    global_shape: tuple
+    shard_dim: int | None = None
+    offset: int = 0
+    length: int = 0
+
+    def layout(self) -> dict:
+        """The record without the data, as plain JSON-able values."""
+        return {"global_shape": list(self.global_shape), "shard_dim": self.shard_dim,
+                "offset": self.offset, "length": self.length}
+
+    @classmethod
+    def from_layout(cls, layout: dict, local: Any = None) -> ShardedValue:
+        return cls(local, tuple(layout["global_shape"]), layout["shard_dim"],
+                   layout["offset"], layout["length"])
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One value of a model (and optimizer): where this rank holds it and how it is laid out.
+    ``tensor`` is the live local tensor a load writes (padded where the platform pads);
+    ``fsdp_param`` the layout of a sharded value, None for a whole one."""
+
+    key: str
+    tensor: Any
+    fsdp_param: FSDPParam | None
+
+    def target(self, platform: Platform) -> ShardedValue:
+        """This rank's part, as a layout (no data)."""
+        fp = self.fsdp_param
+        if fp is None:
+            shape = tuple(platform.shape(self.tensor))
+            return ShardedValue(None, shape, None, 0, shape[0] if shape else 0)
+        offset = min(fp.mesh_info.shard_rank * fp.chunk_rows, fp.rows)
+        return ShardedValue(None, tuple(fp.full_shape), fp.shard_dim, offset, fp.local_rows)
+
+    def read(self, platform: Platform) -> ShardedValue:
+        """This rank's part with its data, padding stripped."""
+        local, fp = self.tensor, self.fsdp_param
+        if fp is not None and fp.stored_rows != fp.local_rows:
+            local = platform.narrow(local, fp.shard_dim, 0, fp.local_rows)
+        target = self.target(platform)
+        return ShardedValue(local, target.global_shape, target.shard_dim, target.offset,
+                            target.length)
+
+
+def state_entries(model: Any, optimizer: Any = None, tensor_parallel_parts: bool = False) -> list:
+    """Every value of the model (in module order) and then of the optimizer, as ``Entry``.
+    A tensor-parallel parameter (torch) is an error, or with ``tensor_parallel_parts`` its
+    data-parallel layout over this rank's tensor-parallel part."""
+    platform = get_platform()
+    owners = {}  # (id(module), attribute) -> the FSDPParam registered there
+    for _, sub in platform.named_modules(model):
+        state = sub.__dict__.get(STATE_ATTR)
+        if state is not None and state.group is not None:
+            for fsdp_param in state.group.params:
+                for slot_module, attr in fsdp_param.slots:
+                    owners[(id(slot_module), attr)] = fsdp_param
+    entries, keys, by_param = [], set(), {}  # by_param: id(parameter) -> (key, FSDPParam)
+    for name, sub in platform.named_modules(model):
+        for attr, param in platform.direct_params(sub):
+            key = f"{name}.{attr}" if name else attr
+            if key in keys:
+                continue
+            keys.add(key)
+            # by slot: a unit that is unsharded registers its full tensors there (torch)
+            fsdp_param = owners.get((id(sub), attr))
+            if fsdp_param is not None:
+                param = fsdp_param.sharded_param
+                layout = fsdp_param if fsdp_param.is_sharded else None
+                tensor_parallel = fsdp_param.is_tensor_parallel
+            else:
+                layout = None
+                tensor_parallel = platform.param_local_values(param) is not param
+            if tensor_parallel and not tensor_parallel_parts:
+                raise NotImplementedError(
+                    f"{key} is a tensor-parallel parameter: hyper_parallel's state dicts cover "
+                    "data parallelism only; use model.state_dict() with "
+                    "torch.distributed.checkpoint for this model")
+            local = param if fsdp_param is None else platform.local_tensor(param)
+            entries.append(Entry(key, local, layout))
+            by_param.setdefault(id(param), (key, layout))
+    if optimizer is not None:
+        entries += _optimizer_entries(platform, optimizer, by_param)
+    return entries
+
+
+def _optimizer_entries(platform: Platform, optimizer: Any, by_param: dict) -> list:
+    entries = []
+    for state_name, owner, tensor in platform.optimizer_state(optimizer):
+        if owner is None:
+            entries.append(Entry(f"{OPTIM_PREFIX}{state_name}", tensor, None))
+            continue
+        if id(owner) not in by_param:
+            raise ValueError(f"the optimizer's {state_name!r} state belongs to a parameter that "
+                             "is not the model's: pass the optimizer built on this model's "
+                             "parameters (after fully_shard)")
+        key, layout = by_param[id(owner)]
+        # state shaped like the parameter is laid out like it; other state (a per-parameter
+        # step) is whole
+        if layout is not None and platform.shape(tensor) != platform.shape(
+                platform.local_tensor(layout.sharded_param)):
+            layout = None
+        entries.append(Entry(f"{OPTIM_PREFIX}{state_name}.{key}", tensor, layout))
+    return entries
+
+
+def get_state_dict(model: Any, optimizer: Any = None) -> dict:
+    """``{key: ShardedValue}``: this rank's part of every model (and optimizer) value with its
+    global shape and layout. The local tensors are the live ones where no padding is cut
+    off (as ``state_dict()`` returns parameters): copy them to keep a snapshot."""
+    platform = get_platform()
+    with platform.no_grad():
+        return {e.key: e.read(platform) for e in state_entries(model, optimizer)}
+
+
+def set_state_dict(model: Any, state: dict, optimizer: Any = None, strict: bool = True) -> None:
+    """Load ``state`` into the (sharded) model and optimizer, each rank keeping its rows.
+    Per key: a ``ShardedValue``, a list of them saved by any number of ranks in any layout,
+    or a full tensor / numpy array (a full state dict or checkpoint). Everything is checked
+    before anything is written: an error names the key and the shapes, and leaves the
+    model and optimizer unchanged. ``strict=False`` loads the keys present and ignores
+    unknown ones."""
+    platform = get_platform()
+    undo = None if optimizer is None else platform.create_optimizer_state(optimizer)
+    try:
+        entries = state_entries(model, optimizer)
+        plan = check_state(platform, entries,
+                           {k: as_pieces(platform, v) for k, v in state.items()}, strict)
+    except Exception:
+        if undo is not None:
+            undo()
+        raise
+    with platform.no_grad():
+        for entry, pieces in plan:
+            write_entry(platform, entry, assemble(platform, entry.target(platform), pieces))
+
+
+def as_pieces(platform: Platform, value: Any) -> list:
+    """A state dict value as a list of ``ShardedValue``."""
+    if isinstance(value, ShardedValue):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, ShardedValue) for v in value):
+        return list(value)
+    if isinstance(value, np.ndarray) or platform.is_tensor(value):
+        shape = tuple(value.shape) if isinstance(value, np.ndarray) else tuple(platform.shape(value))
+        return [ShardedValue(value, shape, None, 0, shape[0] if shape else 0)]
+    raise TypeError(f"a state dict value must be a ShardedValue, a list of them, a tensor or a "
+                    f"numpy array, not {type(value).__name__}")
+
+
+def check_state(platform: Platform, entries: list, pieces_by_key: dict, strict: bool) -> list:
+    """``[(entry, pieces)]`` to write, once every key, shape and this rank's rows are found;
+    otherwise a ValueError listing every problem (nothing written)."""
+    known = {e.key for e in entries}
+    problems, plan = [], []
+    missing = [e.key for e in entries if e.key not in pieces_by_key]
+    unexpected = [k for k in pieces_by_key if k not in known]
+    if strict and missing:
+        problems.append(f"missing key(s) {missing}: the state dict has no value for them "
+                        "(strict=False loads the keys present)")
+    if strict and unexpected:
+        owner = "this model and optimizer have" if any(k.startswith(OPTIM_PREFIX) for k in known) \
+            else "this model has"
+        problems.append(f"unexpected key(s) {unexpected}: {owner} no such value (a state dict "
+                        "from another model?)")
+    for entry in entries:
+        if entry.key not in pieces_by_key:
+            continue
+        problem = _coverage_problem(platform, entry.target(platform), pieces_by_key[entry.key])
+        if problem:
+            problems.append(f"{entry.key}: {problem}")
+        else:
+            plan.append((entry, pieces_by_key[entry.key]))
+    if problems:
+        raise ValueError("cannot load the state dict (nothing was changed):\n  "
+                         + "\n  ".join(problems))
+    return plan
+
+
+def _local_shape(piece: ShardedValue) -> tuple:
+    shape = list(piece.global_shape)
+    if piece.shard_dim is not None:
+        shape[piece.shard_dim] = piece.length
+    return tuple(shape)
+
+
+def _coverage_problem(platform: Platform, target: ShardedValue, pieces: list) -> str:
+    """Why ``pieces`` cannot give this rank's ``target`` rows, or "" when they can."""
+    for piece in pieces:
+        if tuple(piece.global_shape) != target.global_shape:
+            return (f"the state dict holds shape {tuple(piece.global_shape)}, the model's is "
+                    f"{target.global_shape}")
+        if piece.local is not None:
+            shape = tuple(piece.local.shape) if isinstance(piece.local, np.ndarray) \
+                else tuple(platform.shape(piece.local))
+            if shape != _local_shape(piece):
+                return (f"a piece of shape {shape} claims rows [{piece.offset}, "
+                        f"{piece.offset + piece.length}) of dim {piece.shard_dim} of "
+                        f"{piece.global_shape}")
+    if any(p.shard_dim is None for p in pieces) or target.length == 0 and target.shard_dim is not None:
+        return ""  # a whole value, or no rows to load on this rank
+    if not pieces:
+        return "no piece given"
+    dims = {p.shard_dim for p in pieces}
+    if len(dims) > 1:
+        return f"pieces sharded on different dims {sorted(dims)}"
+    dim = dims.pop()
+    lo, hi = _needed_rows(target, dim)
+    reached = lo
+    for piece in sorted(pieces, key=lambda p: p.offset):
+        if piece.offset > reached:
+            break
+        reached = max(reached, piece.offset + piece.length)
+    if reached < hi:
+        return (f"the pieces given cover rows up to {reached} of dim {dim} but this rank needs "
+                f"rows [{lo}, {hi}) of {target.global_shape} (a rank's part is missing?)")
+    return ""
+
+
+def _needed_rows(target: ShardedValue, dim: int) -> tuple:
+    """The rows of ``dim`` this rank's part spans."""
+    if target.shard_dim == dim:
+        return target.offset, target.offset + target.length
+    return 0, target.global_shape[dim]
+
+
+def to_numpy(platform: Platform, value: Any) -> np.ndarray:
+    """A tensor or array as numpy (numpy has no bfloat16: those come as float32)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if platform.dtype_of(value) == platform.dtype("bfloat16"):
+        value = platform.cast(value, platform.dtype("float32"))
+    return platform.to_numpy(value)
+
+
+def assemble(platform: Platform, target: ShardedValue, pieces: list) -> np.ndarray:
+    """This rank's ``target`` rows out of checked ``pieces``, as a new numpy array: first
+    the region the pieces span on their dim (rows ``[lo, hi)``), then this rank's cut."""
+    whole = next((p for p in pieces if p.shard_dim is None), None)
+    if whole is not None:
+        region, dim, lo = to_numpy(platform, whole.local), None, 0
+    else:
+        dim = pieces[0].shard_dim
+        lo, hi = _needed_rows(target, dim)
+        shape = list(target.global_shape)
+        shape[dim] = hi - lo
+        region = None
+        for piece in pieces:
+            start, stop = max(lo, piece.offset), min(hi, piece.offset + piece.length)
+            if start >= stop:
+                continue
+            data = to_numpy(platform, piece.local)
+            if region is None:
+                region = np.empty(shape, data.dtype)
+            _rows(region, dim)[start - lo:stop - lo] = \
+                _rows(data, dim)[start - piece.offset:stop - piece.offset]
+        if region is None:  # this rank owns no rows
+            region = np.empty(shape, np.float32)
+    if target.shard_dim is None:
+        return np.array(region, copy=True)
+    first = target.offset - lo if dim == target.shard_dim else target.offset
+    cut = _rows(region, target.shard_dim)[first:first + target.length]
+    return np.ascontiguousarray(np.moveaxis(cut, 0, target.shard_dim)).copy()
+
+
+def _rows(array: np.ndarray, dim: int) -> np.ndarray:
+    """A view of ``array`` with ``dim`` first (writes go through)."""
+    return np.moveaxis(array, dim, 0)
+
+
+def write_entry(platform: Platform, entry: Entry, rows: np.ndarray) -> None:
+    """Write this rank's rows into the live tensor, with the padding rows it keeps (zero)."""
+    fp = entry.fsdp_param
+    if fp is not None and fp.stored_rows > fp.local_rows:
+        pad = list(rows.shape)
+        pad[fp.shard_dim] = fp.stored_rows - fp.local_rows
+        rows = np.concatenate([rows, np.zeros(pad, rows.dtype)], axis=fp.shard_dim)
+    value = platform.cast(platform.from_numpy(rows), platform.dtype_of(entry.tensor))
+    platform.copy_into(entry.tensor, value)
