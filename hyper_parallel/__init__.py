@@ -4,6 +4,7 @@ Importing this package loads no framework; the first call that needs one picks i
 HP_BACKEND (see hyper_parallel.platform).
 """
 
+from hyper_parallel.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hyper_parallel.comm_stats import CommStats, comm_stats, track_comms
 from hyper_parallel.distributed import destroy_distributed, init_distributed
 from hyper_parallel.fully_shard import (
@@ -16,8 +17,8 @@ from hyper_parallel.platform import get_platform
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPUOffloadPolicy", "CommStats", "DataParallelMeshDims", "DeviceMesh", "FSDPModule",
+    "CPUOffloadPolicy", "CheckpointError", "CommStats", "DataParallelMeshDims", "DeviceMesh", "FSDPModule",
     "MixedPrecisionPolicy", "OffloadPolicy", "comm_stats", "destroy_distributed", "fully_shard",
     "gather_full_state_dict", "get_platform", "init_device_mesh", "init_distributed",
-    "register_fsdp_forward_method", "track_comms",
+    "load_checkpoint", "register_fsdp_forward_method", "save_checkpoint", "track_comms",
 ]
