@@ -47,8 +47,8 @@ def add_slice(partial: dict, key: str, dtype: str, shape: tuple, file: str,
                             "shape": list(slice_shape)})
 
 
-def new_partial() -> dict:
-    return {"tensors": {}, "step": {}}
+def new_partial(with_optimizer: bool) -> dict:
+    return {"tensors": {}, "step": {}, "optimizer": with_optimizer}
 
 
 def merge(partials: list, framework: str, world_size: int, extra) -> dict:
@@ -72,7 +72,8 @@ def merge(partials: list, framework: str, world_size: int, extra) -> dict:
                                   f"{math.prod(entry['shape'])} elements")
     return {"format": FORMAT, "version": VERSION, "framework": framework,
             "world_size": world_size, "tensors": dict(sorted(tensors.items())),
-            "optimizer": {"step": dict(sorted(steps.items()))}, "extra": extra}
+            "optimizer": {"step": dict(sorted(steps.items()))}
+            if any(p["optimizer"] for p in partials) else None, "extra": extra}
 
 
 def write_json(path: str, data) -> None:

@@ -79,11 +79,10 @@ def _read_everything(platform: Platform, path: str, model: Any, optimizer: Any) 
 def _read_optimizer(platform: Platform, path: str, index: dict, reader: SliceReader, held: list,
                     optimizer: Any) -> list:
     optimized = {id(p) for p in platform.adam_params(optimizer)}
-    steps = index.get("optimizer", {}).get("step", {})
-    if not steps:
+    if index.get("optimizer") is None:
         raise CheckpointError(f"{path} holds no optimizer state (it was saved without an "
                               f"optimizer); load it without one")
-    states = []
+    steps, states = index["optimizer"]["step"], []
     for h in held:
         if id(h.param) not in optimized or h.name not in steps:
             continue

@@ -91,7 +91,7 @@ def _write_own(platform: Platform, staging: str, rank: int, held: list, optimize
     """Write this rank's file; return its partial index."""
     entries = []  # (stored name, Held, dtype name, this rank's region as numpy)
     optimized = set() if optimizer is None else {id(p) for p in platform.adam_params(optimizer)}
-    partial = new_partial()
+    partial = new_partial(optimizer is not None)
     with platform.no_grad():
         for h in held:
             if not h.writes:
