@@ -128,9 +128,9 @@ def test_crash_mid_save_leaves_previous_checkpoint():
 EXPECTED_ERRORS = {
     "missing_file": ["rank-00001.safetensors", "missing"],
     "truncated": ["rank-00001.safetensors", "truncated"],
-    "wrong_shape": ["lm_head.weight", "shape"],
-    "missing_tensor": ["different model", "layers.1.up.bias"],
-    "missing_moment": ["optim.exp_avg_sq.norm.weight", "missing"],
+    "wrong_shape": ["index.json", "lm_head.weight", "shape"],
+    "missing_tensor": ["index.json", "different model", "layers.1.up.bias"],
+    "missing_moment": ["index.json", "optim.exp_avg_sq.norm.weight", "missing"],
     "slice_not_in_file": ["rank-0000", "'nothing'"],
     "foreign": ["index.json", "not a hyper_parallel checkpoint"],
     "not_a_checkpoint": ["index.json does not exist"],

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hyper_parallel.checkpoint.files import SliceReader
-from hyper_parallel.checkpoint.index import MOMENTS, CheckpointError, moment_key, overlaps, read_index
+from hyper_parallel.checkpoint.index import (
+    INDEX_FILE, MOMENTS, CheckpointError, moment_key, overlaps, read_index,
+)
 from hyper_parallel.checkpoint.layout import from_array, held_params
 from hyper_parallel.checkpoint.save import agree_on_failure
 from hyper_parallel.platform import get_platform
@@ -38,6 +40,9 @@ def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> Any:
         plan = _read_everything(platform, path, model, optimizer)
     except (CheckpointError, TypeError) as error:
         failure = error
+    except (KeyError, ValueError, IndexError) as error:  # an index of the wrong structure
+        failure = CheckpointError(f"{os.path.join(path, INDEX_FILE)} is malformed: "
+                                  f"{type(error).__name__} {error}")
     failed = agree_on_failure(platform, failure is not None)
     if failure is not None:
         raise failure
@@ -65,7 +70,7 @@ def _read_everything(platform: Platform, path: str, model: Any, optimizer: Any) 
     if names != model_keys:
         missing, unknown = sorted(names - model_keys), sorted(model_keys - names)
         raise CheckpointError(
-            f"{path} holds a different model: "
+            f"{os.path.join(path, INDEX_FILE)} holds a different model: "
             + "; ".join(part for part in (
                 f"missing {', '.join(missing[:5])}" if missing else "",
                 f"not in this model {', '.join(unknown[:5])}" if unknown else "") if part))
@@ -91,14 +96,14 @@ def _read_optimizer(platform: Platform, path: str, index: dict, reader: SliceRea
         for moment, entry in stored.items():
             if entry is None:
                 if moment != "max_exp_avg_sq":
-                    raise CheckpointError(f"{path}: tensor {moment_key(moment, h.name)!r} "
-                                          f"is missing from the index")
+                    raise CheckpointError(f"{os.path.join(path, INDEX_FILE)}: tensor "
+                                          f"{moment_key(moment, h.name)!r} is missing")
                 continue
             moments[moment] = _read_region(reader, path, moment_key(moment, h.name), entry, h)
         states.append((h, int(steps[h.name]), moments))
     if not platform.adam_step_per_param and len({step for _, step, _ in states}) > 1:
         raise CheckpointError(
-            f"{path} holds different optimizer steps per parameter "
+            f"{os.path.join(path, INDEX_FILE)} holds different optimizer steps per parameter "
             f"({sorted({step for _, step, _ in states})}); {platform.name}'s Adam keeps one "
             f"step for every parameter")
     return states
@@ -107,8 +112,8 @@ def _read_optimizer(platform: Platform, path: str, index: dict, reader: SliceRea
 def _read_region(reader: SliceReader, path: str, key: str, entry: dict, h: Held) -> np.ndarray:
     """This rank's region of stored tensor ``key``, from every slice that overlaps it."""
     if tuple(entry["shape"]) != h.shape:
-        raise CheckpointError(f"{path}: tensor {key!r} has shape {tuple(entry['shape'])}, the "
-                              f"model's {h.name!r} has {h.shape}")
+        raise CheckpointError(f"{os.path.join(path, INDEX_FILE)}: tensor {key!r} has shape "
+                              f"{tuple(entry['shape'])}, the model's {h.name!r} has {h.shape}")
     shape = h.region_shape
     out = np.zeros(shape, np.float32 if entry["dtype"] == "bfloat16" else entry["dtype"])
     filled = 0
@@ -117,6 +122,6 @@ def _read_region(reader: SliceReader, path: str, key: str, entry: dict, h: Held)
         out[target] = part
         filled += part.size
     if filled != math.prod(shape):
-        raise CheckpointError(f"{path}: the slices of {key!r} cover {filled} of the "
+        raise CheckpointError(f"{os.path.join(path, INDEX_FILE)}: the slices of {key!r} cover {filled} of the "
                               f"{math.prod(shape)} elements this rank needs")
     return out
