@@ -583,3 +583,20 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def load_tensors(self, path: str) -> dict:
         """Read a file ``save_tensors`` wrote: ``{name: tensor}``."""
+
+    # ------------------------------------------------------------------ optimizer state
+    @abc.abstractmethod
+    def adam_params(self, optimizer: Any) -> list:
+        """The parameters an Adam/AdamW ``optimizer`` updates; TypeError for another kind."""
+
+    @abc.abstractmethod
+    def adam_state(self, optimizer: Any, param: Any) -> tuple | None:
+        """``(step, {"exp_avg": t, "exp_avg_sq": t[, "max_exp_avg_sq": t]})`` of ``param``,
+        each moment shaped like ``local_tensor(param)``; None before it has any."""
+
+    @abc.abstractmethod
+    def set_adam_state(self, optimizer: Any, param: Any, step: int, moments: dict) -> None:
+        """Replace ``param``'s state with ``step`` and ``moments`` (as ``adam_state`` gives)."""
+
+    #: whether Adam keeps a step per parameter (torch) or one for all (MindSpore)
+    adam_step_per_param = True

@@ -92,6 +92,9 @@ class _TorchSide:
 
         self.torch = torch
 
+    def optimizer(self, kind: str, params: list):
+        return {"adamw": self.torch.optim.AdamW, "sgd": self.torch.optim.SGD}[kind](params, lr=0.1)
+
     def model(self):
         """Root with ``fc1`` Linear(4, 3) and ``inner.fc2`` Linear(3, 2); fc2(relu(fc1(x)))."""
         torch, nn = self.torch, self.torch.nn
@@ -167,6 +170,11 @@ class _MindSporeSide:
         import mindspore
 
         self.ms = mindspore
+
+    def optimizer(self, kind: str, params: list):
+        from mindspore.experimental.optim import SGD, AdamW
+
+        return {"adamw": AdamW, "sgd": SGD}[kind](params, lr=0.1)
 
     def model(self):
         ms, nn, ops = self.ms, self.ms.nn, self.ms.ops
@@ -474,6 +482,30 @@ def check_save_tensors_load_tensors(ctx):
     for key, expected in (("a.weight", _arange(3, 2)), ("step", np.array(3, np.int32)),
                           ("from_numpy", _arange(4))):
         _same(p.to_numpy(back[key]), expected, f"save_tensors/load_tensors of {key}")
+
+
+def check_adam_state(ctx):
+    p = ctx.p
+    params = [ctx.side.new_param(_arange(3, 2), "a"), ctx.side.new_param(_arange(4), "b")]
+    opt = ctx.side.optimizer("adamw", params)
+    _check([id(x) for x in p.adam_params(opt)] == [id(x) for x in params], "adam_params order")
+    fresh = p.adam_state(opt, params[0])
+    _check(fresh is None or fresh[0] == 0, f"state before any step: {fresh}")
+    for param in params:
+        moments = {"exp_avg": p.from_numpy(_arange(*p.shape(param), start=1.0)),
+                   "exp_avg_sq": p.from_numpy(_arange(*p.shape(param), start=2.0))}
+        p.set_adam_state(opt, param, 3, moments)
+    for param in params:
+        step, moments = p.adam_state(opt, param)
+        _check(step == 3, f"step read back as {step}")
+        _same(_values(ctx, moments["exp_avg_sq"]), _arange(*p.shape(param), start=2.0),
+              "exp_avg_sq read back")
+    _check(isinstance(p.adam_step_per_param, bool), "adam_step_per_param must be a bool")
+    try:
+        p.adam_params(ctx.side.optimizer("sgd", params))
+    except TypeError:
+        return
+    raise AssertionError("adam_params accepted SGD")
 
 
 @local_check

@@ -41,6 +41,7 @@ from mindspore.graph.api import _disable_saved_tensors_hooks
 from mindspore.mint import distributed as msdist
 
 from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.mindspore import adam_state
 from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
 
 SUPPORTED_MINOR = "2.10"
@@ -540,3 +541,14 @@ class MindSporePlatform(MindSporeStateIO, Platform):
 
     def memory_allocated(self):
         return None if self._on_cpu else ms.runtime.memory_allocated()
+
+    adam_step_per_param = False  # one state_step for every parameter
+
+    def adam_params(self, optimizer):
+        return adam_state.adam_params(optimizer)
+
+    def adam_state(self, optimizer, param):
+        return adam_state.adam_state(optimizer, param)
+
+    def set_adam_state(self, optimizer, param, step, moments) -> None:
+        adam_state.set_adam_state(optimizer, param, step, moments)

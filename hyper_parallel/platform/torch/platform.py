@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial
 
 from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.torch import adam_state
 from hyper_parallel.platform.torch.state_io import TorchStateIO
 from hyper_parallel.platform.torch.released_memory import ReleasedMemory
 from hyper_parallel.platform.torch.unshard_function import run_differentiable
@@ -545,3 +546,12 @@ class TorchPlatform(TorchStateIO, Platform):
 
     def memory_allocated(self):
         return torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+
+    def adam_params(self, optimizer):
+        return adam_state.adam_params(optimizer)
+
+    def adam_state(self, optimizer, param):
+        return adam_state.adam_state(optimizer, param)
+
+    def set_adam_state(self, optimizer, param, step, moments) -> None:
+        adam_state.set_adam_state(optimizer, param, step, moments)

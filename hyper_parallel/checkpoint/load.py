@@ -1,0 +1,127 @@
+"""``load_checkpoint``: each rank reads only the slices of its own regions, at any world size.
+
+Loading is two phases so that a bad checkpoint changes nothing: every rank first reads and
+checks everything it needs (names, shapes, files, tensors, optimizer steps) into numpy,
+then all ranks agree (one all-reduce of failure flags), and only if none failed does any
+rank write its parameters and optimizer state. Regions follow this run's layout
+(layout.py), whatever world size and mesh wrote the checkpoint: a region is assembled
+from every stored slice that overlaps it (index.py, ``overlaps``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hyper_parallel.checkpoint.files import SliceReader
+from hyper_parallel.checkpoint.index import (
+    INDEX_FILE, MOMENTS, CheckpointError, moment_key, overlaps, read_index,
+)
+from hyper_parallel.checkpoint.layout import from_array, held_params
+from hyper_parallel.checkpoint.save import agree_on_failure
+from hyper_parallel.platform import get_platform
+
+if TYPE_CHECKING:
+    from hyper_parallel.checkpoint.layout import Held
+    from hyper_parallel.platform import Platform
+
+
+def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> Any:
+    """Load the checkpoint at directory ``path`` into ``model`` (and an Adam/AdamW
+    ``optimizer``, which must update the same parameters); return its ``extra``. Every rank
+    calls it. On any error no rank changes anything."""
+    platform = get_platform()
+    path = os.path.abspath(path)
+    failure, plan = None, None
+    try:
+        plan = _read_everything(platform, path, model, optimizer)
+    except (CheckpointError, TypeError) as error:
+        failure = error
+    except (KeyError, ValueError, IndexError) as error:  # an index of the wrong structure
+        failure = CheckpointError(f"{os.path.join(path, INDEX_FILE)} is malformed: "
+                                  f"{type(error).__name__} {error}")
+    failed = agree_on_failure(platform, failure is not None)
+    if failure is not None:
+        raise failure
+    if failed:
+        raise CheckpointError(f"loading {path} failed on {failed} other rank(s); nothing was "
+                              f"loaded on any rank")
+    index, values, states = plan
+    with platform.no_grad():
+        for h, array in values:
+            local = h.local(platform)
+            platform.copy_into(local, from_array(platform, h, array, local))
+        for h, step, moments in states:
+            like = h.local(platform)
+            platform.set_adam_state(optimizer, h.param, step,
+                                    {m: from_array(platform, h, a, like) for m, a in moments.items()})
+    return index.get("extra")
+
+
+def _read_everything(platform: Platform, path: str, model: Any, optimizer: Any) -> tuple:
+    index = read_index(path)
+    tensors = index["tensors"]
+    held = held_params(platform, model)
+    names = {h.name for h in held}
+    model_keys = {key for key in tensors if not key.startswith("optim.")}
+    if names != model_keys:
+        missing, unknown = sorted(names - model_keys), sorted(model_keys - names)
+        raise CheckpointError(
+            f"{os.path.join(path, INDEX_FILE)} holds a different model: "
+            + "; ".join(part for part in (
+                f"missing {', '.join(missing[:5])}" if missing else "",
+                f"not in this model {', '.join(unknown[:5])}" if unknown else "") if part))
+    reader = SliceReader(path)
+    values = [(h, _read_region(reader, path, h.name, tensors[h.name], h)) for h in held]
+    states = [] if optimizer is None else _read_optimizer(platform, path, index, reader, held,
+                                                          optimizer)
+    return index, values, states
+
+
+def _read_optimizer(platform: Platform, path: str, index: dict, reader: SliceReader, held: list,
+                    optimizer: Any) -> list:
+    optimized = {id(p) for p in platform.adam_params(optimizer)}
+    if index.get("optimizer") is None:
+        raise CheckpointError(f"{path} holds no optimizer state (it was saved without an "
+                              f"optimizer); load it without one")
+    steps, states = index["optimizer"]["step"], []
+    for h in held:
+        if id(h.param) not in optimized or h.name not in steps:
+            continue
+        stored = {m: index["tensors"].get(moment_key(m, h.name)) for m in MOMENTS}
+        moments = {}
+        for moment, entry in stored.items():
+            if entry is None:
+                if moment != "max_exp_avg_sq":
+                    raise CheckpointError(f"{os.path.join(path, INDEX_FILE)}: tensor "
+                                          f"{moment_key(moment, h.name)!r} is missing")
+                continue
+            moments[moment] = _read_region(reader, path, moment_key(moment, h.name), entry, h)
+        states.append((h, int(steps[h.name]), moments))
+    if not platform.adam_step_per_param and len({step for _, step, _ in states}) > 1:
+        raise CheckpointError(
+            f"{os.path.join(path, INDEX_FILE)} holds different optimizer steps per parameter "
+            f"({sorted({step for _, step, _ in states})}); {platform.name}'s Adam keeps one "
+            f"step for every parameter")
+    return states
+
+
+def _read_region(reader: SliceReader, path: str, key: str, entry: dict, h: Held) -> np.ndarray:
+    """This rank's region of stored tensor ``key``, from every slice that overlaps it."""
+    if tuple(entry["shape"]) != h.shape:
+        raise CheckpointError(f"{os.path.join(path, INDEX_FILE)}: tensor {key!r} has shape "
+                              f"{tuple(entry['shape'])}, the model's {h.name!r} has {h.shape}")
+    shape = h.region_shape
+    out = np.zeros(shape, np.float32 if entry["dtype"] == "bfloat16" else entry["dtype"])
+    filled = 0
+    for stored, source, target in overlaps(entry, h.offsets, shape):
+        part = reader.read(stored, entry["dtype"], source)
+        out[target] = part
+        filled += part.size
+    if filled != math.prod(shape):
+        raise CheckpointError(f"{os.path.join(path, INDEX_FILE)}: the slices of {key!r} cover {filled} of the "
+                              f"{math.prod(shape)} elements this rank needs")
+    return out

@@ -1,0 +1,389 @@
+"""Rank side of the checkpoint suite (tests/test_checkpoint.py).
+
+The model is a small decoder written once per framework with the same parameter names
+(``embed_tokens.weight``, ``layers.0.attn_norm.weight``, ``layers.0.up.bias``, ...), the same
+math and the same initial values (seeded by name), so a checkpoint written by one loads
+into the other. Sizes are uneven over 2 and 4 ranks (vocabulary 37, hidden 24 + bias).
+Every run trains with AdamW on slices of the same global batches: rank r of W takes rows
+``[r * B / W, (r + 1) * B / W)``, so the mean of the ranks' losses is the global loss.
+
+- ``save_run`` (torch, 2 ranks, FSDP): the single-process reference over every step;
+  ``STEPS`` steps, checkpoint A, ``STEPS`` more steps (the uninterrupted curve).
+- ``cross_run`` (MindSpore, 2 ranks): its own single-process reference; A (written on
+  torch) loaded into an HSDP (2, 1) mesh, ``STEPS`` steps, checkpoint B, ``STEPS`` more; a
+  fresh FSDP model loads B and repeats those last steps.
+- ``crash_run`` (torch, 2 ranks): checkpoint C of the initial model, then a second save to
+  the same path during which rank 1 dies after writing its file.
+- ``resume_run`` (torch, 1 rank): A loaded, ``STEPS`` steps; B (written on MindSpore)
+  loaded and its last steps; the error checks; C loaded (what the crash left).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+
+import numpy as np
+
+import hyper_parallel as hp
+from tests.kit import get_kit
+
+VOCAB, DIM, HIDDEN, LAYERS, SEQ, BATCH = 37, 16, 24, 2, 8, 4
+STEPS = 2  # per phase: the resumed curve covers STEPS optimizer steps after the load
+LR = 0.01
+
+
+def _batches() -> list:
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, VOCAB, size=(3 * STEPS, BATCH, SEQ + 1))
+    return [(b[:, :-1], b[:, 1:]) for b in ids]
+
+
+def _initial(name: str, shape: tuple) -> np.ndarray:
+    if name.endswith("norm.weight"):
+        return np.ones(shape, np.float32)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+
+class _Torch:
+    def __init__(self):
+        import torch
+        from torch import nn
+
+        self.torch = torch
+
+        class RMSNorm(nn.Module):
+            def __init__(self, dim):
+                super().__init__()
+                self.weight = nn.Parameter(torch.ones(dim))
+
+            def forward(self, x):
+                return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+        class Layer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.attn_norm, self.mlp_norm = RMSNorm(DIM), RMSNorm(DIM)
+                self.attn = nn.Linear(DIM, DIM, bias=False)
+                self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM, bias=False)
+
+            def forward(self, x):
+                h = self.attn_norm(x)
+                x = x + torch.softmax(h @ h.transpose(-1, -2) / DIM ** 0.5, -1) @ self.attn(h)
+                return x + self.down(torch.relu(self.up(self.mlp_norm(x))))
+
+        class Decoder(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed_tokens = nn.Embedding(VOCAB, DIM)
+                self.layers = nn.ModuleList([Layer() for _ in range(LAYERS)])
+                self.norm, self.lm_head = RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+            def forward(self, ids):
+                x = self.embed_tokens(ids)
+                for layer in self.layers:
+                    x = layer(x)
+                return self.lm_head(self.norm(x))
+
+        self.Decoder = Decoder
+
+    def build(self):
+        model = self.Decoder()
+        with self.torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(self.torch.from_numpy(_initial(name, tuple(p.shape))))
+        return model
+
+    def layers(self, model):
+        return list(model.layers)
+
+    def optimizer(self, model):
+        return self.torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+
+    def step(self, model, opt, ids, targets):
+        logits = model(self.torch.from_numpy(ids.astype(np.int64)))
+        loss = self.torch.nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), self.torch.from_numpy(targets.astype(np.int64)).reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss.item())
+
+
+class _MindSpore:
+    def __init__(self):
+        import mindspore as ms
+        from mindspore import Parameter, Tensor, nn, ops
+
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        self.ms = ms
+
+        class RMSNorm(nn.Cell):
+            def __init__(self, dim):
+                super().__init__()
+                self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+
+            def construct(self, x):
+                return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + 1e-6) * self.weight
+
+        class Embedding(nn.Cell):
+            def __init__(self, vocab, dim):
+                super().__init__()
+                self.weight = Parameter(Tensor(np.zeros((vocab, dim), np.float32)), name="weight")
+
+            def construct(self, ids):
+                return ops.gather(self.weight, ids, 0)
+
+        class Layer(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.attn_norm, self.mlp_norm = RMSNorm(DIM), RMSNorm(DIM)
+                self.attn = nn.Dense(DIM, DIM, has_bias=False)
+                self.up, self.down = nn.Dense(DIM, HIDDEN), nn.Dense(HIDDEN, DIM, has_bias=False)
+
+            def construct(self, x):
+                h = self.attn_norm(x)
+                scores = ops.softmax(ops.matmul(h, h.swapaxes(-1, -2)) / DIM ** 0.5, -1)
+                x = x + ops.matmul(scores, self.attn(h))
+                return x + self.down(ops.relu(self.up(self.mlp_norm(x))))
+
+        class Decoder(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.embed_tokens = Embedding(VOCAB, DIM)
+                self.layers = nn.CellList([Layer() for _ in range(LAYERS)])
+                self.norm, self.lm_head = RMSNorm(DIM), nn.Dense(DIM, VOCAB, has_bias=False)
+
+            def construct(self, ids):
+                x = self.embed_tokens(ids)
+                for layer in self.layers:
+                    x = layer(x)
+                return self.lm_head(self.norm(x))
+
+        self.Decoder = Decoder
+
+    def build(self):
+        model = self.Decoder()
+        platform = hp.get_platform()
+        for module_name, sub in platform.named_modules(model):
+            for attr, p in platform.direct_params(sub):
+                name = f"{module_name}.{attr}" if module_name else attr
+                p.set_data(self.ms.Tensor(_initial(name, tuple(p.shape))))
+        return model
+
+    def layers(self, model):
+        return list(model.layers)
+
+    def optimizer(self, model):
+        from mindspore.experimental.optim import AdamW
+
+        return AdamW(model.trainable_params(), lr=LR, weight_decay=0.01)
+
+    def step(self, model, opt, ids, targets):
+        ms = self.ms
+        params = list(model.trainable_params())
+
+        def loss_fn(mi, mt):
+            logits = model(mi)
+            return ms.ops.cross_entropy(logits.reshape(-1, VOCAB), mt.reshape(-1))
+
+        loss, grads = ms.value_and_grad(loss_fn, None, params)(
+            ms.Tensor(ids.astype(np.int32)), ms.Tensor(targets.astype(np.int32)))
+        opt(grads)
+        return float(loss.asnumpy())
+
+
+def _side():
+    return _Torch() if get_kit().name == "torch" else _MindSpore()
+
+
+def _sharded(side, mesh_shape):
+    model = side.build()
+    platform = hp.get_platform()
+    if len(mesh_shape) == 1:
+        mesh = hp.init_device_mesh(platform.device_type(), mesh_shape, mesh_dim_names=("shard",))
+    else:
+        mesh = hp.init_device_mesh(platform.device_type(), mesh_shape,
+                                   mesh_dim_names=("replicate", "shard"))
+    for layer in side.layers(model):
+        hp.fully_shard(layer, mesh=mesh)
+    hp.fully_shard(model, mesh=mesh)
+    return model, side.optimizer(model)
+
+
+def _train(side, model, opt, first: int, count: int, sliced: bool = True) -> list:
+    platform = hp.get_platform()
+    rank, world = (platform.rank(), platform.world_size()) if sliced else (0, 1)
+    rows = BATCH // world
+    return [side.step(model, opt, ids[rank * rows:(rank + 1) * rows],
+                      targets[rank * rows:(rank + 1) * rows])
+            for ids, targets in _batches()[first:first + count]]
+
+
+def _reference(side) -> list:
+    model = side.build()
+    return _train(side, model, side.optimizer(model), 0, 3 * STEPS, sliced=False)
+
+
+def save_run(dir_a: str) -> dict:
+    side = _side()
+    model, opt = _sharded(side, (hp.get_platform().world_size(),))
+    losses = _train(side, model, opt, 0, STEPS)
+    hp.save_checkpoint(dir_a, model, opt, extra={"step": STEPS, "framework": "torch"})
+    losses += _train(side, model, opt, STEPS, STEPS)
+    return {"ref": _reference(side), "losses": losses}
+
+
+def cross_run(dir_a: str, dir_b: str) -> dict:
+    side = _side()
+    world = hp.get_platform().world_size()
+    model, opt = _sharded(side, (world, 1))
+    extra = hp.load_checkpoint(dir_a, model, opt)
+    resumed = _train(side, model, opt, STEPS, STEPS)
+    hp.save_checkpoint(dir_b, model, opt, extra={"step": 2 * STEPS})
+    after_save = _train(side, model, opt, 2 * STEPS, STEPS)
+    model, opt = _sharded(side, (world,))
+    hp.load_checkpoint(dir_b, model, opt)
+    return {"ref": _reference(side), "extra": extra, "resumed": resumed,
+            "after_save": after_save, "resumed_same": _train(side, model, opt, 2 * STEPS, STEPS)}
+
+
+def resume_run(dir_a: str, mesh_shape: tuple, dir_b: str | None = None,
+               checks_dir: str | None = None, crashed: str | None = None) -> dict:
+    side = _side()
+    model, opt = _sharded(side, mesh_shape)
+    result = {"extra": hp.load_checkpoint(dir_a, model, opt),
+              "resumed": _train(side, model, opt, STEPS, STEPS)}
+    if dir_b is not None:
+        model, opt = _sharded(side, mesh_shape)
+        hp.load_checkpoint(dir_b, model, opt)
+        result["resumed_b"] = _train(side, model, opt, 2 * STEPS, STEPS)
+    if checks_dir is not None:
+        result["errors"] = _error_checks(side, dir_a, checks_dir)
+        result["bf16"] = _bf16_roundtrip(side, checks_dir)
+    if crashed is not None:
+        result["crashed"] = crashed_checkpoint_loads(crashed)
+    return result
+
+
+def crash_run(path: str) -> None:
+    side = _side()
+    model, opt = _sharded(side, (hp.get_platform().world_size(),))
+    hp.save_checkpoint(path, model, opt, extra={"checkpoint": "C"})
+    _train(side, model, opt, 0, 1)
+    if hp.get_platform().rank() == 1:
+        from hyper_parallel.checkpoint import files
+
+        write_file = files.write_file
+
+        def write_then_die(*args, **kwargs):
+            write_file(*args, **kwargs)
+            os._exit(17)  # a rank killed mid-save, after its first file
+
+        files.write_file = write_then_die
+    hp.save_checkpoint(path, model, opt, extra={"checkpoint": "D"})
+
+
+def crashed_checkpoint_loads(path: str) -> dict:
+    """The checkpoint left at ``path`` after ``crash_run``: its extra, and whether its
+    parameters are the initial ones."""
+    side = _side()
+    model, opt = _sharded(side, (hp.get_platform().world_size(),))
+    extra = hp.load_checkpoint(path, model, opt)
+    full = hp.gather_full_state_dict(model)
+    return {"extra": extra,
+            "initial": all(np.array_equal(v, _initial(k, v.shape)) for k, v in full.items())}
+
+
+# ------------------------------------------------------------------ bad checkpoints
+def _snapshot(model, opt) -> list:
+    platform = hp.get_platform()
+    values = [platform.to_numpy(platform.local_tensor(p)) for p in platform.adam_params(opt)]
+    for p in platform.adam_params(opt):
+        state = platform.adam_state(opt, p)
+        if state is not None:
+            values += [state[0]] + [platform.to_numpy(t) for t in state[1].values()]
+    return values
+
+
+def _corrupt(dir_a: str, work: str, how: str) -> str:
+    target = os.path.join(work, how)
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(dir_a, target)
+    index_path = os.path.join(target, "index.json")
+    with open(index_path, encoding="utf-8") as file:
+        index = json.load(file)
+    if how == "missing_file":
+        os.remove(os.path.join(target, "rank-00001.safetensors"))
+    elif how == "truncated":
+        file_path = os.path.join(target, "rank-00001.safetensors")
+        with open(file_path, "rb+") as file:
+            file.truncate(os.path.getsize(file_path) // 2)
+    elif how == "wrong_shape":
+        index["tensors"]["lm_head.weight"]["shape"] = [VOCAB + 1, DIM]
+    elif how == "missing_tensor":
+        del index["tensors"]["layers.1.up.bias"]
+    elif how == "missing_moment":
+        del index["tensors"]["optim.exp_avg_sq.norm.weight"]
+    elif how == "slice_not_in_file":
+        index["tensors"]["norm.weight"]["slices"][0]["key"] = "nothing"
+    elif how == "foreign":
+        index = {"weight_map": {}}
+    with open(index_path, "w", encoding="utf-8") as file:
+        json.dump(index, file)
+    return target
+
+
+CORRUPTIONS = ("missing_file", "truncated", "wrong_shape", "missing_tensor", "missing_moment",
+               "slice_not_in_file", "foreign")
+
+
+def _error_checks(side, dir_a: str, work: str) -> dict:
+    """Per corruption: the error's text, and whether model and optimizer were unchanged."""
+    model, opt = _sharded(side, (hp.get_platform().world_size(),))
+    _train(side, model, opt, 0, 1)  # optimizer state that a half-done load would change
+    out = {}
+    cases = {how: (lambda how=how: hp.load_checkpoint(_corrupt(dir_a, work, how), model, opt))
+             for how in CORRUPTIONS}
+    cases["not_a_checkpoint"] = lambda: hp.load_checkpoint(work, model, opt)
+    cases["extra_not_json"] = lambda: hp.save_checkpoint(os.path.join(work, "x"), model, opt,
+                                                         extra={"f": object()})
+    for how, call in cases.items():
+        before = _snapshot(model, opt)
+        try:
+            call()
+            message = None
+        except (hp.CheckpointError, TypeError) as error:
+            message = f"{type(error).__name__}: {error}"
+        after = _snapshot(model, opt)
+        out[how] = {"message": message,
+                    "unchanged": all(np.array_equal(a, b) for a, b in zip(before, after))}
+    return out
+
+
+def _bf16_roundtrip(side, work: str) -> dict:
+    """A bfloat16 model (torch) saved and loaded bit for bit; the file's dtype is BF16."""
+    if get_kit().name != "torch":
+        return {}
+    import torch
+
+    model = side.build().to(torch.bfloat16)
+    hp.fully_shard(model)
+    path = os.path.join(work, "bf16")
+    hp.save_checkpoint(path, model)
+    fresh = side.build().to(torch.bfloat16)
+    hp.fully_shard(fresh)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    hp.load_checkpoint(path, fresh)
+    a, b = hp.gather_full_state_dict(model, as_numpy=False), hp.gather_full_state_dict(fresh, as_numpy=False)
+    with open(os.path.join(path, "index.json"), encoding="utf-8") as file:
+        dtypes = {entry["dtype"] for entry in json.load(file)["tensors"].values()}
+    with open(os.path.join(path, "rank-00000.safetensors"), "rb") as file:
+        header = file.read(4096)
+    return {"equal": all(torch.equal(a[k], b[k]) for k in a), "dtypes": sorted(dtypes),
+            "file_says_bf16": b'"BF16"' in header}
