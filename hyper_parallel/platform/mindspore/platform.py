@@ -77,6 +77,19 @@ class _CoreDefinedCell(nn.Cell):
                      for x, g in zip(inputs, self._backward_fn(list(grads))))
 
 
+def _refuse_jitted_construct(cell) -> None:
+    """A sharded cell's construct compiled by mindspore.jit reads the full parameters the
+    hooks attached when the graph was built, not this call's (wrong from the second step):
+    refused at the first call, before anything is gathered."""
+    if getattr(cell.construct, "__wrapped_by_jit__", False):
+        raise RuntimeError(
+            f"fully_shard: {type(cell).__name__}.construct is compiled with mindspore.jit, "
+            f"which does not work on a sharded cell (the graph would keep the first call's "
+            f"full parameters). Leave the sharded cell's construct un-jitted and jit the "
+            f"computation inside it instead: a function that takes the parameters as "
+            f"arguments, e.g. mindspore.jit(fn)(x, self.dense.weight, self.dense.bias)")
+
+
 class MindSporePlatform(Platform):
     name = "mindspore"
     can_release_storage = False
@@ -469,8 +482,14 @@ class MindSporePlatform(Platform):
 
     def register_forward_hooks(self, module, pre_hook, post_hook):
         self._ensure_pynative()  # hooks and custom bprop Cells need PyNative
+
+        def refusing_jit_pre_hook(cell, args, kwargs):
+            _refuse_jitted_construct(cell)
+            return pre_hook(cell, args, kwargs)
+
         return [
-            module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
+            module.register_forward_pre_hook(refusing_jit_pre_hook, with_kwargs=True,
+                                             prepend=True),
             module.register_forward_hook(post_hook, with_kwargs=True),
         ]
 
