@@ -78,14 +78,15 @@ class _CoreDefinedCell(nn.Cell):
 
 
 def _refuse_jitted_construct(cell) -> None:
-    """A sharded cell's construct compiled by mindspore.jit reads the full parameters the
-    hooks attached when the graph was built, not this call's (wrong from the second step):
-    refused at the first call, before anything is gathered."""
+    """A sharded cell's construct compiled by mindspore.jit does not read the full
+    parameters the pre-forward hook attaches for each call (silently wrong from the second
+    step): refused at the first call, before anything is gathered. Checked here because a
+    construct can be jitted after fully_shard as well as before."""
     if getattr(cell.construct, "__wrapped_by_jit__", False):
         raise RuntimeError(
             f"fully_shard: {type(cell).__name__}.construct is compiled with mindspore.jit, "
-            f"which does not work on a sharded cell (the graph would keep the first call's "
-            f"full parameters). Leave the sharded cell's construct un-jitted and jit the "
+            f"which does not work on a sharded cell (the compiled graph does not read the full "
+            f"parameters fully_shard gathers for each call). Leave the sharded cell's construct un-jitted and jit the "
             f"computation inside it instead: a function that takes the parameters as "
             f"arguments, e.g. mindspore.jit(fn)(x, self.dense.weight, self.dense.bias)")
 
