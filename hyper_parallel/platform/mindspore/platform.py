@@ -38,6 +38,7 @@ from mindspore.graph.api import _disable_saved_tensors_hooks
 from mindspore.mint import distributed as msdist
 
 from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.mindspore.jit_guard import refuse_jitted_construct
 
 SUPPORTED_MINOR = "2.10"
 
@@ -75,20 +76,6 @@ class _CoreDefinedCell(nn.Cell):
         # A bprop must return a tensor per input: "no gradient" is zeros here.
         return tuple(mint.zeros(x.shape, dtype=x.dtype) if g is None else g
                      for x, g in zip(inputs, self._backward_fn(list(grads))))
-
-
-def _refuse_jitted_construct(cell) -> None:
-    """A sharded cell's construct compiled by mindspore.jit does not read the full
-    parameters the pre-forward hook attaches for each call (silently wrong from the second
-    step): refused at the first call, before anything is gathered. Checked here because a
-    construct can be jitted after fully_shard as well as before."""
-    if getattr(cell.construct, "__wrapped_by_jit__", False):
-        raise RuntimeError(
-            f"fully_shard: {type(cell).__name__}.construct is compiled with mindspore.jit, "
-            f"which does not work on a sharded cell (the compiled graph does not read the full "
-            f"parameters fully_shard gathers for each call). Leave the sharded cell's construct un-jitted and jit the "
-            f"computation inside it instead: a function that takes the parameters as "
-            f"arguments, e.g. mindspore.jit(fn)(x, self.dense.weight, self.dense.bias)")
 
 
 class MindSporePlatform(Platform):
@@ -485,7 +472,7 @@ class MindSporePlatform(Platform):
         self._ensure_pynative()  # hooks and custom bprop Cells need PyNative
 
         def refusing_jit_pre_hook(cell, args, kwargs):
-            _refuse_jitted_construct(cell)
+            refuse_jitted_construct(cell)
             return pre_hook(cell, args, kwargs)
 
         return [
