@@ -20,4 +20,5 @@ def refuse_jitted_construct(cell) -> None:
             f"which does not work on a sharded cell (the compiled graph does not read the full "
             f"parameters fully_shard gathers for each call). Leave the sharded cell's "
             f"construct un-jitted and jit the computation inside it instead: a function "
-            f"that takes the parameters as arguments, e.g. mindspore.jit(fn)(x, self.dense.weight, self.dense.bias)")
+            f"that takes the parameters as arguments, e.g. "
+            f"mindspore.jit(fn)(x, self.dense.weight, self.dense.bias)")
