@@ -538,7 +538,9 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def register_forward_hooks(self, module: Any, pre_hook: Callable, post_hook: Callable) -> list:
         """Install ``pre_hook(module, args, kwargs) -> None | (args, kwargs)`` and
-        ``post_hook(module, args, kwargs, output) -> None | output``; return removable handles."""
+        ``post_hook(module, args, kwargs, output) -> None | output``; return removable handles.
+        The hooks run eagerly even when the module is compiled (torch.compile skips them;
+        a MindSpore construct compiled by jit is refused at its first call)."""
 
     @abc.abstractmethod
     def register_grad_hook(self, tensor: Any, fn: Callable[[], None]) -> None:

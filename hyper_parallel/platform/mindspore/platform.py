@@ -43,6 +43,7 @@ from mindspore.mint import distributed as msdist
 from hyper_parallel.platform.base import Handle, Platform
 from hyper_parallel.platform.mindspore import adam_state
 from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
+from hyper_parallel.platform.mindspore.jit_guard import refuse_jitted_construct
 
 SUPPORTED_MINOR = "2.10"
 
@@ -522,8 +523,14 @@ class MindSporePlatform(MindSporeStateIO, Platform):
 
     def register_forward_hooks(self, module, pre_hook, post_hook):
         self._ensure_pynative()  # hooks and custom bprop Cells need PyNative
+
+        def refusing_jit_pre_hook(cell, args, kwargs):
+            refuse_jitted_construct(cell)
+            return pre_hook(cell, args, kwargs)
+
         return [
-            module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
+            module.register_forward_pre_hook(refusing_jit_pre_hook, with_kwargs=True,
+                                             prepend=True),
             module.register_forward_hook(post_hook, with_kwargs=True),
         ]
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import Partial
 from hyper_parallel.platform.base import Handle, Platform
 from hyper_parallel.platform.torch import adam_state
 from hyper_parallel.platform.torch.state_io import TorchStateIO
+from hyper_parallel.platform.torch.eager_hooks import call_eagerly, eager
 from hyper_parallel.platform.torch.released_memory import ReleasedMemory
 from hyper_parallel.platform.torch.unshard_function import run_differentiable
 
@@ -521,24 +522,24 @@ class TorchPlatform(TorchStateIO, Platform):
 
     def register_forward_hooks(self, module, pre_hook, post_hook):
         return [
-            module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
-            module.register_forward_hook(post_hook, with_kwargs=True),
+            module.register_forward_pre_hook(eager(pre_hook), with_kwargs=True, prepend=True),
+            module.register_forward_hook(eager(post_hook), with_kwargs=True),
         ]
 
     def register_grad_hook(self, tensor, fn) -> None:
         if not tensor.requires_grad:
             return
-        tensor.register_hook(lambda grad: fn())
+        tensor.register_hook(lambda grad: call_eagerly(fn))
         # An in-place op on a view moves the view's history onto its base, and a hook on the
         # view never fires (FSDP2 warns and then fails in backward on freed parameters).
         # The base's gradient is computed either way. Only a non-leaf base: a hook on a leaf
         # (a user's tensor) would outlive this backward and fire in every later one.
         base = tensor._base
         if base is not None and base.requires_grad and base.grad_fn is not None:
-            base.register_hook(lambda grad: fn())
+            base.register_hook(lambda grad: call_eagerly(fn))
 
     def queue_backward_final_callback(self, fn) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(fn)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: call_eagerly(fn))
 
     def synchronize(self) -> None:
         if torch.cuda.is_available():

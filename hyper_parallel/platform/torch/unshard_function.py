@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from hyper_parallel.platform.torch.eager_hooks import call_eagerly
+
 
 class _CoreDefinedFunction(torch.autograd.Function):
     @staticmethod
@@ -22,7 +24,7 @@ class _CoreDefinedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *output_grads):
-        input_grads = ctx.backward_fn(list(output_grads))
+        input_grads = call_eagerly(ctx.backward_fn, list(output_grads))
         return (None, None, *input_grads)
 
 
