@@ -87,18 +87,25 @@ class Entry:
                             target.length)
 
 
-def state_entries(model: Any, optimizer: Any = None, tensor_parallel_parts: bool = False) -> list:
-    """Every value of the model (in module order) and then of the optimizer, as ``Entry``.
-    A tensor-parallel parameter (torch) is an error, or with ``tensor_parallel_parts`` its
-    data-parallel layout over this rank's tensor-parallel part."""
-    platform = get_platform()
-    owners = {}  # (id(module), attribute) -> the FSDPParam registered there
+def slot_owners(platform: Platform, model: Any) -> dict:
+    """``{(id(module), attribute): FSDPParam}`` for every slot a unit under ``model``
+    manages; looked up by slot, since an unsharded unit registers its full tensors there."""
+    owners = {}
     for _, sub in platform.named_modules(model):
         state = sub.__dict__.get(STATE_ATTR)
         if state is not None and state.group is not None:
             for fsdp_param in state.group.params:
                 for slot_module, attr in fsdp_param.slots:
                     owners[(id(slot_module), attr)] = fsdp_param
+    return owners
+
+
+def state_entries(model: Any, optimizer: Any = None, tensor_parallel_parts: bool = False) -> list:
+    """Every value of the model (in module order) and then of the optimizer, as ``Entry``.
+    A tensor-parallel parameter (torch) is an error, or with ``tensor_parallel_parts`` its
+    data-parallel layout over this rank's tensor-parallel part."""
+    platform = get_platform()
+    owners = slot_owners(platform, model)
     entries, keys, by_param = [], set(), {}  # by_param: id(parameter) -> (key, FSDPParam)
     for name, sub in platform.named_modules(model):
         for attr, param in platform.direct_params(sub):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hyper_parallel.checkpoint.index import DTYPES, CheckpointError
-from hyper_parallel.fully_shard.state import STATE_ATTR
+from hyper_parallel.state_dict import slot_owners
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.param import FSDPParam
@@ -58,13 +58,7 @@ def dtype_name(platform: Platform, dtype: Any) -> str:
 
 def held_params(platform: Platform, model: Any) -> list:
     """One ``Held`` per distinct parameter of ``model``, by its first qualified name."""
-    owners = {}  # (id(module), attribute) -> the FSDPParam registered there
-    for _, sub in platform.named_modules(model):
-        state = sub.__dict__.get(STATE_ATTR)
-        if state is not None and state.group is not None:
-            for fsdp_param in state.group.params:
-                for slot_module, attr in fsdp_param.slots:
-                    owners[(id(slot_module), attr)] = fsdp_param
+    owners = slot_owners(platform, model)
     held, seen = [], set()
     for module_name, sub in platform.named_modules(model):
         for attr, param in platform.direct_params(sub):

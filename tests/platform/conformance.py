@@ -467,6 +467,36 @@ def check_from_numpy_to_numpy(ctx):
 
 
 @local_check
+def check_optimizer_state(ctx):
+    p = ctx.p
+    params = [ctx.side.new_param(_arange(3, 2), "a"), ctx.side.new_param(_arange(4), "b")]
+    opt = ctx.side.optimizer("adamw", params)
+    undo = p.create_optimizer_state(opt)
+    state = p.optimizer_state(opt)
+    for param in params:
+        moments = [t for name, owner, t in state if name == "exp_avg" and owner is param]
+        _check(len(moments) == 1, f"optimizer_state lists {len(moments)} exp_avg of a parameter")
+        _same(p.to_numpy(moments[0]), np.zeros(p.shape(param), np.float32),
+              "a created exp_avg (zeros, shaped like its parameter)")
+    if undo is not None:  # the optimizer had no state: undoing leaves it with none again
+        undo()
+        _check(not [s for s in p.optimizer_state(opt) if s[1] is not None],
+               "create_optimizer_state's undo left per-parameter state behind")
+
+
+@local_check
+def check_refresh_converted_param(ctx):
+    p = ctx.p
+    param = ctx.side.new_param(_arange(3, 2), "w")
+    param.hp_conformance_tag = 7
+    p.refresh_converted_param(param)
+    _same(p.to_numpy(param), _arange(3, 2), "values after refresh_converted_param")
+    _check(getattr(param, "hp_conformance_tag", None) == 7,
+           "refresh_converted_param dropped an attribute of the parameter")
+    _check(p.param_requires_grad(param), "refresh_converted_param changed requires_grad")
+
+
+@local_check
 def check_save_tensors_load_tensors(ctx):
     import os
     import tempfile

@@ -551,11 +551,7 @@ class MindSporePlatform(MindSporeStateIO, Platform):
 
     adam_step_per_param = False  # one state_step for every parameter
 
-    def adam_params(self, optimizer):
-        return adam_state.adam_params(optimizer)
-
-    def adam_state(self, optimizer, param):
-        return adam_state.adam_state(optimizer, param)
-
-    def set_adam_state(self, optimizer, param, step, moments) -> None:
-        adam_state.set_adam_state(optimizer, param, step, moments)
+    # the module's functions (the last line rebinds the name adam_state in this class)
+    adam_params = staticmethod(adam_state.adam_params)
+    set_adam_state = staticmethod(adam_state.set_adam_state)
+    adam_state = staticmethod(adam_state.adam_state)

@@ -548,11 +548,7 @@ class TorchPlatform(TorchStateIO, Platform):
     def memory_allocated(self):
         return torch.cuda.memory_allocated() if torch.cuda.is_available() else None
 
-    def adam_params(self, optimizer):
-        return adam_state.adam_params(optimizer)
-
-    def adam_state(self, optimizer, param):
-        return adam_state.adam_state(optimizer, param)
-
-    def set_adam_state(self, optimizer, param, step, moments) -> None:
-        adam_state.set_adam_state(optimizer, param, step, moments)
+    # the module's functions (the last line rebinds the name adam_state in this class)
+    adam_params = staticmethod(adam_state.adam_params)
+    set_adam_state = staticmethod(adam_state.set_adam_state)
+    adam_state = staticmethod(adam_state.adam_state)
