@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 import hyper_parallel as hp
+from hyper_parallel.fully_shard.param import fsdp_param_of
 from hyper_parallel.fully_shard.state import STATE_ATTR
 from tests.kit import get_kit, make_batches
 from tests.scenarios import D_IN, D_OUT, GLOBAL_BATCH, _build, _named
@@ -206,6 +207,9 @@ def run_cast(reduce_dtype: str | None = None) -> dict:
     side.cast_model(ref, "float64")
     _wrap(model, mp_policy=hp.MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
     side.cast_model(model, "float64")
+    # the library still knows each converted parameter as the shard it manages (what
+    # clip_grad_norm_ reads to reduce a shard's norm over its group)
+    tracked = [fsdp_param_of(p) is not None for p in kit.params(model)]
     theirs = _torch_fsdp2(kit, (world,), reduce_dtype)
     if theirs is not None:
         side.cast_model(theirs, "float64")
@@ -213,7 +217,8 @@ def run_cast(reduce_dtype: str | None = None) -> dict:
     side.record_full_dtypes(model.blocks[0].fc1, full_dtypes)
     opt, ref_opt = side.optimizer(kit.params(model)), side.optimizer(kit.params(ref))
     their_opt = side.optimizer(list(theirs.parameters())) if theirs is not None else None
-    out = {"losses": [], "ref_losses": [], "their_losses": [], "grad_dtypes": set()}
+    out = {"losses": [], "ref_losses": [], "their_losses": [], "grad_dtypes": set(),
+           "tracked_after_cast": tracked}
     local = _local(rank, world, GLOBAL_BATCH)
     for x, y in _batches(STEPS, GLOBAL_BATCH, "float64"):
         loss, grad_dtypes = side.step(model, opt, x[local], y[local])

@@ -49,11 +49,12 @@ def test_float64_model_trains_in_float64(backend):
     """``model.to(float64)``: the sharded parameters, the full parameters a forward sees,
     the gathered state and the delivered gradients are float64, and training matches a
     float64 reference to rounding (on torch also torch's own fully_shard). The cast comes
-    after fully_shard."""
+    after fully_shard, and every converted parameter is still known as its unit's shard."""
     per_rank = _results(backend, 2)["cast"]
     for r in per_rank:
         for key in ("param_dtypes", "full_dtypes_in_forward", "gathered_dtypes", "grad_dtypes"):
             assert _dtypes(r[key]) == {"float64"}, (key, r[key])
+        assert r["tracked_after_cast"] and all(r["tracked_after_cast"]), r["tracked_after_cast"]
     _assert_parity(per_rank, FLOAT64_ATOL)
     if backend == "torch":
         for r in per_rank:

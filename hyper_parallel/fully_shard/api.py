@@ -19,7 +19,9 @@ import math
 import warnings
 from typing import Any, Callable, Iterable
 
-from hyper_parallel.fully_shard.param import SHARDED_BY as _SHARDED_BY, FSDPParam
+from hyper_parallel.fully_shard.param import (
+    SHARDED_BY as _SHARDED_BY, FSDPParam, library_attrs, restore_library_attrs,
+)
 from hyper_parallel.fully_shard.mesh import (
     DataParallelMeshDims, MeshInfo, as_device_mesh, data_parallel_dims, data_parallel_mesh,
 )
@@ -57,8 +59,11 @@ class FSDPModule:
         dtype (``Platform.refresh_converted_param``)."""
         state = _state_of(self)
         state.reshard()
+        params = state.group.params if state.group is not None else []
+        kept = [library_attrs(fsdp_param.sharded_param) for fsdp_param in params]
         result = super()._apply(fn, *args, **kwargs)
-        for fsdp_param in state.group.params if state.group is not None else ():
+        for fsdp_param, attrs in zip(params, kept):
+            restore_library_attrs(fsdp_param.sharded_param, attrs)
             state.platform.refresh_converted_param(fsdp_param.sharded_param)
         return result
 

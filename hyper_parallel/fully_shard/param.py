@@ -32,6 +32,19 @@ SHARDED_BY = "_hp_sharded_by"  # on a sharded parameter: the unit that owns it
 FSDP_PARAM_ATTR = "_hp_fsdp_param"
 
 
+def library_attrs(param: Any) -> dict:
+    """The library's attributes on a sharded parameter (``SHARDED_BY``, ``FSDP_PARAM_ATTR``):
+    a framework conversion that swaps the tensor's contents (torch's ``Module._apply``) drops
+    them, so they are read before and put back after (``restore_library_attrs``)."""
+    return {name: getattr(param, name) for name in (SHARDED_BY, FSDP_PARAM_ATTR)
+            if hasattr(param, name)}
+
+
+def restore_library_attrs(param: Any, attrs: dict) -> None:
+    for name, value in attrs.items():
+        object.__setattr__(param, name, value)
+
+
 def fsdp_param_of(param: Any) -> FSDPParam | None:
     """The FSDPParam whose sharded parameter ``param`` is, or None (a parameter no unit
     manages, or a full tensor registered while a unit is unsharded)."""
@@ -173,7 +186,7 @@ class FSDPParam:
         self.padded_shard = padded  # a shard-like replacement: padded by reset_sharded_param
         owner = getattr(self.sharded_param, SHARDED_BY, None)
         self.sharded_param = new
-        object.__setattr__(new, SHARDED_BY, owner)
+        restore_library_attrs(new, {SHARDED_BY: owner, FSDP_PARAM_ATTR: weakref.ref(self)})
         self.register()
 
     def register(self) -> None:
