@@ -237,9 +237,16 @@ class Platform(abc.ABC):
         self.comm_stats.record(op, wire, nbytes, dim)
 
     # ------------------------------------------------------------------ tensors
-    @abc.abstractmethod
+    #: ``{name: framework dtype}`` for "float32", "float16", "bfloat16", "float64", "int64"...
+    dtype_names: dict  # set by each platform (a class constant, never changed)
+
     def dtype(self, name: str) -> Any:
-        """The framework dtype for "float32", "float16", "bfloat16", "float64", "int64"..."""
+        """The framework dtype named ``name`` (a key of ``dtype_names``)."""
+        try:
+            return self.dtype_names[name]
+        except KeyError:
+            raise ValueError(f"unknown dtype name {name!r}; valid: {sorted(self.dtype_names)}"
+                             ) from None
 
     @abc.abstractmethod
     def is_tensor(self, obj: Any) -> bool:

@@ -312,11 +312,7 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         self._finish_collectives(group)
 
     # ------------------------------------------------------------------ tensors
-    def dtype(self, name):
-        try:
-            return _DTYPES[name]
-        except KeyError:
-            raise ValueError(f"unknown dtype name {name!r}; valid: {sorted(_DTYPES)}") from None
+    dtype_names = _DTYPES
 
     def is_tensor(self, obj) -> bool:
         return isinstance(obj, Tensor)

@@ -232,11 +232,7 @@ class TorchPlatform(TorchStateIO, Platform):
         self._last_barrier = work
 
     # ------------------------------------------------------------------ tensors
-    def dtype(self, name):
-        try:
-            return _DTYPES[name]
-        except KeyError:
-            raise ValueError(f"unknown dtype name {name!r}; valid: {sorted(_DTYPES)}") from None
+    dtype_names = _DTYPES
 
     def is_tensor(self, obj) -> bool:
         return isinstance(obj, torch.Tensor)
