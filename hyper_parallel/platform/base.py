@@ -30,6 +30,7 @@ import abc
 from typing import Any, Callable, Sequence
 
 from hyper_parallel.comm_stats import CommStats
+from hyper_parallel.platform.capabilities import Capabilities
 
 
 class Handle:
@@ -59,23 +60,14 @@ class Platform(abc.ABC):
 
     #: "torch" or "mindspore"
     name: str = ""
-    #: True where ``release_storage`` really frees memory that autograd still references.
-    can_release_storage: bool = False
-    #: True where a sharded parameter must keep its padding rows (never be empty).
-    pads_local_shards: bool = False
-    #: True where ``attach_tensor`` registers the full tensor as the module's parameter
-    #: (``parameters()`` yields it while the unit is unsharded, as FSDP2's do on torch).
-    registers_full_tensors: bool = False
 
     def __init__(self) -> None:
         self.comm_stats = CommStats()
 
-    def default_own_collective_bytes(self) -> int | None:
-        """Default of ``fully_shard(own_collective_bytes=...)``: from which size a sharded
-        parameter is worth its own all-gather and reduce-scatter instead of sharing the
-        unit's fused one (None: always share). It weighs one more collective call against
-        the copies into and out of the fused buffer that it saves (param_group.py)."""
-        return None
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this platform can do (capabilities.py); the same record every time."""
 
     # ------------------------------------------------------------------ process groups
     @abc.abstractmethod
@@ -345,7 +337,7 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def release_storage(self, tensor: Any) -> None:
         """Free the memory of ``tensor`` while keeping the object (autograd may hold it).
-        Only called where ``can_release_storage``."""
+        Only called where ``capabilities.can_release_storage``."""
 
     @abc.abstractmethod
     def restore_storage(self, tensor: Any) -> None:
@@ -480,17 +472,7 @@ class Platform(abc.ABC):
     def param_grad(self, param: Any) -> Any:
         """The gradient accumulated on ``param`` (torch: ``.grad``), None if it has none;
         only asked where gradients accumulate on the parameters (not
-        ``returns_grads_from_backward``)."""
-
-    #: True where backward's return value is the gradient the user receives (MindSpore
-    #: ``value_and_grad``); False where gradients accumulate on the parameters (torch).
-    returns_grads_from_backward: bool = False
-
-    def collectives_overlap_compute(self) -> bool:
-        """Whether an async collective progresses while the host issues more work. Where it
-        does not, the core reduces each unit's gradients inside its own backward (no
-        pipeline to keep, iteration.py) unless ``HP_SYNC_COLLECTIVES=0`` asks otherwise."""
-        return True
+        ``capabilities.returns_grads_from_backward``)."""
 
     @abc.abstractmethod
     def grad_placeholder(self, param: Any) -> Any:
@@ -509,7 +491,7 @@ class Platform(abc.ABC):
 
     def attach_tensor(self, module: Any, attr_name: str, tensor: Any) -> None:
         """Make ``module.<attr_name>`` read ``tensor``, the full parameter, after
-        ``register_param`` registered the sharded one there; ``registers_full_tensors``
+        ``register_param`` registered the sharded one there; ``capabilities.registers_full_tensors``
         says whether the full tensor is also what the module's parameters yield.
 
         By default an instance attribute shadows the registered parameter in both
@@ -606,6 +588,3 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def set_adam_state(self, optimizer: Any, param: Any, step: int, moments: dict) -> None:
         """Replace ``param``'s state with ``step`` and ``moments`` (as ``adam_state`` gives)."""
-
-    #: whether Adam keeps a step per parameter (torch) or one for all (MindSpore)
-    adam_step_per_param = True

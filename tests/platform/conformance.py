@@ -412,21 +412,32 @@ def check_zeros(ctx):
 
 
 @local_check
-def check_default_own_collective_bytes(ctx):
-    value = ctx.p.default_own_collective_bytes()
-    _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0),
-           f"default_own_collective_bytes() = {value!r}: want None or an int >= 0")
+def check_capabilities(ctx):
+    """One frozen record, the same every time; its flags are plain booleans (the core's
+    choice of delivery reads two of them, iteration.py; check_grad_placeholder_write_grad
+    matches returns_grads_from_backward against grad_placeholder)."""
+    import dataclasses
 
+    from hyper_parallel.platform.capabilities import Capabilities
 
-@local_check
-def check_gradient_delivery_flags(ctx):
-    """The two flags the core's choice of delivery reads (iteration.py) are plain booleans
-    (check_grad_placeholder_write_grad matches the second against grad_placeholder)."""
-    p = ctx.p
-    overlap = p.collectives_overlap_compute()
-    _check(isinstance(overlap, bool), f"collectives_overlap_compute() = {overlap!r}: want a bool")
-    returns = p.returns_grads_from_backward
-    _check(isinstance(returns, bool), f"returns_grads_from_backward = {returns!r}: want a bool")
+    caps = ctx.p.capabilities
+    _check(isinstance(caps, Capabilities), f"capabilities is {type(caps).__name__}, "
+           f"want a Capabilities")
+    _check(ctx.p.capabilities == caps, "capabilities changed between two reads")
+    try:
+        setattr(caps, "can_release_storage", not caps.can_release_storage)
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("capabilities can be changed: want a frozen record")
+    for field in dataclasses.fields(caps):
+        value = getattr(caps, field.name)
+        if field.name == "default_own_collective_bytes":
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                     and value >= 0),
+                   f"default_own_collective_bytes = {value!r}: want None or an int >= 0")
+        else:
+            _check(isinstance(value, bool), f"capabilities.{field.name} = {value!r}: want a bool")
 
 
 @local_check
@@ -530,7 +541,6 @@ def check_adam_state(ctx):
         _check(step == 3, f"step read back as {step}")
         _same(_values(ctx, moments["exp_avg_sq"]), _arange(*p.shape(param), start=2.0),
               "exp_avg_sq read back")
-    _check(isinstance(p.adam_step_per_param, bool), "adam_step_per_param must be a bool")
     try:
         p.adam_params(ctx.side.optimizer("sgd", params))
     except TypeError:
@@ -776,7 +786,7 @@ def check_vector_norm(ctx):
 @local_check
 def check_param_grad(ctx):
     p = ctx.p
-    if p.returns_grads_from_backward:
+    if p.capabilities.returns_grads_from_backward:
         raise Skip("gradients are returned by backward, not attached to the parameters")
     param = ctx.side.new_param(np.ones(3, np.float32), "w")
     _check(p.param_grad(param) is None, "param_grad of a parameter without a gradient: want None")
@@ -901,7 +911,7 @@ def check_storage_bytes(ctx):
 @local_check
 def check_release_restore_storage(ctx):
     p = ctx.p
-    if not p.can_release_storage:
+    if not p.capabilities.can_release_storage:
         raise Skip(f"{p.name}: can_release_storage is False")
     for how, t in (("zeros", p.zeros((3, 4), p.dtype("float32"))),
                    ("add", p.add(p.zeros((3, 4), p.dtype("float32")), p.zeros((3, 4), p.dtype("float32")))),
@@ -926,7 +936,7 @@ def check_release_restore_shared_buffer(ctx):
     """Full parameters may be reads of one gathered buffer at different offsets: releasing
     and restoring each, then refilling each, gives every one its values."""
     p = ctx.p
-    if not p.can_release_storage:
+    if not p.capabilities.can_release_storage:
         raise Skip(f"{p.name}: can_release_storage is False")
     buffer = p.zeros((10,), p.dtype("float32"))
     first = p.contiguous(p.narrow(buffer, 0, 0, 4))
@@ -948,7 +958,7 @@ def check_release_restore_shared_buffer(ctx):
 def check_release_storage_of_from_numpy(ctx):
     """Every tensor the platform makes can be released, from_numpy's too."""
     p = ctx.p
-    if not p.can_release_storage:
+    if not p.capabilities.can_release_storage:
         raise Skip(f"{p.name}: can_release_storage is False")
     t = p.from_numpy(_arange(3, 4))
     p.release_storage(t)
@@ -965,7 +975,7 @@ def check_kept_released_memory_is_never_shared(ctx):
     would serve from kept blocks) each hold their own values, and a view of a released
     tensor reads what the restored tensor is refilled with."""
     p = ctx.p
-    if not p.can_release_storage:
+    if not p.capabilities.can_release_storage:
         raise Skip(f"{p.name}: can_release_storage is False")
     f32 = p.dtype("float32")
     p.keep_released_memory(1 << 20)
@@ -994,7 +1004,7 @@ def check_release_restore_under_autograd(ctx):
     restored and refilled (in a grad hook) before backward uses it; the gradient sees the
     refilled values and autograd does not complain."""
     p = ctx.p
-    if not p.can_release_storage:
+    if not p.capabilities.can_release_storage:
         raise Skip(f"{p.name}: can_release_storage is False")
     weights = _arange(2, 3, start=1)
     refill = _arange(2, 3, start=-4) * 0.5
@@ -1148,9 +1158,9 @@ def check_attach_detach_tensor(ctx):
     p.attach_tensor(model.fc1, "weight", full)
     _check(model.fc1.weight is full, "after attach_tensor, module.weight is not the tensor")
     registered = dict(p.direct_params(model.fc1))["weight"]
-    expected = full if p.registers_full_tensors else param
+    expected = full if p.capabilities.registers_full_tensors else param
     _check(registered is expected, f"after attach_tensor, direct_params returns {registered!r}; "
-           f"registers_full_tensors={p.registers_full_tensors}")
+           f"registers_full_tensors={p.capabilities.registers_full_tensors}")
     values = dict(_model_values(), **{"fc1.weight": full_np})
     _same(_values(ctx, model(_f32(ctx, x))), model_reference(x, values),
           "forward with the attached tensor", tol=1e-5)
@@ -1656,7 +1666,7 @@ def check_all_gather_into_released(ctx):
     begins one row into the gathered buffer (another tensor's row before it), and
     ``handle.result`` is the whole buffer."""
     p, w, r = ctx.p, ctx.world, ctx.rank
-    if not p.can_release_storage:
+    if not p.capabilities.can_release_storage:
         raise Skip(f"{p.name}: can_release_storage is False")
     rows = np.stack([_arange(3, start=10 * k) for k in range(w)])   # rank k's row
     cases = [(async_op, kept, 0) for async_op in (False, True) for kept in (w, w - 1)]
@@ -2076,8 +2086,9 @@ def check_grad_placeholder_write_grad(ctx):
     g1, g2 = _arange(2, 3, start=1), _arange(2, 3, start=-3) * 0.5
     param = _sharded(ctx, "conf.wg")
     placeholder = p.grad_placeholder(param)
-    _check((placeholder is not None) == p.returns_grads_from_backward,
-           f"returns_grads_from_backward is {p.returns_grads_from_backward}, but grad_placeholder "
+    _check((placeholder is not None) == p.capabilities.returns_grads_from_backward,
+           f"returns_grads_from_backward is {p.capabilities.returns_grads_from_backward}, "
+           f"but grad_placeholder "
            f"gave {placeholder!r}: a platform whose backward returns the user's gradients "
            f"needs a tensor placeholder, one that accumulates them on the parameter None")
     if placeholder is not None:

@@ -19,7 +19,7 @@
 - In-place arithmetic and views do not write through: the only writes used are a
   whole-tensor ``copy_`` and the collectives' own output buffers.
 - Tensor memory cannot be released while autograd holds it: ``can_release_storage`` is
-  False and the core keeps full parameters alive between forward and backward
+  False in its ``capabilities`` and the core keeps full parameters alive between forward and backward
   (docs/platforms.md, "Memory").
 - No ``autograd.Function``: ``differentiable_call`` is a Cell with a custom ``bprop``.
 """
@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import os
 import time
@@ -41,6 +42,7 @@ from mindspore.graph.api import _disable_saved_tensors_hooks
 from mindspore.mint import distributed as msdist
 
 from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.mindspore import adam_state
 from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
 from hyper_parallel.platform.mindspore.jit_guard import refuse_jitted_construct
@@ -85,15 +87,23 @@ class _CoreDefinedCell(nn.Cell):
 
 class MindSporePlatform(MindSporeStateIO, Platform):
     name = "mindspore"
-    can_release_storage = False
-    pads_local_shards = True  # its optimizers cannot create state for an empty parameter
-    returns_grads_from_backward = True  # value_and_grad returns what the bprops returned
 
     def __init__(self) -> None:
         _check_version()
         super().__init__()
         self._store = None
         self._world_gather = None  # ops.AllGather on the world group, made on first use
+
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:
+        # Memory autograd holds cannot be freed; its optimizers cannot make state for an
+        # empty parameter; value_and_grad returns what the bprops returned; one Adam step
+        # for every parameter. On CPU async_op changes nothing: sync and async collectives
+        # are queued alike on the kernel pipeline, so a reduction pipeline would only add
+        # the placeholder copies. On Ascend HCCL runs on its own stream.
+        return Capabilities(pads_local_shards=True, returns_grads_from_backward=True,
+                            collectives_overlap_compute=not self._on_cpu,
+                            adam_step_per_param=False)
 
     @property
     def _on_cpu(self) -> bool:
@@ -482,12 +492,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         info = getattr(param, "_param_info", None)
         return param.requires_grad if info is None else info.requires_grad
 
-    def collectives_overlap_compute(self) -> bool:
-        # On CPU async_op changes nothing: sync and async collectives are queued alike on
-        # the kernel pipeline (platform-facts), so a reduction pipeline would only add the
-        # placeholder copies. On Ascend HCCL runs on its own stream.
-        return not self._on_cpu
-
     def param_grad(self, param):
         raise NotImplementedError("MindSpore gradients are what value_and_grad returns; "
                                   "they are not attached to the parameters")
@@ -544,8 +548,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
 
     def memory_allocated(self):
         return None if self._on_cpu else ms.runtime.memory_allocated()
-
-    adam_step_per_param = False  # one state_step for every parameter
 
     # the module's functions (the last line rebinds the name adam_state in this class)
     adam_params = staticmethod(adam_state.adam_params)

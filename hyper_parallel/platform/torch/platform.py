@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial
 
 from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.torch import adam_state
 from hyper_parallel.platform.torch.state_io import TorchStateIO
 from hyper_parallel.platform.torch.eager_hooks import call_eagerly, eager
@@ -89,8 +90,6 @@ def _uses_list_reduce_scatter(group, input_bytes: int) -> bool:
 
 class TorchPlatform(TorchStateIO, Platform):
     name = "torch"
-    can_release_storage = True
-    registers_full_tensors = True
 
     def __init__(self) -> None:
         _check_version()
@@ -101,15 +100,19 @@ class TorchPlatform(TorchStateIO, Platform):
         self._released = ReleasedMemory() if self.device_type() == "cpu" and hasattr(
             torch.UntypedStorage, "_swap_data_ptr_") else None
         self._spmd_meshes = {}  # see _spmd_mesh
+        # own collectives: on CPU (gloo) a call costs tens of microseconds, copying 1 MiB in
+        # and out about as much (make bench); CUDA keeps FSDP2's fused layout
+        self._capabilities = Capabilities(
+            can_release_storage=True, registers_full_tensors=True,
+            default_own_collective_bytes=1 << 20 if self.device_type() == "cpu" else None)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
 
     def keep_released_memory(self, nbytes: int) -> None:
         if self._released is not None:
             self._released.raise_limit(nbytes)
-
-    def default_own_collective_bytes(self):
-        # CPU (gloo): a call costs tens of microseconds, copying 1 MiB in and out about as
-        # much (make bench). CUDA: FSDP2's fused layout, as nothing was measured there yet.
-        return 1 << 20 if self.device_type() == "cpu" else None
 
     # ------------------------------------------------------------------ process groups
     def is_initialized(self) -> bool:
