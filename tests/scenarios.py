@@ -224,7 +224,7 @@ def run_memory() -> dict:
         platform.keep_released_memory = asked.append  # an instance attribute: undone below
 
         def record(module, args, kwargs, output):  # runs after every block's post-forward
-            held.append([sum(platform.storage_bytes(t) for t in b.__dict__["_hp_state"]._full.tensors)
+            held.append([sum(kit.storage_bytes(t) for t in b.__dict__["_hp_state"]._full.tensors)
                          for b in model.blocks])
 
         platform.register_forward_hooks(model, lambda m, a, k: None, record)

@@ -218,10 +218,6 @@ class Platform(abc.ABC):
         """Reduce ``tensor`` in place over ``group`` ("sum", "avg", "max", "min")."""
 
     @abc.abstractmethod
-    def broadcast(self, tensor: Any, src: int, group: Any = None, dim: str = "") -> None:
-        """Overwrite ``tensor`` with the one of global rank ``src``."""
-
-    @abc.abstractmethod
     def barrier(self, group: Any = None) -> None:
         """Block until every rank of ``group`` (default: world) arrives."""
 
@@ -351,10 +347,6 @@ class Platform(abc.ABC):
         asks for what one step gathers again (iteration.py, ``keep_working_set``). The
         default keeps nothing: a caching allocator (CUDA) needs no help, and a platform
         that cannot release storage (MindSpore) has nothing to keep."""
-
-    @abc.abstractmethod
-    def storage_bytes(self, tensor: Any) -> int:
-        """Bytes the tensor's storage holds now (0 once released)."""
 
     @abc.abstractmethod
     def no_grad(self):
@@ -540,14 +532,6 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def queue_backward_final_callback(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` once after the current backward pass; only valid during backward."""
-
-    @abc.abstractmethod
-    def synchronize(self) -> None:
-        """Wait for the device's queued work (a no-op on CPU)."""
-
-    @abc.abstractmethod
-    def memory_allocated(self) -> int | None:
-        """Bytes currently allocated on the device, or None when unknown."""
 
     # ------------------------------------------------------------------ state dicts
     #: the file extension ``save_tensors`` writes (the framework's own checkpoint format)

@@ -312,10 +312,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         self._record("all_reduce", "all_reduce", tensor.numel() * _ITEM_SIZE[tensor.dtype], dim)
         return Handle(msdist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
-    def broadcast(self, tensor, src, group=None, dim=""):
-        self._record("broadcast", "broadcast", tensor.numel() * _ITEM_SIZE[tensor.dtype], dim)
-        msdist.broadcast(tensor, src, group=group)
-
     def barrier(self, group=None) -> None:
         # msdist.barrier returns before the peers arrive on CPU; reading the result of an
         # all-reduce cannot happen before every rank of the group contributed.
@@ -409,9 +405,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
     def all_gather_into_released(self, full, input, group, group_size, async_op=False, dim="",
                                  start=0):
         raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
-
-    def storage_bytes(self, tensor) -> int:
-        return tensor.numel() * _ITEM_SIZE[tensor.dtype]
 
     def no_grad(self):
         from mindspore.common.api import _no_grad
@@ -541,13 +534,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         from mindspore.common.api import _pynative_executor
 
         _pynative_executor.queue_backward_final_callback(fn)
-
-    def synchronize(self) -> None:
-        if not self._on_cpu:
-            ms.runtime.synchronize()
-
-    def memory_allocated(self):
-        return None if self._on_cpu else ms.runtime.memory_allocated()
 
     # the module's functions (the last line rebinds the name adam_state in this class)
     adam_params = staticmethod(adam_state.adam_params)

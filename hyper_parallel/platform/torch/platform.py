@@ -217,10 +217,6 @@ class TorchPlatform(TorchStateIO, Platform):
         work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
         return Handle(work)
 
-    def broadcast(self, tensor, src, group=None, dim=""):
-        self._record("broadcast", "broadcast", tensor.numel() * tensor.element_size(), dim)
-        dist.broadcast(tensor, src, group=group)
-
     def barrier(self, group=None) -> None:
         # A gloo worker thread releases a finished collective a moment after wait() returns
         # in the caller. If that release frees a tensor Python made, it needs the GIL, and
@@ -334,9 +330,6 @@ class TorchPlatform(TorchStateIO, Platform):
                 self._released is not None and self._released.fill(storage, needed)):
             storage.resize_(needed)
         return storage
-
-    def storage_bytes(self, tensor) -> int:
-        return tensor.untyped_storage().size()
 
     def no_grad(self):
         return torch.no_grad()
@@ -539,13 +532,6 @@ class TorchPlatform(TorchStateIO, Platform):
 
     def queue_backward_final_callback(self, fn) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: call_eagerly(fn))
-
-    def synchronize(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    def memory_allocated(self):
-        return torch.cuda.memory_allocated() if torch.cuda.is_available() else None
 
     # the module's functions (the last line rebinds the name adam_state in this class)
     adam_params = staticmethod(adam_state.adam_params)
