@@ -27,6 +27,7 @@ tensor as a module attribute) is implemented here once.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from hyper_parallel.comm_stats import CommStats
@@ -53,6 +54,17 @@ class Handle:
         if self._on_done is not None:
             on_done, self._on_done, self._native = self._on_done, None, None
             on_done()  # dropped first: a closure that refers to this handle is then no cycle
+
+
+@dataclass(frozen=True)
+class MeshDescription:
+    """A framework's own mesh object as the core needs it (``mesh_from_native``)."""
+
+    shape: tuple            # ranks along each dim
+    dim_names: tuple        # one name per dim
+    groups: list            # this rank's process group along each dim
+    device_type: str
+    rank_grid: list         # the global ranks, nested one list level per dim
 
 
 class Platform(abc.ABC):
@@ -109,9 +121,8 @@ class Platform(abc.ABC):
         """
 
     @abc.abstractmethod
-    def mesh_from_native(self, native_mesh: Any) -> tuple | None:
-        """For a framework mesh object, ``(mesh_shape, dim_names, groups_per_dim, device_type,
-        rank_grid)``; None if ``native_mesh`` is not one."""
+    def mesh_from_native(self, native_mesh: Any) -> MeshDescription | None:
+        """A framework mesh object described; None if ``native_mesh`` is not one."""
 
     @abc.abstractmethod
     def new_group(self, ranks: Sequence[int]) -> Any:
@@ -158,44 +169,29 @@ class Platform(abc.ABC):
         return [self.narrow(whole, 0, r * numel, numel) for r in range(group_size)], whole, handle
 
     def reduce_scatter_new(self, input: Any, group: Any, group_size: int, async_op: bool = False,
-                           dim: str = "", may_overwrite_input: bool = False,
-                           scale: float = 1.0) -> Handle:
-        """``reduce_scatter`` into new memory: this rank's chunk, multiplied by ``scale``, is
-        ``handle.result`` once ``handle.wait()`` returned. ``may_overwrite_input``: the
-        caller never reads ``input`` again, so a platform that composes the reduce-scatter
-        may reduce it in place instead of copying it first. ``scale`` is the core's
-        post-scale: a platform that copies the chunk out anyway multiplies while it copies
-        (one pass over the chunk instead of two). The default allocates the output, calls
-        ``reduce_scatter`` and scales the output in place when it is done."""
+                           dim: str = "", may_overwrite_input: bool = False) -> Handle:
+        """``reduce_scatter`` into new memory: this rank's chunk is ``handle.result`` (memory
+        of the caller's own, which it may scale in place) once ``handle.wait()`` returned.
+        ``may_overwrite_input``: the caller never reads ``input`` again, so a platform that
+        composes the reduce-scatter may reduce it in place instead of copying it first. The
+        default allocates the output and calls ``reduce_scatter``."""
         output = self.empty((self.shape(input)[0] // group_size,), self.dtype_of(input))
         handle = self.reduce_scatter(output, input, group, async_op=async_op, dim=dim)
-        return self._scaled_result(handle, output, scale)
-
-    def _scaled_result(self, handle: Handle, output: Any, scale: float) -> Handle:
-        """``handle`` with ``result`` = ``output``, multiplied in place by ``scale`` (if not 1)
-        once the collective that writes it finished."""
-        if scale == 1.0:
-            handle.result = output
-            return handle
-
-        def apply_scale():
-            scaled.result = self.scale(output, scale, may_overwrite=True)
-
-        scaled = Handle(handle, on_done=apply_scale)
-        return scaled
+        handle.result = output
+        return handle
 
     def reduce_scatter_pieces(self, pieces: Sequence[Sequence[Any]], group: Any,
-                              async_op: bool = False, dim: str = "", scale: float = 1.0) -> Handle:
+                              async_op: bool = False, dim: str = "") -> Handle:
         """``reduce_scatter_new`` of an input given in parts, never concatenated by the
         caller: ``pieces[r]`` is the list of 1-D tensors whose concatenation rank r
-        receives the sum of (equal total lengths), multiplied by ``scale``. Views of a
+        receives the sum of (equal total lengths). Views of a
         gradient and zeros for its padding go in as they are; the platform concatenates
         only what its collective needs, at most once. The parts are left as they were. The
         default concatenates everything into one flat input (one copy, which a composed
         reduce-scatter then reduces in place)."""
         flat = self.cat([part for parts in pieces for part in parts], 0)
         return self.reduce_scatter_new(flat, group, len(pieces), async_op=async_op, dim=dim,
-                                       may_overwrite_input=True, scale=scale)
+                                       may_overwrite_input=True)
 
     @abc.abstractmethod
     def all_gather_into_released(self, full: Any, input: Any, group: Any, group_size: int,

@@ -1495,7 +1495,8 @@ def check_mesh_1d_groups(ctx):
     if native is not None:
         described = p.mesh_from_native(native)
         _check(described is not None, "mesh_from_native(the mesh's own native mesh) is None")
-        shape, names, groups, device, grid = described
+        shape, names, groups = described.shape, described.dim_names, described.groups
+        device, grid = described.device_type, described.rank_grid
         _check(tuple(shape) == (ctx.world,) and tuple(names) == ("shard",),
                f"mesh_from_native: shape {shape}, names {names}")
         _check(device == p.device_type(), f"mesh_from_native device {device}")
@@ -1518,7 +1519,7 @@ def check_new_mesh_groups(ctx):
         _check(sizes == list(shape), f"new_mesh_groups{shape}: group sizes {sizes}")
         if native is not None:
             described = p.mesh_from_native(native)
-            _check(described is not None and tuple(described[0]) == shape,
+            _check(described is not None and tuple(described.shape) == shape,
                    f"mesh_from_native(new_mesh_groups{shape} native) = {described}")
     _check(p.group_rank(made[(w,)][0][0]) == ctx.rank, "group_rank in the 1-D mesh group")
     _check(p.group_rank(made[(1, w)][0][0]) == 0, "group_rank in a size-1 dim group")
@@ -1542,7 +1543,7 @@ def check_new_group(ctx):
     native = p.mesh_from_groups(p.device_type(), [mine], peers, ("dp",))
     if native is not None:
         described = p.mesh_from_native(native)
-        _check(described is not None and list(described[4]) == peers,
+        _check(described is not None and list(described.rank_grid) == peers,
                f"mesh_from_groups over {peers}: described as {described}")
 
 
@@ -1731,19 +1732,20 @@ def check_reduce_scatter_pieces(ctx):
         }
         for how, pieces in layouts.items():
             before = [[_values(ctx, t) for t in parts] for parts in pieces]
-            handle = p.reduce_scatter_pieces(pieces, ctx.mesh1.get_group(0), async_op=async_op,
-                                             scale=scale)
+            handle = p.reduce_scatter_pieces(pieces, ctx.mesh1.get_group(0), async_op=async_op)
             _check(isinstance(handle, Handle),
                    f"reduce_scatter_pieces returned {type(handle).__name__}")
             handle.wait()
+            # scaled as the core scales it: in place where the platform can (its own memory)
+            result = p.scale(handle.result, scale, may_overwrite=True)
             what = f"({how}, n={n}, async_op={async_op}, scale={scale})"
-            _same(_values(ctx, handle.result), total[r * n:(r + 1) * n],
+            _same(_values(ctx, result), total[r * n:(r + 1) * n],
                   f"reduce_scatter_pieces chunk {what}")
             for q, parts in enumerate(pieces):
                 for t, old in zip(parts, before[q]):
                     _same(_values(ctx, t), old, f"reduce_scatter_pieces changed a part of rank {q} {what}")
-            p.all_reduce(handle.result, ctx.mesh1.get_group(0))  # its own memory
-            _same(_values(ctx, handle.result), total.reshape(w, n).sum(0),
+            p.all_reduce(result, ctx.mesh1.get_group(0))  # its own memory
+            _same(_values(ctx, result), total.reshape(w, n).sum(0),
                   f"all_reduce of the reduce_scatter_pieces result {what}")
             _same(_values(ctx, whole), mine, f"reduce_scatter_pieces changed the gradient {what}")
 
@@ -1758,10 +1760,10 @@ def check_reduce_scatter_new(ctx):
                                             (1.0, 0.5, 0.25, 1.0)):
         source = p.cat([_f32(ctx, mine)], 0)  # a tensor of the caller's own
         handle = p.reduce_scatter_new(source, ctx.mesh1.get_group(0), w, async_op=async_op,
-                                      may_overwrite_input=overwrite, scale=scale)
+                                      may_overwrite_input=overwrite)
         _check(isinstance(handle, Handle), f"reduce_scatter_new returned {type(handle).__name__}")
         handle.wait()
-        out = handle.result
+        out = p.scale(handle.result, scale, may_overwrite=True)  # as the core scales it
         how = f"(async_op={async_op}, may_overwrite_input={overwrite}, scale={scale})"
         expected = total * np.float32(scale)  # a power of two: exact
         _same(_values(ctx, out), expected[r * n:(r + 1) * n], f"reduce_scatter_new chunk {how}")
@@ -2181,7 +2183,8 @@ def check_mesh2d_groups(ctx):
     _check((mesh.get_local_rank(0), mesh.get_local_rank(1)) == (r_idx, s_idx),
            "mesh.get_local_rank")
     if mesh.native is not None:
-        shape, names, _, _, grid = p.mesh_from_native(mesh.native)
+        described = p.mesh_from_native(mesh.native)
+        shape, names, grid = described.shape, described.dim_names, described.rank_grid
         _check(tuple(shape) == (2, s_size) and tuple(names) == ("replicate", "shard"),
                f"mesh_from_native shape {shape} names {names}")
         expected_grid = np.arange(ctx.world).reshape(2, s_size).tolist()

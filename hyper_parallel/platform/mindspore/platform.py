@@ -254,21 +254,21 @@ class MindSporePlatform(MindSporeStateIO, Platform):
                                                       "all_gather", nbytes, dim)
         return pieces, whole, Handle(native)
 
-    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim="", scale=1.0):
+    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim=""):
         if self._on_cpu and len(pieces) == 2:
-            return self._exchange_reduce_scatter(pieces, group, async_op, dim, scale)
-        return super().reduce_scatter_pieces(pieces, group, async_op, dim, scale)
+            return self._exchange_reduce_scatter(pieces, group, async_op, dim)
+        return super().reduce_scatter_pieces(pieces, group, async_op, dim)
 
     def reduce_scatter_new(self, input, group, group_size, async_op=False, dim="",
-                           may_overwrite_input=False, scale=1.0):
+                           may_overwrite_input=False):
         if not self._on_cpu:
             return super().reduce_scatter_new(input, group, group_size, async_op, dim,
-                                              may_overwrite_input, scale)
+                                              may_overwrite_input)
         total = input.shape[0]
         if group_size == 2:
             half = total // 2
             pieces = [[mint.narrow(input, 0, 0, half)], [mint.narrow(input, 0, half, half)]]
-            return self._exchange_reduce_scatter(pieces, group, async_op, dim, scale)
+            return self._exchange_reduce_scatter(pieces, group, async_op, dim)
         self._record("reduce_scatter", "all_reduce", total * _ITEM_SIZE[input.dtype], dim)
         if not may_overwrite_input:
             input = input + 0
@@ -277,16 +277,14 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         start = self.group_rank(group) * chunk
 
         def keep_own_chunk():
-            # its own memory, scaled in the same op (every op costs a launch on CPU)
-            own = mint.narrow(input, 0, start, chunk)
-            handle.result = own * scale if scale != 1.0 else own + 0
+            handle.result = mint.narrow(input, 0, start, chunk) + 0  # its own memory
 
         handle = Handle(native, on_done=keep_own_chunk)
         if not async_op:
             handle.wait()
         return handle
 
-    def _exchange_reduce_scatter(self, pieces, group, async_op, dim, scale):
+    def _exchange_reduce_scatter(self, pieces, group, async_op, dim):
         """The reduce-scatter of a two-rank group as one all-gather: each rank sends
         only the chunk its peer owns, so each sends half its input, as a native
         reduce-scatter does, where an all-reduce sends all of it. The received chunk plus
@@ -300,8 +298,7 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         own = pieces[me][0] if len(pieces[me]) == 1 else ops.cat(pieces[me], 0)
 
         def add_own_chunk():
-            total = own + received
-            handle.result = total * scale if scale != 1.0 else total
+            handle.result = own + received
 
         handle = Handle(native, on_done=add_own_chunk)
         if not async_op:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial
 
-from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.base import Handle, MeshDescription, Platform
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.torch import adam_state
 from hyper_parallel.platform.torch.state_io import TorchStateIO
@@ -143,15 +143,15 @@ class TorchPlatform(TorchStateIO, Platform):
 
     def new_mesh_groups(self, device_type, mesh_shape, dim_names):
         native = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(dim_names))
-        return self.mesh_from_native(native)[2], native
+        return self.mesh_from_native(native).groups, native
 
     def mesh_from_native(self, native_mesh):
         if not isinstance(native_mesh, TorchDeviceMesh):
             return None
         names = native_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(native_mesh.ndim))
         groups = [native_mesh.get_group(i) for i in range(native_mesh.ndim)]
-        return (tuple(native_mesh.mesh.shape), tuple(names), groups,
-                native_mesh.device_type, native_mesh.mesh.tolist())
+        return MeshDescription(tuple(native_mesh.mesh.shape), tuple(names), groups,
+                               native_mesh.device_type, native_mesh.mesh.tolist())
 
     def new_group(self, ranks):
         if len(ranks) == self.world_size():
@@ -183,14 +183,15 @@ class TorchPlatform(TorchStateIO, Platform):
                                     async_op=async_op)
         return Handle(work)
 
-    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim="", scale=1.0):
+    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim=""):
         nbytes = sum(part.numel() * part.element_size() for parts in pieces for part in parts)
         if not _uses_list_reduce_scatter(group, nbytes):
-            return super().reduce_scatter_pieces(pieces, group, async_op, dim, scale)
+            return super().reduce_scatter_pieces(pieces, group, async_op, dim)
         inputs = [parts[0] if len(parts) == 1 else torch.cat(list(parts)) for parts in pieces]
         output = torch.empty_like(inputs[0])
-        return self._scaled_result(self._reduce_scatter_list(output, inputs, group, async_op, dim),
-                                   output, scale)
+        handle = self._reduce_scatter_list(output, inputs, group, async_op, dim)
+        handle.result = output
+        return handle
 
     def _reduce_scatter_list(self, output, pieces, group, async_op, dim) -> Handle:
         self._record("reduce_scatter", "reduce_scatter",
