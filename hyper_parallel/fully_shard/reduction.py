@@ -7,7 +7,8 @@
 2. ``finish_reduce_scatter`` + ``start_all_reduce`` (driven by the IterationContext when the
    next unit's post-backward runs, or at the end of backward): wait the reduce-scatter
    and apply ``post_scale`` to every leg's result (here, and nowhere else), then either
-   issue the bucket's all-reduce over the replicate group (async) or defer the bucket (``set_requires_all_reduce(False)``).
+   issue the bucket's all-reduce over the replicate group (async) or defer the bucket
+   (``set_requires_all_reduce(False)``).
 3. Delivery, leg by leg, as soon as a leg's reduction is complete: ``deliver_completed``
    right after stage 2 (a leg with no all-reduce: plain FSDP), ``finish`` once the
    all-reduces were waited (the next advance, or the end of backward). Each gradient shard

@@ -56,4 +56,5 @@ def get_platform() -> Platform:
     return _platform_for(resolve_backend_name())
 
 
-__all__ = ["BACKENDS", "Handle", "MeshDescription", "Platform", "get_platform", "resolve_backend_name"]
+__all__ = ["BACKENDS", "Handle", "MeshDescription", "Platform", "get_platform",
+           "resolve_backend_name"]

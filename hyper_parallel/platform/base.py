@@ -11,10 +11,10 @@ MindSpore on CPU silently ignores in-place arithmetic and its views do not write
 (docs/platforms.md). The core therefore only uses functional tensor operations that return
 new tensors (``cat``, ``reshape``, ``narrow``, ``cast``, ``scale``, ``add``) plus three
 explicit writes: ``copy_into`` / ``copy_into_slice`` (a tensor into another, or into a slice
-of another),
-``release_storage``/``restore_storage`` (free and re-allocate a tensor's memory while
-autograd keeps a reference) and the collectives' output buffers. Reading a narrowed or
-reshaped tensor is always allowed; writing through one never is.
+of another), ``release_storage``/``restore_storage`` (free and re-allocate a tensor's
+memory while autograd keeps a reference; the optional ``StorageRelease`` part,
+storage_release.py) and the collectives' output buffers. Reading a narrowed or reshaped
+tensor is always allowed; writing through one never is.
 
 [Note: composed collectives]
 Where a device lacks a collective, the platform composes it from what exists and records
@@ -194,21 +194,6 @@ class Platform(abc.ABC):
                                        may_overwrite_input=True)
 
     @abc.abstractmethod
-    def all_gather_into_released(self, full: Any, input: Any, group: Any, group_size: int,
-                                 async_op: bool = False, dim: str = "", start: int = 0) -> Handle:
-        """Gather every rank's 1-D ``input`` straight into the memory behind ``full``, a
-        tensor whose memory ``release_storage`` freed: that memory is restored to hold the
-        ``group_size * numel(input)`` gathered elements (rank-major) from ``start``
-        elements before ``full``'s first element on, so ``full`` reads the gathered
-        elements ``start`` to ``start + numel(full)``; the rest (other parameters of the
-        same gather, padding) lies in memory no tensor reads but the ones ``full`` was cut
-        from. Once ``handle.wait()`` returned, ``handle.result`` is the whole gathered
-        buffer (1-D, on that memory), for copying those other parts out. Like
-        ``copy_into``, autograd's bookkeeping of ``full`` is not disturbed. Re-gathering a
-        parameter before backward this way costs no copy out of a gather buffer. Only
-        called where ``can_release_storage``."""
-
-    @abc.abstractmethod
     def all_reduce(self, tensor: Any, group: Any, op: str = "sum", async_op: bool = False,
                    dim: str = "") -> Handle:
         """Reduce ``tensor`` in place over ``group`` ("sum", "avg", "max", "min")."""
@@ -325,15 +310,6 @@ class Platform(abc.ABC):
         ``dim`` in place (the rest of ``dst`` unchanged), like ``copy_into``: refilling a
         released full parameter straight from the all-gather output, one rank's rows at a
         time, costs one copy instead of two."""
-
-    @abc.abstractmethod
-    def release_storage(self, tensor: Any) -> None:
-        """Free the memory of ``tensor`` while keeping the object (autograd may hold it).
-        Only called where ``capabilities.can_release_storage``."""
-
-    @abc.abstractmethod
-    def restore_storage(self, tensor: Any) -> None:
-        """Re-allocate the memory ``release_storage`` freed (contents undefined)."""
 
     def keep_released_memory(self, nbytes: int) -> None:
         """Allow up to ``nbytes`` (the largest asked for wins) of the memory

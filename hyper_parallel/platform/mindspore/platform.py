@@ -19,8 +19,8 @@
 - In-place arithmetic and views do not write through: the only writes used are a
   whole-tensor ``copy_`` and the collectives' own output buffers.
 - Tensor memory cannot be released while autograd holds it: ``can_release_storage`` is
-  False in its ``capabilities`` and the core keeps full parameters alive between forward and backward
-  (docs/platforms.md, "Memory").
+  False in its ``capabilities``, it does not implement ``StorageRelease``, and the core
+  keeps full parameters alive between forward and backward (docs/platforms.md, "Memory").
 - No ``autograd.Function``: ``differentiable_call`` is a Cell with a custom ``bprop``.
 """
 
@@ -369,7 +369,7 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         return tensor + 0  # Tensor.clone has no CPU kernel
 
     def scale(self, tensor, factor, may_overwrite=False):
-        return tensor * factor  # in-place arithmetic does not write through (platform-facts)
+        return tensor * factor  # in-place arithmetic does not write through (docs/platforms.md)
 
     def vector_norm(self, tensor, norm_type):
         values = tensor.astype(ms.float32)  # mint.linalg.vector_norm has no CPU kernel
@@ -392,16 +392,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         pieces = [self.narrow(dst, dim, 0, start), src,
                   self.narrow(dst, dim, start + length, size - start - length)]
         dst.copy_(ops.cat([t for t in pieces if t.shape[dim] > 0], dim) + 0)
-
-    def release_storage(self, tensor) -> None:
-        raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
-
-    def restore_storage(self, tensor) -> None:
-        raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
-
-    def all_gather_into_released(self, full, input, group, group_size, async_op=False, dim="",
-                                 start=0):
-        raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
 
     def no_grad(self):
         from mindspore.common.api import _no_grad
@@ -474,7 +464,7 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         return False
 
     def starts_with(self, whole, part) -> bool:
-        return False  # a view never writes through to its base (platform-facts)
+        return False  # a view never writes through to its base (docs/platforms.md)
 
     def param_requires_grad(self, param) -> bool:
         # The Parameter.requires_grad getter waits for the whole async pipeline first; its

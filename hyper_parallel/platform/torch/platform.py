@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import Partial
 
 from hyper_parallel.platform.base import Handle, MeshDescription, Platform
 from hyper_parallel.platform.capabilities import Capabilities
+from hyper_parallel.platform.storage_release import StorageRelease
 from hyper_parallel.platform.torch import adam_state
 from hyper_parallel.platform.torch.state_io import TorchStateIO
 from hyper_parallel.platform.torch.eager_hooks import call_eagerly, eager
@@ -88,7 +89,7 @@ def _uses_list_reduce_scatter(group, input_bytes: int) -> bool:
     return dist.get_backend(group) == "gloo" and input_bytes >= _GLOO_LIST_REDUCE_SCATTER_BYTES
 
 
-class TorchPlatform(TorchStateIO, Platform):
+class TorchPlatform(TorchStateIO, StorageRelease, Platform):
     name = "torch"
 
     def __init__(self) -> None:
