@@ -56,7 +56,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
     max_norm, norm_type = _checked_numbers(max_norm, norm_type)
     params = _as_list(platform, parameters, "parameters")
     if grads is None:
-        if platform.returns_grads_from_backward:
+        if platform.capabilities.returns_grads_from_backward:
             raise TypeError(f"on {platform.name} gradients are returned by value_and_grad, not "
                             f"attached to the parameters: pass them, "
                             f"`grads, norm = hp.clip_grad_norm_(params, max_norm, grads=grads)`")

@@ -268,7 +268,7 @@ def run_all(names: list) -> dict:
     kit = get_kit()
     references: dict = {}
     skipped = set() if kit.name == "torch" else TORCH_ONLY
-    if not hp.get_platform().can_release_storage:
+    if not hp.get_platform().capabilities.can_release_storage:
         skipped |= RELEASE_ONLY
     out = {name: run_pattern(name, references) for name in names if name not in skipped}
     out["registration"] = run_registration()

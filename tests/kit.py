@@ -188,6 +188,10 @@ class TorchKit:
     def to_numpy(self, t):
         return t.detach().float().numpy().copy()
 
+    def storage_bytes(self, t):
+        """Bytes ``t``'s storage holds now (0 once ``release_storage`` freed it)."""
+        return t.untyped_storage().size()
+
 
 class MindSporeKit:
     name = "mindspore"
@@ -343,3 +347,7 @@ class MindSporeKit:
 
     def to_numpy(self, t):
         return t.astype(self.ms.float32).asnumpy().copy()
+
+    def storage_bytes(self, t):
+        """Bytes ``t`` holds (MindSpore never releases a tensor's memory)."""
+        return t.numel() * t.itemsize

@@ -147,11 +147,11 @@ def run_reshard_to_pairs() -> dict:
         "param_diff": max(float(np.abs(full[k] - ref_full[k]).max()) for k in ref_full),
         "gathered": gathered, "units": len(states) + 1,
         "block_gathered_bytes": sum(state.group.gathered_bytes for state in states),
-        "can_release": platform.can_release_storage,
+        "can_release": platform.capabilities.can_release_storage,
         "post_forward_ranks": _group_ranks(platform, info.post_forward_group(2), 2)
-        if platform.can_release_storage else None,
+        if platform.capabilities.can_release_storage else None,
     }
-    if platform.can_release_storage:
+    if platform.capabilities.can_release_storage:
         # what each rank keeps after a forward, and so sends in the re-gather before backward
         model(kit.tensor(x[local]))
         kept = [state._full.memory.post_forward for state in states]

@@ -388,7 +388,8 @@ def run_reshard_after_forward(kit) -> dict:
     finally:
         group.mesh_info = real_info
     out["setter"] = setter
-    if platform.can_release_storage:  # 1 keeps block full parameters: no re-gather in backward
+    # 1 keeps block full parameters: no re-gather in backward
+    if platform.capabilities.can_release_storage:
         out["gathers"] = {}
         for value in (1, world):
             m = _build(kit)

@@ -120,13 +120,13 @@ def run_scenario(name: str, seed: int = 0) -> dict:
         "names_match": sorted(full) == sorted(ref_full),
         "last_step_comms": {op: e["calls"] for op, e in comms.summary().items()},
         "wire": {op: e["wire"] for op, e in comms.summary().items()},
-        "can_release": platform.can_release_storage,
+        "can_release": platform.capabilities.can_release_storage,
         "refill_copies": refill_copies[0],  # last step: rank pieces copied into fulls
         "backed_shards": _backed_shards(platform, model),
         "placeholders": placeholders[0],  # last step: gradients filled in after backward
         "managed_params": sum(len(s.group.params) for s in _states(platform, model)),
-        "reduces_in_backward": platform.returns_grads_from_backward
-                               and not platform.collectives_overlap_compute(),
+        "reduces_in_backward": platform.capabilities.returns_grads_from_backward
+                               and not platform.capabilities.collectives_overlap_compute,
     }
 
 
@@ -224,7 +224,7 @@ def run_memory() -> dict:
         platform.keep_released_memory = asked.append  # an instance attribute: undone below
 
         def record(module, args, kwargs, output):  # runs after every block's post-forward
-            held.append([sum(platform.storage_bytes(t) for t in b.__dict__["_hp_state"]._full.tensors)
+            held.append([sum(kit.storage_bytes(t) for t in b.__dict__["_hp_state"]._full.tensors)
                          for b in model.blocks])
 
         platform.register_forward_hooks(model, lambda m, a, k: None, record)
@@ -307,4 +307,4 @@ def run_prefetch_trace() -> dict:
         events.clear()
         kit.train_step(model, opt, x, y)
     logger.removeHandler(handler)
-    return {"events": list(events), "can_release": hp.get_platform().can_release_storage}
+    return {"events": list(events), "can_release": hp.get_platform().capabilities.can_release_storage}

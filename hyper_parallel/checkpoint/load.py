@@ -101,7 +101,8 @@ def _read_optimizer(platform: Platform, path: str, index: dict, reader: SliceRea
                 continue
             moments[moment] = _read_region(reader, path, moment_key(moment, h.name), entry, h)
         states.append((h, int(steps[h.name]), moments))
-    if not platform.adam_step_per_param and len({step for _, step, _ in states}) > 1:
+    if (not platform.capabilities.adam_step_per_param
+            and len({step for _, step, _ in states}) > 1):
         raise CheckpointError(
             f"{os.path.join(path, INDEX_FILE)} holds different optimizer steps per parameter "
             f"({sorted({step for _, step, _ in states})}); {platform.name}'s Adam keeps one "

@@ -234,7 +234,8 @@ def _make_post_forward_group(platform, value, mesh_info: MeshInfo) -> None:
     """Make the groups ``reshard_after_forward=value`` reshards to (a collective call, on
     every rank), where the platform can free full parameters after forward; elsewhere an
     int keeps them until backward, as True does there."""
-    if not isinstance(value, bool) and isinstance(value, int) and platform.can_release_storage:
+    if (not isinstance(value, bool) and isinstance(value, int)
+            and platform.capabilities.can_release_storage):
         mesh_info.post_forward_group(value)
 
 
@@ -338,7 +339,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
             or shard_threshold_bytes < 0:
         raise ValueError(f"shard_threshold_bytes must be an int >= 0, got {shard_threshold_bytes!r}")
     if own_collective_bytes == "auto":
-        own_collective_bytes = platform.default_own_collective_bytes()
+        own_collective_bytes = platform.capabilities.default_own_collective_bytes
     elif own_collective_bytes is not None and (
             isinstance(own_collective_bytes, bool) or not isinstance(own_collective_bytes, int)
             or own_collective_bytes < 0):

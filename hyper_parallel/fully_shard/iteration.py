@@ -18,7 +18,7 @@ drained, before the optimizer can see a gradient. ``HP_SYNC_COLLECTIVES=1`` in t
 environment (read when the root initializes) runs every gradient-reduction collective
 synchronously instead, for debugging (all-gathers issued early by a prefetch or
 ``unshard(async_op=True)`` stay async). Unset, it follows
-``Platform.collectives_overlap_compute``: MindSpore on CPU, whose collectives do not
+``Capabilities.collectives_overlap_compute``: MindSpore on CPU, whose collectives do not
 overlap compute, reduces synchronously; ``HP_SYNC_COLLECTIVES=0`` forces the pipeline there
 too.
 
@@ -57,7 +57,7 @@ def _sync_collectives(platform: Any) -> bool:
     platform's collectives cannot overlap compute anyway."""
     flag = os.environ.get("HP_SYNC_COLLECTIVES")
     if flag is None:
-        return not platform.collectives_overlap_compute()
+        return not platform.capabilities.collectives_overlap_compute
     return flag not in ("", "0")
 
 

@@ -124,8 +124,8 @@ def as_device_mesh(mesh: Any) -> DeviceMesh:
     if described is None:
         raise TypeError(f"mesh must be a hyper_parallel DeviceMesh (hp.init_device_mesh) or, on "
                         f"torch, a torch DeviceMesh; got {type(mesh).__name__}")
-    shape, names, groups, device_type, rank_grid = described
-    return DeviceMesh(device_type, shape, names, groups, mesh, ranks=_flat(rank_grid))
+    return DeviceMesh(described.device_type, described.shape, described.dim_names,
+                      described.groups, mesh, ranks=_flat(described.rank_grid))
 
 
 def _flat(nested) -> list:

@@ -80,7 +80,8 @@ class FSDPParam:
         self.padded_numel = self.chunk_rows * self.row_numel
         self.start = min(shard_rank * self.chunk_rows, self.rows)
         self.local_rows = min(self.chunk_rows, self.rows - self.start)
-        self.stored_rows = self.chunk_rows if platform.pads_local_shards else self.local_rows
+        pads = platform.capabilities.pads_local_shards
+        self.stored_rows = self.chunk_rows if pads else self.local_rows
         self._padding_zeros = {}  # (numel, dtype) -> zeros, see gradient_pieces
         with platform.no_grad():
             local, self.padded_shard = self._local_piece(orig_param)
@@ -94,7 +95,7 @@ class FSDPParam:
         """Whether the shard lives at the start of its padded piece, which the all-gather
         then reads as it is (as FSDP2 keeps its padded shard): dim-0 shards with missing
         rows, where the sharded parameter itself is not padded."""
-        return (not self.platform.pads_local_shards and self.shard_dim == 0
+        return (not self.platform.capabilities.pads_local_shards and self.shard_dim == 0
                 and 0 < self.local_rows < self.chunk_rows)
 
     def _local_piece(self, param: Any) -> tuple:

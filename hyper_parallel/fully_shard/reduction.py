@@ -6,9 +6,9 @@
    the shard group (async).
 2. ``finish_reduce_scatter`` + ``start_all_reduce`` (driven by the IterationContext when the
    next unit's post-backward runs, or at the end of backward): wait the reduce-scatter
-   (which applied ``post_scale`` to its result; a leg with no reduce-scatter is scaled
-   here), then either issue the bucket's all-reduce over the replicate
-   group (async) or defer the bucket (``set_requires_all_reduce(False)``).
+   and apply ``post_scale`` to every leg's result (here, and nowhere else), then either
+   issue the bucket's all-reduce over the replicate group (async) or defer the bucket
+   (``set_requires_all_reduce(False)``).
 3. Delivery, leg by leg, as soon as a leg's reduction is complete: ``deliver_completed``
    right after stage 2 (a leg with no all-reduce: plain FSDP), ``finish`` once the
    all-reduces were waited (the next advance, or the end of backward). Each gradient shard
@@ -65,12 +65,9 @@ class UnitReduction:
             if leg.sharded and group.mesh_info.shard_size > 1:
                 if plan.pre_scale != 1.0:
                     pieces = [[p.scale(part, plan.pre_scale) for part in parts] for parts in pieces]
-                # post_scale goes with the collective: a platform that copies the chunk
-                # out anyway scales in the same pass
                 handle = p.reduce_scatter_pieces(pieces, group.mesh_info.shard_group,
-                                                 async_op=async_op, dim="shard",
-                                                 scale=plan.post_scale)
-                flat = None  # handle.result (new memory, post-scaled), once waited
+                                                 async_op=async_op, dim="shard")
+                flat = None  # handle.result (new memory, the core's own), once waited
             else:
                 # no reduce-scatter: the bucket's buffer, the core's own (all-reduced in place)
                 flat, handle = p.cat([part for parts in pieces for part in parts], 0), None
@@ -83,10 +80,10 @@ class UnitReduction:
     def finish_reduce_scatter(self) -> None:
         p = self.group.platform
         for leg in self.legs:
-            if leg.handle is not None:  # reduce-scattered: post-scaled already
+            if leg.handle is not None:
                 leg.handle.wait()
                 leg.buffer, leg.handle = leg.handle.result, None
-            elif self.plan.post_scale != 1.0:
+            if self.plan.post_scale != 1.0:  # the one place a gradient is post-scaled
                 leg.buffer = p.scale(leg.buffer, self.plan.post_scale, may_overwrite=True)
 
     def start_all_reduce(self, requires_all_reduce: bool) -> None:

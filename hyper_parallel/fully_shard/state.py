@@ -231,7 +231,7 @@ class FSDPState:
         full = FullParams(memory)
         full.tensors = self.platform.differentiable_call(
             self.group.local_shards(), forward_fn, lambda grads: self._post_backward(full, grads),
-            grads_to_inputs=self.platform.returns_grads_from_backward)
+            grads_to_inputs=self.platform.capabilities.returns_grads_from_backward)
         return full
 
     def prefetch(self) -> None:
@@ -285,7 +285,7 @@ class FSDPState:
     def _release(self, full: FullParams, after_forward: bool = False) -> None:
         """Free ``full``'s memory where the platform can (autograd keeps the tensors); after
         forward with ``reshard_after_forward`` an int, keep its post-forward shards."""
-        if self.platform.can_release_storage and full.live:
+        if self.platform.capabilities.can_release_storage and full.live:
             size = self.reshard_after_forward
             if after_forward and not isinstance(size, bool) and isinstance(size, int):
                 full.memory.post_forward = PostForwardShards(self.group, full.tensors, size)
@@ -348,7 +348,8 @@ class FSDPState:
                                   reduce_in_fp16=dtype == p.dtype("float16"),
                                   force_sum=self.force_sum_reduction)
             sync = self.iteration.sync_collectives
-            returned = sync and p.returns_grads_from_backward and not self.to_main_grad
+            returned = (sync and p.capabilities.returns_grads_from_backward
+                        and not self.to_main_grad)
             placeholders = None if returned else [p.grad_placeholder(fp.sharded_param)
                                                   for fp in group.params]
             reduction = UnitReduction(self.name, group, full_grads, dtype, plan, placeholders,

@@ -12,7 +12,7 @@ import functools
 import importlib.util
 import os
 
-from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.base import Handle, MeshDescription, Platform
 
 BACKENDS = ("torch", "mindspore")
 _INSTALL_HINT = {
@@ -56,4 +56,5 @@ def get_platform() -> Platform:
     return _platform_for(resolve_backend_name())
 
 
-__all__ = ["BACKENDS", "Handle", "Platform", "get_platform", "resolve_backend_name"]
+__all__ = ["BACKENDS", "Handle", "MeshDescription", "Platform", "get_platform",
+           "resolve_backend_name"]

@@ -11,10 +11,10 @@ MindSpore on CPU silently ignores in-place arithmetic and its views do not write
 (docs/platforms.md). The core therefore only uses functional tensor operations that return
 new tensors (``cat``, ``reshape``, ``narrow``, ``cast``, ``scale``, ``add``) plus three
 explicit writes: ``copy_into`` / ``copy_into_slice`` (a tensor into another, or into a slice
-of another),
-``release_storage``/``restore_storage`` (free and re-allocate a tensor's memory while
-autograd keeps a reference) and the collectives' output buffers. Reading a narrowed or
-reshaped tensor is always allowed; writing through one never is.
+of another), ``release_storage``/``restore_storage`` (free and re-allocate a tensor's
+memory while autograd keeps a reference; the optional ``StorageRelease`` part,
+storage_release.py) and the collectives' output buffers. Reading a narrowed or reshaped
+tensor is always allowed; writing through one never is.
 
 [Note: composed collectives]
 Where a device lacks a collective, the platform composes it from what exists and records
@@ -27,9 +27,11 @@ tensor as a module attribute) is implemented here once.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from hyper_parallel.comm_stats import CommStats
+from hyper_parallel.platform.capabilities import Capabilities
 
 
 class Handle:
@@ -54,28 +56,30 @@ class Handle:
             on_done()  # dropped first: a closure that refers to this handle is then no cycle
 
 
+@dataclass(frozen=True)
+class MeshDescription:
+    """A framework's own mesh object as the core needs it (``mesh_from_native``)."""
+
+    shape: tuple            # ranks along each dim
+    dim_names: tuple        # one name per dim
+    groups: list            # this rank's process group along each dim
+    device_type: str
+    rank_grid: list         # the global ranks, nested one list level per dim
+
+
 class Platform(abc.ABC):
     """One framework on one kind of device. Obtain it with ``get_platform()``."""
 
     #: "torch" or "mindspore"
     name: str = ""
-    #: True where ``release_storage`` really frees memory that autograd still references.
-    can_release_storage: bool = False
-    #: True where a sharded parameter must keep its padding rows (never be empty).
-    pads_local_shards: bool = False
-    #: True where ``attach_tensor`` registers the full tensor as the module's parameter
-    #: (``parameters()`` yields it while the unit is unsharded, as FSDP2's do on torch).
-    registers_full_tensors: bool = False
 
     def __init__(self) -> None:
         self.comm_stats = CommStats()
 
-    def default_own_collective_bytes(self) -> int | None:
-        """Default of ``fully_shard(own_collective_bytes=...)``: from which size a sharded
-        parameter is worth its own all-gather and reduce-scatter instead of sharing the
-        unit's fused one (None: always share). It weighs one more collective call against
-        the copies into and out of the fused buffer that it saves (param_group.py)."""
-        return None
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this platform can do (capabilities.py); the same record every time."""
 
     # ------------------------------------------------------------------ process groups
     @abc.abstractmethod
@@ -117,9 +121,8 @@ class Platform(abc.ABC):
         """
 
     @abc.abstractmethod
-    def mesh_from_native(self, native_mesh: Any) -> tuple | None:
-        """For a framework mesh object, ``(mesh_shape, dim_names, groups_per_dim, device_type,
-        rank_grid)``; None if ``native_mesh`` is not one."""
+    def mesh_from_native(self, native_mesh: Any) -> MeshDescription | None:
+        """A framework mesh object described; None if ``native_mesh`` is not one."""
 
     @abc.abstractmethod
     def new_group(self, ranks: Sequence[int]) -> Any:
@@ -166,68 +169,34 @@ class Platform(abc.ABC):
         return [self.narrow(whole, 0, r * numel, numel) for r in range(group_size)], whole, handle
 
     def reduce_scatter_new(self, input: Any, group: Any, group_size: int, async_op: bool = False,
-                           dim: str = "", may_overwrite_input: bool = False,
-                           scale: float = 1.0) -> Handle:
-        """``reduce_scatter`` into new memory: this rank's chunk, multiplied by ``scale``, is
-        ``handle.result`` once ``handle.wait()`` returned. ``may_overwrite_input``: the
-        caller never reads ``input`` again, so a platform that composes the reduce-scatter
-        may reduce it in place instead of copying it first. ``scale`` is the core's
-        post-scale: a platform that copies the chunk out anyway multiplies while it copies
-        (one pass over the chunk instead of two). The default allocates the output, calls
-        ``reduce_scatter`` and scales the output in place when it is done."""
+                           dim: str = "", may_overwrite_input: bool = False) -> Handle:
+        """``reduce_scatter`` into new memory: this rank's chunk is ``handle.result`` (memory
+        of the caller's own, which it may scale in place) once ``handle.wait()`` returned.
+        ``may_overwrite_input``: the caller never reads ``input`` again, so a platform that
+        composes the reduce-scatter may reduce it in place instead of copying it first. The
+        default allocates the output and calls ``reduce_scatter``."""
         output = self.empty((self.shape(input)[0] // group_size,), self.dtype_of(input))
         handle = self.reduce_scatter(output, input, group, async_op=async_op, dim=dim)
-        return self._scaled_result(handle, output, scale)
-
-    def _scaled_result(self, handle: Handle, output: Any, scale: float) -> Handle:
-        """``handle`` with ``result`` = ``output``, multiplied in place by ``scale`` (if not 1)
-        once the collective that writes it finished."""
-        if scale == 1.0:
-            handle.result = output
-            return handle
-
-        def apply_scale():
-            scaled.result = self.scale(output, scale, may_overwrite=True)
-
-        scaled = Handle(handle, on_done=apply_scale)
-        return scaled
+        handle.result = output
+        return handle
 
     def reduce_scatter_pieces(self, pieces: Sequence[Sequence[Any]], group: Any,
-                              async_op: bool = False, dim: str = "", scale: float = 1.0) -> Handle:
+                              async_op: bool = False, dim: str = "") -> Handle:
         """``reduce_scatter_new`` of an input given in parts, never concatenated by the
         caller: ``pieces[r]`` is the list of 1-D tensors whose concatenation rank r
-        receives the sum of (equal total lengths), multiplied by ``scale``. Views of a
+        receives the sum of (equal total lengths). Views of a
         gradient and zeros for its padding go in as they are; the platform concatenates
         only what its collective needs, at most once. The parts are left as they were. The
         default concatenates everything into one flat input (one copy, which a composed
         reduce-scatter then reduces in place)."""
         flat = self.cat([part for parts in pieces for part in parts], 0)
         return self.reduce_scatter_new(flat, group, len(pieces), async_op=async_op, dim=dim,
-                                       may_overwrite_input=True, scale=scale)
-
-    @abc.abstractmethod
-    def all_gather_into_released(self, full: Any, input: Any, group: Any, group_size: int,
-                                 async_op: bool = False, dim: str = "", start: int = 0) -> Handle:
-        """Gather every rank's 1-D ``input`` straight into the memory behind ``full``, a
-        tensor whose memory ``release_storage`` freed: that memory is restored to hold the
-        ``group_size * numel(input)`` gathered elements (rank-major) from ``start``
-        elements before ``full``'s first element on, so ``full`` reads the gathered
-        elements ``start`` to ``start + numel(full)``; the rest (other parameters of the
-        same gather, padding) lies in memory no tensor reads but the ones ``full`` was cut
-        from. Once ``handle.wait()`` returned, ``handle.result`` is the whole gathered
-        buffer (1-D, on that memory), for copying those other parts out. Like
-        ``copy_into``, autograd's bookkeeping of ``full`` is not disturbed. Re-gathering a
-        parameter before backward this way costs no copy out of a gather buffer. Only
-        called where ``can_release_storage``."""
+                                       may_overwrite_input=True)
 
     @abc.abstractmethod
     def all_reduce(self, tensor: Any, group: Any, op: str = "sum", async_op: bool = False,
                    dim: str = "") -> Handle:
         """Reduce ``tensor`` in place over ``group`` ("sum", "avg", "max", "min")."""
-
-    @abc.abstractmethod
-    def broadcast(self, tensor: Any, src: int, group: Any = None, dim: str = "") -> None:
-        """Overwrite ``tensor`` with the one of global rank ``src``."""
 
     @abc.abstractmethod
     def barrier(self, group: Any = None) -> None:
@@ -342,15 +311,6 @@ class Platform(abc.ABC):
         released full parameter straight from the all-gather output, one rank's rows at a
         time, costs one copy instead of two."""
 
-    @abc.abstractmethod
-    def release_storage(self, tensor: Any) -> None:
-        """Free the memory of ``tensor`` while keeping the object (autograd may hold it).
-        Only called where ``can_release_storage``."""
-
-    @abc.abstractmethod
-    def restore_storage(self, tensor: Any) -> None:
-        """Re-allocate the memory ``release_storage`` freed (contents undefined)."""
-
     def keep_released_memory(self, nbytes: int) -> None:
         """Allow up to ``nbytes`` (the largest asked for wins) of the memory
         ``release_storage`` frees to be kept for the next ``restore_storage`` or ``empty``
@@ -359,10 +319,6 @@ class Platform(abc.ABC):
         asks for what one step gathers again (iteration.py, ``keep_working_set``). The
         default keeps nothing: a caching allocator (CUDA) needs no help, and a platform
         that cannot release storage (MindSpore) has nothing to keep."""
-
-    @abc.abstractmethod
-    def storage_bytes(self, tensor: Any) -> int:
-        """Bytes the tensor's storage holds now (0 once released)."""
 
     @abc.abstractmethod
     def no_grad(self):
@@ -480,17 +436,7 @@ class Platform(abc.ABC):
     def param_grad(self, param: Any) -> Any:
         """The gradient accumulated on ``param`` (torch: ``.grad``), None if it has none;
         only asked where gradients accumulate on the parameters (not
-        ``returns_grads_from_backward``)."""
-
-    #: True where backward's return value is the gradient the user receives (MindSpore
-    #: ``value_and_grad``); False where gradients accumulate on the parameters (torch).
-    returns_grads_from_backward: bool = False
-
-    def collectives_overlap_compute(self) -> bool:
-        """Whether an async collective progresses while the host issues more work. Where it
-        does not, the core reduces each unit's gradients inside its own backward (no
-        pipeline to keep, iteration.py) unless ``HP_SYNC_COLLECTIVES=0`` asks otherwise."""
-        return True
+        ``capabilities.returns_grads_from_backward``)."""
 
     @abc.abstractmethod
     def grad_placeholder(self, param: Any) -> Any:
@@ -509,7 +455,7 @@ class Platform(abc.ABC):
 
     def attach_tensor(self, module: Any, attr_name: str, tensor: Any) -> None:
         """Make ``module.<attr_name>`` read ``tensor``, the full parameter, after
-        ``register_param`` registered the sharded one there; ``registers_full_tensors``
+        ``register_param`` registered the sharded one there; ``capabilities.registers_full_tensors``
         says whether the full tensor is also what the module's parameters yield.
 
         By default an instance attribute shadows the registered parameter in both
@@ -559,14 +505,6 @@ class Platform(abc.ABC):
     def queue_backward_final_callback(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` once after the current backward pass; only valid during backward."""
 
-    @abc.abstractmethod
-    def synchronize(self) -> None:
-        """Wait for the device's queued work (a no-op on CPU)."""
-
-    @abc.abstractmethod
-    def memory_allocated(self) -> int | None:
-        """Bytes currently allocated on the device, or None when unknown."""
-
     # ------------------------------------------------------------------ state dicts
     #: the file extension ``save_tensors`` writes (the framework's own checkpoint format)
     checkpoint_extension: str = "ckpt"
@@ -606,6 +544,3 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def set_adam_state(self, optimizer: Any, param: Any, step: int, moments: dict) -> None:
         """Replace ``param``'s state with ``step`` and ``moments`` (as ``adam_state`` gives)."""
-
-    #: whether Adam keeps a step per parameter (torch) or one for all (MindSpore)
-    adam_step_per_param = True

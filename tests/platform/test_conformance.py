@@ -1,4 +1,5 @@
-"""Platform conformance suite: every platform passes the same checks (tests/platform/conformance.py).
+"""Platform conformance suite: every platform passes the same checks (tests/platform/checks_*.py,
+one file per group of the contract; the harness is tests/platform/conformance.py).
 
 Design note
 -----------
@@ -21,12 +22,14 @@ and, if it composes collectives, its entry in ``conformance.COMPOSED_WIRE``.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 
 import pytest
 
 from hyper_parallel.platform.base import Platform
+from hyper_parallel.platform.storage_release import StorageRelease
 from tests.multirank import run_ranks
 from tests.platform import conformance as C
 
@@ -109,10 +112,14 @@ def test_collective(backend, world_size, check):
 @pytest.mark.timeout(30)
 def test_every_platform_method_is_checked():
     """A new Platform method needs a conformance check: each public method must be called
-    somewhere in conformance.py (init/destroy_process_group: by the harness of every launch)."""
-    source = inspect.getsource(C)
+    somewhere in the harness or the checks (init/destroy_process_group: by the harness of
+    every launch)."""
+    source = inspect.getsource(C) + "".join(
+        inspect.getsource(importlib.import_module(f"tests.platform.{name}"))
+        for name in C.CHECK_MODULES)
     by_harness = {"init_process_group", "destroy_process_group"}
-    methods = {name for name, _ in inspect.getmembers(Platform, inspect.isfunction)
+    methods = {name for cls in (Platform, StorageRelease)
+               for name, _ in inspect.getmembers(cls, inspect.isfunction)
                if not name.startswith("_")}
     missing = sorted(m for m in methods - by_harness if f".{m}(" not in source)
     assert not missing, f"Platform methods without a conformance check: {missing}"

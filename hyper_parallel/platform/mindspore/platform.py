@@ -19,14 +19,15 @@
 - In-place arithmetic and views do not write through: the only writes used are a
   whole-tensor ``copy_`` and the collectives' own output buffers.
 - Tensor memory cannot be released while autograd holds it: ``can_release_storage`` is
-  False and the core keeps full parameters alive between forward and backward
-  (docs/platforms.md, "Memory").
+  False in its ``capabilities``, it does not implement ``StorageRelease``, and the core
+  keeps full parameters alive between forward and backward (docs/platforms.md, "Memory").
 - No ``autograd.Function``: ``differentiable_call`` is a Cell with a custom ``bprop``.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import os
 import time
@@ -41,6 +42,7 @@ from mindspore.graph.api import _disable_saved_tensors_hooks
 from mindspore.mint import distributed as msdist
 
 from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.mindspore import adam_state
 from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
 from hyper_parallel.platform.mindspore.jit_guard import refuse_jitted_construct
@@ -85,15 +87,23 @@ class _CoreDefinedCell(nn.Cell):
 
 class MindSporePlatform(MindSporeStateIO, Platform):
     name = "mindspore"
-    can_release_storage = False
-    pads_local_shards = True  # its optimizers cannot create state for an empty parameter
-    returns_grads_from_backward = True  # value_and_grad returns what the bprops returned
 
     def __init__(self) -> None:
         _check_version()
         super().__init__()
         self._store = None
         self._world_gather = None  # ops.AllGather on the world group, made on first use
+
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:
+        # Memory autograd holds cannot be freed; its optimizers cannot make state for an
+        # empty parameter; value_and_grad returns what the bprops returned; one Adam step
+        # for every parameter. On CPU async_op changes nothing: sync and async collectives
+        # are queued alike on the kernel pipeline, so a reduction pipeline would only add
+        # the placeholder copies. On Ascend HCCL runs on its own stream.
+        return Capabilities(pads_local_shards=True, returns_grads_from_backward=True,
+                            collectives_overlap_compute=not self._on_cpu,
+                            adam_step_per_param=False)
 
     @property
     def _on_cpu(self) -> bool:
@@ -244,21 +254,21 @@ class MindSporePlatform(MindSporeStateIO, Platform):
                                                       "all_gather", nbytes, dim)
         return pieces, whole, Handle(native)
 
-    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim="", scale=1.0):
+    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim=""):
         if self._on_cpu and len(pieces) == 2:
-            return self._exchange_reduce_scatter(pieces, group, async_op, dim, scale)
-        return super().reduce_scatter_pieces(pieces, group, async_op, dim, scale)
+            return self._exchange_reduce_scatter(pieces, group, async_op, dim)
+        return super().reduce_scatter_pieces(pieces, group, async_op, dim)
 
     def reduce_scatter_new(self, input, group, group_size, async_op=False, dim="",
-                           may_overwrite_input=False, scale=1.0):
+                           may_overwrite_input=False):
         if not self._on_cpu:
             return super().reduce_scatter_new(input, group, group_size, async_op, dim,
-                                              may_overwrite_input, scale)
+                                              may_overwrite_input)
         total = input.shape[0]
         if group_size == 2:
             half = total // 2
             pieces = [[mint.narrow(input, 0, 0, half)], [mint.narrow(input, 0, half, half)]]
-            return self._exchange_reduce_scatter(pieces, group, async_op, dim, scale)
+            return self._exchange_reduce_scatter(pieces, group, async_op, dim)
         self._record("reduce_scatter", "all_reduce", total * _ITEM_SIZE[input.dtype], dim)
         if not may_overwrite_input:
             input = input + 0
@@ -267,16 +277,14 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         start = self.group_rank(group) * chunk
 
         def keep_own_chunk():
-            # its own memory, scaled in the same op (every op costs a launch on CPU)
-            own = mint.narrow(input, 0, start, chunk)
-            handle.result = own * scale if scale != 1.0 else own + 0
+            handle.result = mint.narrow(input, 0, start, chunk) + 0  # its own memory
 
         handle = Handle(native, on_done=keep_own_chunk)
         if not async_op:
             handle.wait()
         return handle
 
-    def _exchange_reduce_scatter(self, pieces, group, async_op, dim, scale):
+    def _exchange_reduce_scatter(self, pieces, group, async_op, dim):
         """The reduce-scatter of a two-rank group as one all-gather: each rank sends
         only the chunk its peer owns, so each sends half its input, as a native
         reduce-scatter does, where an all-reduce sends all of it. The received chunk plus
@@ -290,8 +298,7 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         own = pieces[me][0] if len(pieces[me]) == 1 else ops.cat(pieces[me], 0)
 
         def add_own_chunk():
-            total = own + received
-            handle.result = total * scale if scale != 1.0 else total
+            handle.result = own + received
 
         handle = Handle(native, on_done=add_own_chunk)
         if not async_op:
@@ -301,10 +308,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
     def all_reduce(self, tensor, group, op="sum", async_op=False, dim=""):
         self._record("all_reduce", "all_reduce", tensor.numel() * _ITEM_SIZE[tensor.dtype], dim)
         return Handle(msdist.all_reduce(tensor, op=op, group=group, async_op=async_op))
-
-    def broadcast(self, tensor, src, group=None, dim=""):
-        self._record("broadcast", "broadcast", tensor.numel() * _ITEM_SIZE[tensor.dtype], dim)
-        msdist.broadcast(tensor, src, group=group)
 
     def barrier(self, group=None) -> None:
         # msdist.barrier returns before the peers arrive on CPU; reading the result of an
@@ -366,7 +369,7 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         return tensor + 0  # Tensor.clone has no CPU kernel
 
     def scale(self, tensor, factor, may_overwrite=False):
-        return tensor * factor  # in-place arithmetic does not write through (platform-facts)
+        return tensor * factor  # in-place arithmetic does not write through (docs/platforms.md)
 
     def vector_norm(self, tensor, norm_type):
         values = tensor.astype(ms.float32)  # mint.linalg.vector_norm has no CPU kernel
@@ -389,19 +392,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         pieces = [self.narrow(dst, dim, 0, start), src,
                   self.narrow(dst, dim, start + length, size - start - length)]
         dst.copy_(ops.cat([t for t in pieces if t.shape[dim] > 0], dim) + 0)
-
-    def release_storage(self, tensor) -> None:
-        raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
-
-    def restore_storage(self, tensor) -> None:
-        raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
-
-    def all_gather_into_released(self, full, input, group, group_size, async_op=False, dim="",
-                                 start=0):
-        raise NotImplementedError("MindSpore cannot free memory that autograd still holds")
-
-    def storage_bytes(self, tensor) -> int:
-        return tensor.numel() * _ITEM_SIZE[tensor.dtype]
 
     def no_grad(self):
         from mindspore.common.api import _no_grad
@@ -474,19 +464,13 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         return False
 
     def starts_with(self, whole, part) -> bool:
-        return False  # a view never writes through to its base (platform-facts)
+        return False  # a view never writes through to its base (docs/platforms.md)
 
     def param_requires_grad(self, param) -> bool:
         # The Parameter.requires_grad getter waits for the whole async pipeline first; its
         # setter waits too, so _param_info is always current.
         info = getattr(param, "_param_info", None)
         return param.requires_grad if info is None else info.requires_grad
-
-    def collectives_overlap_compute(self) -> bool:
-        # On CPU async_op changes nothing: sync and async collectives are queued alike on
-        # the kernel pipeline (platform-facts), so a reduction pipeline would only add the
-        # placeholder copies. On Ascend HCCL runs on its own stream.
-        return not self._on_cpu
 
     def param_grad(self, param):
         raise NotImplementedError("MindSpore gradients are what value_and_grad returns; "
@@ -537,15 +521,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         from mindspore.common.api import _pynative_executor
 
         _pynative_executor.queue_backward_final_callback(fn)
-
-    def synchronize(self) -> None:
-        if not self._on_cpu:
-            ms.runtime.synchronize()
-
-    def memory_allocated(self):
-        return None if self._on_cpu else ms.runtime.memory_allocated()
-
-    adam_step_per_param = False  # one state_step for every parameter
 
     # the module's functions (the last line rebinds the name adam_state in this class)
     adam_params = staticmethod(adam_state.adam_params)

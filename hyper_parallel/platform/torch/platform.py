@@ -19,7 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial
 
-from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.base import Handle, MeshDescription, Platform
+from hyper_parallel.platform.capabilities import Capabilities
+from hyper_parallel.platform.storage_release import StorageRelease
 from hyper_parallel.platform.torch import adam_state
 from hyper_parallel.platform.torch.state_io import TorchStateIO
 from hyper_parallel.platform.torch.eager_hooks import call_eagerly, eager
@@ -87,10 +89,8 @@ def _uses_list_reduce_scatter(group, input_bytes: int) -> bool:
     return dist.get_backend(group) == "gloo" and input_bytes >= _GLOO_LIST_REDUCE_SCATTER_BYTES
 
 
-class TorchPlatform(TorchStateIO, Platform):
+class TorchPlatform(TorchStateIO, StorageRelease, Platform):
     name = "torch"
-    can_release_storage = True
-    registers_full_tensors = True
 
     def __init__(self) -> None:
         _check_version()
@@ -101,15 +101,19 @@ class TorchPlatform(TorchStateIO, Platform):
         self._released = ReleasedMemory() if self.device_type() == "cpu" and hasattr(
             torch.UntypedStorage, "_swap_data_ptr_") else None
         self._spmd_meshes = {}  # see _spmd_mesh
+        # own collectives: on CPU (gloo) a call costs tens of microseconds, copying 1 MiB in
+        # and out about as much (make bench); CUDA keeps FSDP2's fused layout
+        self._capabilities = Capabilities(
+            can_release_storage=True, registers_full_tensors=True,
+            default_own_collective_bytes=1 << 20 if self.device_type() == "cpu" else None)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
 
     def keep_released_memory(self, nbytes: int) -> None:
         if self._released is not None:
             self._released.raise_limit(nbytes)
-
-    def default_own_collective_bytes(self):
-        # CPU (gloo): a call costs tens of microseconds, copying 1 MiB in and out about as
-        # much (make bench). CUDA: FSDP2's fused layout, as nothing was measured there yet.
-        return 1 << 20 if self.device_type() == "cpu" else None
 
     # ------------------------------------------------------------------ process groups
     def is_initialized(self) -> bool:
@@ -140,15 +144,15 @@ class TorchPlatform(TorchStateIO, Platform):
 
     def new_mesh_groups(self, device_type, mesh_shape, dim_names):
         native = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(dim_names))
-        return self.mesh_from_native(native)[2], native
+        return self.mesh_from_native(native).groups, native
 
     def mesh_from_native(self, native_mesh):
         if not isinstance(native_mesh, TorchDeviceMesh):
             return None
         names = native_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(native_mesh.ndim))
         groups = [native_mesh.get_group(i) for i in range(native_mesh.ndim)]
-        return (tuple(native_mesh.mesh.shape), tuple(names), groups,
-                native_mesh.device_type, native_mesh.mesh.tolist())
+        return MeshDescription(tuple(native_mesh.mesh.shape), tuple(names), groups,
+                               native_mesh.device_type, native_mesh.mesh.tolist())
 
     def new_group(self, ranks):
         if len(ranks) == self.world_size():
@@ -180,14 +184,15 @@ class TorchPlatform(TorchStateIO, Platform):
                                     async_op=async_op)
         return Handle(work)
 
-    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim="", scale=1.0):
+    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim=""):
         nbytes = sum(part.numel() * part.element_size() for parts in pieces for part in parts)
         if not _uses_list_reduce_scatter(group, nbytes):
-            return super().reduce_scatter_pieces(pieces, group, async_op, dim, scale)
+            return super().reduce_scatter_pieces(pieces, group, async_op, dim)
         inputs = [parts[0] if len(parts) == 1 else torch.cat(list(parts)) for parts in pieces]
         output = torch.empty_like(inputs[0])
-        return self._scaled_result(self._reduce_scatter_list(output, inputs, group, async_op, dim),
-                                   output, scale)
+        handle = self._reduce_scatter_list(output, inputs, group, async_op, dim)
+        handle.result = output
+        return handle
 
     def _reduce_scatter_list(self, output, pieces, group, async_op, dim) -> Handle:
         self._record("reduce_scatter", "reduce_scatter",
@@ -213,10 +218,6 @@ class TorchPlatform(TorchStateIO, Platform):
         self._record("all_reduce", "all_reduce", tensor.numel() * tensor.element_size(), dim)
         work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
         return Handle(work)
-
-    def broadcast(self, tensor, src, group=None, dim=""):
-        self._record("broadcast", "broadcast", tensor.numel() * tensor.element_size(), dim)
-        dist.broadcast(tensor, src, group=group)
 
     def barrier(self, group=None) -> None:
         # A gloo worker thread releases a finished collective a moment after wait() returns
@@ -331,9 +332,6 @@ class TorchPlatform(TorchStateIO, Platform):
                 self._released is not None and self._released.fill(storage, needed)):
             storage.resize_(needed)
         return storage
-
-    def storage_bytes(self, tensor) -> int:
-        return tensor.untyped_storage().size()
 
     def no_grad(self):
         return torch.no_grad()
@@ -536,13 +534,6 @@ class TorchPlatform(TorchStateIO, Platform):
 
     def queue_backward_final_callback(self, fn) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: call_eagerly(fn))
-
-    def synchronize(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    def memory_allocated(self):
-        return torch.cuda.memory_allocated() if torch.cuda.is_available() else None
 
     # the module's functions (the last line rebinds the name adam_state in this class)
     adam_params = staticmethod(adam_state.adam_params)

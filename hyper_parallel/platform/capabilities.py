@@ -1,0 +1,42 @@
+"""What a platform can and cannot do, in one record the core reads instead of probing.
+
+[Note: capabilities instead of stubs]
+A method a platform cannot offer is not part of its required contract: the core asks
+``platform.capabilities`` first and only then calls the method (``release_storage`` only
+where ``can_release_storage``). Each field is fixed for the life of the process; a platform
+whose answer depends on the device computes the record on first use, after the process
+joined its group (MindSpore reads its device only then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """One platform's answers; every field is documented where the core reads it."""
+
+    #: ``release_storage`` really frees memory that autograd still references, and
+    #: ``restore_storage`` gives it back: full parameters are freed between forward and
+    #: backward and gathered again before backward.
+    can_release_storage: bool = False
+    #: a sharded parameter keeps its padding rows, so it is never empty (MindSpore's
+    #: optimizers cannot make state for an empty parameter).
+    pads_local_shards: bool = False
+    #: ``attach_tensor`` registers the full tensor as the module's parameter, so
+    #: ``parameters()`` yields it while the unit is unsharded (FSDP2's behaviour on torch).
+    registers_full_tensors: bool = False
+    #: backward's return value is the gradient the user receives (MindSpore
+    #: ``value_and_grad``); False where gradients accumulate on the parameters (torch).
+    returns_grads_from_backward: bool = False
+    #: an async collective progresses while the host issues more work. Where it does not,
+    #: the core reduces each unit's gradients inside its own backward (iteration.py).
+    collectives_overlap_compute: bool = True
+    #: default of ``fully_shard(own_collective_bytes=...)``: from which size a sharded
+    #: parameter gets its own all-gather and reduce-scatter instead of sharing the unit's
+    #: fused one (None: always share), weighing a collective call against the copies into
+    #: and out of the fused buffer it saves (param_group.py).
+    default_own_collective_bytes: int | None = None
+    #: the framework's Adam keeps a step per parameter (torch) or one for all (MindSpore).
+    adam_step_per_param: bool = True

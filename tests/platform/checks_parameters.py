@@ -1,0 +1,440 @@
+"""Conformance checks of the platform contract: modules, parameters, gradient delivery.
+
+The harness (context, registry, assertion helpers) is conformance.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.platform.conformance import (
+    Skip, _arange, _check, _f32, _model_values, _same, _storage_bytes, _values,
+    collective_check, local_check, model_reference)
+
+
+@local_check
+def check_named_modules(ctx):
+    p = ctx.p
+    model = ctx.side.model()
+    named = p.named_modules(model)
+    names = [n for n, _ in named]
+    _check(named and named[0][0] == "" and named[0][1] is model,
+           f"named_modules must start with ('', root); got {names}")
+    _check(sorted(names) == ["", "fc1", "inner", "inner.fc2"],
+           f"named_modules names {names}, expected '', 'fc1', 'inner', 'inner.fc2'")
+    by_name = dict(named)
+    _check(by_name["fc1"] is model.fc1 and by_name["inner.fc2"] is model.inner.fc2,
+           "named_modules returned other objects than the submodules")
+
+
+@local_check
+def check_direct_params(ctx):
+    p = ctx.p
+    model = ctx.side.model()
+    _check(p.direct_params(model) == [], f"root has no direct params, got {p.direct_params(model)}")
+    fc1 = dict(p.direct_params(model.fc1))
+    _check(sorted(fc1) == ["bias", "weight"], f"direct_params(fc1) names {sorted(fc1)}")
+    _check(fc1["weight"] is model.fc1.weight and fc1["bias"] is model.fc1.bias,
+           "direct_params(fc1) did not return the registered parameter objects")
+    _same(_values(ctx, fc1["weight"]), _model_values()["fc1.weight"], "fc1.weight values")
+    _check(p.is_tensor(fc1["weight"]), "a direct param is not a tensor")
+
+
+@local_check
+def check_param_requires_grad(ctx):
+    p = ctx.p
+    model = ctx.side.model()
+    _check(p.param_requires_grad(model.fc1.weight) is True, "param_requires_grad of a fresh param")
+    ctx.side.set_requires_grad(model.fc1.bias, False)
+    _check(p.param_requires_grad(model.fc1.bias) is False, "param_requires_grad of a frozen param")
+    frozen = ctx.side.new_param(_arange(2), "conf_frozen", requires_grad=False)
+    _check(p.param_requires_grad(frozen) is False, "param_requires_grad(requires_grad=False)")
+
+
+@local_check
+def check_register_param(ctx):
+    p = ctx.p
+    model = ctx.side.model()
+    x = _arange(2, 4) * 0.1
+    new_weight = np.full((3, 4), 0.5, np.float32)
+    replacement = ctx.side.new_param(new_weight, "fc1.weight")
+    p.register_param(model.fc1, "weight", replacement)
+    params = dict(p.direct_params(model.fc1))
+    _check(params["weight"] is replacement, "direct_params does not return the registered param")
+    _check(sorted(params) == ["bias", "weight"], f"names after register_param: {sorted(params)}")
+    _check(model.fc1.weight is replacement, "module.weight does not read the registered param")
+    values = dict(_model_values(), **{"fc1.weight": new_weight})
+    _same(_values(ctx, model(_f32(ctx, x))), model_reference(x, values),
+          "forward after register_param", tol=1e-5)
+    extra = ctx.side.new_param(_arange(3), "fc1.extra")
+    p.register_param(model.fc1, "extra", extra)
+    params = dict(p.direct_params(model.fc1))
+    _check(params.get("extra") is extra, f"register_param did not add a new name: {sorted(params)}")
+
+
+@local_check
+def check_attach_detach_tensor(ctx):
+    p = ctx.p
+    model = ctx.side.model()
+    param = model.fc1.weight
+    x = _arange(2, 4) * 0.1
+    full_np = np.full((3, 4), -0.25, np.float32)
+    full = p.from_numpy(full_np)
+    p.register_param(model.fc1, "weight", param)  # as fully_shard registers the sharded one
+    p.attach_tensor(model.fc1, "weight", full)
+    _check(model.fc1.weight is full, "after attach_tensor, module.weight is not the tensor")
+    registered = dict(p.direct_params(model.fc1))["weight"]
+    expected = full if p.capabilities.registers_full_tensors else param
+    _check(registered is expected, f"after attach_tensor, direct_params returns {registered!r}; "
+           f"registers_full_tensors={p.capabilities.registers_full_tensors}")
+    values = dict(_model_values(), **{"fc1.weight": full_np})
+    _same(_values(ctx, model(_f32(ctx, x))), model_reference(x, values),
+          "forward with the attached tensor", tol=1e-5)
+    p.detach_tensor(model.fc1, "weight")
+    _check(model.fc1.weight is param, "after detach_tensor, module.weight is not the param")
+    _check(dict(p.direct_params(model.fc1))["weight"] is param,
+           "after detach_tensor, direct_params does not return the registered param")
+    _same(_values(ctx, model(_f32(ctx, x))), model_reference(x), "forward after detach", tol=1e-5)
+    p.detach_tensor(model.fc1, "weight")  # detaching twice is harmless
+    _check(model.fc1.weight is param, "a second detach_tensor lost the param")
+
+
+@local_check
+def check_forward_hooks(ctx):
+    p = ctx.p
+    model = ctx.side.model()
+    x = _arange(2, 4) * 0.1
+    seen = []
+
+    def pre(module, args, kwargs):
+        seen.append(("pre", module, tuple(_values(ctx, a) for a in args), dict(kwargs)))
+        return (p.scale(args[0], 2.0), *args[1:]), kwargs
+
+    def post(module, args, kwargs, output):
+        seen.append(("post", module, tuple(_values(ctx, a) for a in args), _values(ctx, output)))
+        return p.scale(output, 3.0)
+
+    handles = p.register_forward_hooks(model, pre, post)
+    _check(isinstance(handles, list), f"register_forward_hooks returned {type(handles).__name__}")
+    out = _values(ctx, model(_f32(ctx, x)))
+    _check([s[0] for s in seen] == ["pre", "post"], f"hook calls {[s[0] for s in seen]}")
+    _check(seen[0][1] is model and seen[1][1] is model, "hooks did not receive the module")
+    _check(len(seen[0][2]) == 1, f"pre-hook saw {len(seen[0][2])} args, expected 1")
+    _same(seen[0][2][0], x, "pre-hook args", tol=1e-6)
+    _check(seen[0][3] == {}, f"pre-hook kwargs {seen[0][3]}")
+    _same(seen[1][3], model_reference(2 * x), "post-hook output (forward of the replaced args)",
+          tol=1e-5)
+    _same(out, 3 * model_reference(2 * x), "output replaced by the post-hook", tol=1e-5)
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    _same(_values(ctx, model(_f32(ctx, x))), model_reference(x), "forward after remove()",
+          tol=1e-5)
+    _check(seen == [], f"hooks still ran after remove(): {[s[0] for s in seen]}")
+
+    def pre_none(module, args, kwargs):
+        seen.append(("pre", module))
+
+    def post_none(module, args, kwargs, output):
+        seen.append(("post", module))
+    handles = p.register_forward_hooks(model.inner, pre_none, post_none)
+    _same(_values(ctx, model(_f32(ctx, x))), model_reference(x),
+          "hooks returning None must leave args and output unchanged", tol=1e-5)
+    _check([(s[0], s[1] is model.inner) for s in seen] == [("pre", True), ("post", True)],
+           f"hooks on a submodule: {[(s[0], type(s[1]).__name__) for s in seen]}")
+    for handle in handles:
+        handle.remove()
+
+
+@local_check
+def check_forward_hooks_under_autograd(ctx):
+    """A pre-hook's replaced args take part in the gradient (the core gathers in hooks)."""
+    p = ctx.p
+    model = ctx.side.model()
+    x = _arange(2, 4) * 0.1 - 0.3
+    weights = _arange(2, 2) + 1
+    calls = []
+
+    def pre(module, args, kwargs):
+        calls.append("pre")
+        return (p.scale(args[0], 2.0),), kwargs
+
+    def post(module, args, kwargs, output):
+        calls.append("post")
+    handles = p.register_forward_hooks(model, pre, post)
+    _, (hooked,), _ = ctx.side.backward(
+        lambda xs: ctx.side.weighted_sum(model(xs[0]), weights), [x])
+    for handle in handles:
+        handle.remove()
+    _, (plain,), _ = ctx.side.backward(
+        lambda xs: ctx.side.weighted_sum(model(p.scale(xs[0], 2.0)), weights), [x])
+    _check(calls == ["pre", "post"], f"hooks under autograd ran {calls}")
+    _same(hooked, plain, "gradient through the pre-hook's replaced input", tol=1e-5)
+
+
+@collective_check()
+def check_deferred_and_replaced_params(ctx):
+    """A deferred parameter's part is made without the whole (MindSpore: materialised by its
+    initializer); a replacement is told from the sharded parameter it replaces."""
+    p, w = ctx.p, ctx.world
+    deferred = ctx.side.deferred_param((3, 2 * w), "conf.deferred")
+    _check(p.is_deferred(deferred), "is_deferred(a parameter without values) is False")
+    _check(not p.is_deferred(p.from_numpy(_arange(2, 2))), "is_deferred(a tensor) is True")
+    part = p.deferred_part(deferred, 1, 2, 2)
+    _check(tuple(p.shape(part)) == (3, 2), f"deferred_part shape {p.shape(part)}, expected (3, 2)")
+    if not p.is_deferred(part):  # materialised: the One initializer's values
+        _same(p.to_numpy(part), np.ones((3, 2), np.float32), "deferred_part values")
+    module = next(m for _, m in p.named_modules(ctx.side.model()) if p.direct_params(m))
+    attr, param = p.direct_params(module)[0]
+    _check(p.registered_param(module, attr) is param, "registered_param is not the registered one")
+    _check(p.registered_param(module, "conf_missing") is None, "registered_param of no parameter")
+    full = _arange(2 * w, 3)
+    orig = ctx.side.new_param(full, "conf.replaced")
+    sharded = p.make_sharded_param(orig, p.from_numpy(full[:2]), ctx.mesh1.native, 0, 0,
+                                   (2 * w, 3))
+    _check(p.is_shard_like(sharded, sharded), "is_shard_like(a sharded parameter, itself) is False")
+    _check(not p.is_shard_like(orig, sharded), "is_shard_like(the full parameter, its shard) is True")
+    _check(p.replace_local(orig, p.from_numpy(full[:2])) is False,
+           "replace_local turned a plain full parameter into a shard")
+    if p.replace_local(sharded, p.from_numpy(full[2:4] if w > 1 else full[:2])):
+        _same(p.to_numpy(sharded), full[2:4] if w > 1 else full[:2], "replace_local values")
+
+
+@collective_check()
+def check_make_sharded_param(ctx):
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    mesh = ctx.mesh1
+    full = _arange(2 * w, 3)
+    for shard_dim, local_np in ((0, full[2 * r:2 * r + 2]),
+                                (1, full.T.copy()[:, 2 * r:2 * r + 2])):
+        full_shape = (2 * w, 3) if shard_dim == 0 else (3, 2 * w)
+        for requires_grad in (True, False):
+            orig = ctx.side.new_param(np.zeros(full_shape, np.float32), f"conf.sharded{shard_dim}",
+                                      requires_grad=requires_grad)
+            param = p.make_sharded_param(orig, p.from_numpy(local_np), mesh.native, 0,
+                                         shard_dim, full_shape)
+            _check(p.is_tensor(param), "make_sharded_param did not return a tensor")
+            _check(p.param_requires_grad(param) is requires_grad,
+                   f"sharded param requires_grad {p.param_requires_grad(param)}, "
+                   f"orig {requires_grad}")
+            local = p.local_tensor(param)
+            _check(p.shape(local) == local_np.shape,
+                   f"local_tensor shape {p.shape(local)}, expected {local_np.shape}")
+            _same(_values(ctx, local), local_np, f"local_tensor values (shard_dim {shard_dim})")
+            _same(p.to_numpy(param), local_np, f"to_numpy(sharded param) is the local shard "
+                  f"(shard_dim {shard_dim})")
+    big = p.from_numpy(_arange(4, 3))
+    owned = p.make_sharded_param(ctx.side.new_param(np.zeros((4, 3), np.float32), "conf.own"),
+                                 p.narrow(big, 0, 0, 2), mesh.native, 0, 0, (4, 3))
+    _check(_storage_bytes(p.local_tensor(owned)) == 2 * 3 * 4,
+           f"a shard made from a narrow keeps {_storage_bytes(p.local_tensor(owned))} bytes: it "
+           "must own only its 24 bytes, not the whole parameter's memory")
+    p.copy_into(big, p.from_numpy(np.zeros((4, 3), np.float32)))
+    _same(p.to_numpy(owned), _arange(4, 3)[:2], "a sharded param must not alias its source")
+    replicated = p.make_sharded_param(ctx.side.new_param(np.zeros((2, 3), np.float32), "conf.rep"),
+                                      p.from_numpy(_arange(2, 3)), mesh.native, 0, None, (2, 3))
+    _check(p.shape(p.local_tensor(replicated)) == (2, 3),
+           f"shard_dim=None: local_tensor shape {p.shape(p.local_tensor(replicated))}")
+    _same(p.to_numpy(replicated), _arange(2, 3), "shard_dim=None (replicated): to_numpy")
+    # backing: the shard (2 rows) at the start of a padded piece of 3 rows the caller owns
+    backing = p.cat([p.from_numpy(full[2 * r:2 * r + 2]), p.zeros((1, 3), p.dtype("float32"))], 0)
+    backed = p.make_sharded_param(ctx.side.new_param(np.zeros((2 * w, 3), np.float32), "conf.b"),
+                                  p.narrow(backing, 0, 0, 2), mesh.native, 0, 0, (2 * w, 3),
+                                  backing=backing)
+    local = p.local_tensor(backed)
+    _check(p.shape(local) == (2, 3), f"backed shard shape {p.shape(local)}")
+    _same(_values(ctx, local), full[2 * r:2 * r + 2], "backed shard values")
+    _check(p.starts_with(backing, local) is _views_write_through(ctx),
+           "make_sharded_param(backing=...) must keep the shard as a view of its backing "
+           "exactly where views write through")
+    if p.starts_with(backing, local):  # kept as a view: updates reach the padded piece
+        with p.no_grad():
+            p.copy_into(local, p.from_numpy(-full[2 * r:2 * r + 2]))
+        _same(_values(ctx, backing), np.concatenate([-full[2 * r:2 * r + 2], np.zeros((1, 3))]),
+              "an update of a backed shard must reach its backing, padding untouched")
+    param = p.make_sharded_param(ctx.side.new_param(np.zeros((2 * w, 3), np.float32), "conf.g"),
+                                 p.from_numpy(full[2 * r:2 * r + 2]), mesh.native, 0, 0,
+                                 (2 * w, 3))
+    weights = _arange(2, 3, start=r)
+    _, _, (grad,) = ctx.side.backward(
+        lambda _: ctx.side.weighted_sum(p.local_tensor(param), weights), [], [param])
+    _same(grad, weights, "gradient of the sharded param through local_tensor", tol=1e-6)
+
+
+@collective_check(min_world=4, even=True)
+def check_mesh2d_tensor_parallel_param(ctx):
+    """param_local_values, make_sharded_param and attach_tensor for a parameter that
+    tensor parallelism split over the "shard" dim of the 2-D mesh, sharded further over its
+    "replicate" dim (standing in for data parallel)."""
+    p = ctx.p
+    plain = ctx.side.new_param(_arange(3, 4), "conf.plain")
+    _check(p.param_local_values(plain) is plain,
+           "param_local_values of a parameter no parallelism split must be the parameter")
+    _check(p.full_over_tensor_parallel(plain, plain) is plain,
+           "full_over_tensor_parallel of a parameter no parallelism split must return it")
+    make = getattr(ctx.side, "tensor_parallel_param", None)
+    if make is None:
+        raise Skip(f"{p.name} has no tensor-parallel parameters")
+    mesh = ctx.mesh2.native
+    dp, tp = mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")
+    tp_size = mesh.size(1)
+    full = _arange(3, 2 * tp_size * 2)  # split on dim 1: tp_size parts, each over 2 dp ranks
+    param = make(full, mesh, "shard", 1)
+    local = p.param_local_values(param)
+    part = full[:, 4 * tp:4 * tp + 4]
+    _check(p.shape(local) == (3, 4), f"param_local_values shape {p.shape(local)}, expected (3, 4)")
+    _same(_values(ctx, local), part, "param_local_values: this rank's tensor-parallel part")
+    sharded = p.make_sharded_param(param, p.narrow(local, 1, 2 * dp, 2), mesh["replicate"], 0, 1,
+                                   (3, 4))
+    _check(p.shape(sharded) == (3, 4 * tp_size), f"the sharded parameter's shape "
+           f"{p.shape(sharded)} must be the tensor-parallel parameter's, (3, {4 * tp_size})")
+    _same(_values(ctx, p.local_tensor(sharded)), part[:, 2 * dp:2 * dp + 2],
+          "local_tensor of a tensor-parallel sharded parameter")
+    _same(_values(ctx, p.full_over_tensor_parallel(sharded, p.from_numpy(part))), full,
+          "full_over_tensor_parallel: every rank's tensor-parallel part, whole")
+    model = ctx.side.model()
+    p.register_param(model.fc1, "weight", sharded)
+    p.attach_tensor(model.fc1, "weight", p.from_numpy(part))
+    attached = model.fc1.weight
+    _check(p.shape(attached) == (3, 4 * tp_size), f"attach_tensor of a tensor-parallel part "
+           f"must present the tensor-parallel parameter (shape (3, {4 * tp_size})), got "
+           f"{p.shape(attached)}")
+    _same(_values(ctx, attached), part, "attached tensor-parallel parameter's local values")
+    p.detach_tensor(model.fc1, "weight")
+    _check(model.fc1.weight is sharded, "after detach_tensor, module.weight is not the param")
+
+
+def _views_write_through(ctx) -> bool:
+    """Whether a write into a leading narrow of a tensor reaches the tensor (torch: yes;
+    MindSpore CPU: no, platform-facts: its copy into a narrow even fails)."""
+    p = ctx.p
+    whole = p.from_numpy(_arange(4, 3))
+    try:
+        p.copy_into(p.narrow(whole, 0, 0, 2), p.from_numpy(np.full((2, 3), -1.0, np.float32)))
+        return bool((_values(ctx, whole)[:2] == -1.0).all())
+    except RuntimeError:
+        return False
+
+
+@local_check
+def check_starts_with(ctx):
+    """True exactly for a leading view whose writes reach the whole; never for a copy or a
+    view that starts later."""
+    p = ctx.p
+    whole = p.from_numpy(_arange(4, 3))
+    prefix = p.narrow(whole, 0, 0, 2)
+    writes_through = _views_write_through(ctx)
+    _check(p.starts_with(whole, prefix) is writes_through,
+           f"starts_with(whole, leading narrow) = {p.starts_with(whole, prefix)} but writes to "
+           f"the narrow {'do' if writes_through else 'do not'} reach the whole")
+    _check(p.starts_with(whole, p.narrow(whole, 0, 1, 2)) is False,
+           "starts_with(whole, a narrow from row 1) must be False")
+    _check(p.starts_with(whole, p.clone(prefix)) is False, "starts_with(whole, a clone) must be False")
+
+
+def _sharded(ctx, name, requires_grad=True):
+    """A (2W, 3) parameter sharded on dim 0 over the 1-D mesh; this rank holds 2 rows."""
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    orig = ctx.side.new_param(np.zeros((2 * w, 3), np.float32), name, requires_grad=requires_grad)
+    return p.make_sharded_param(orig, p.from_numpy(_arange(2 * w, 3)[2 * r:2 * r + 2]),
+                                ctx.mesh1.native, 0, 0, (2 * w, 3))
+
+
+def _delivered(ctx, param, placeholder):
+    """The gradient the user sees after write_grad: the placeholder where the platform
+    returns one (MindSpore value_and_grad), else the parameter's accumulated ``.grad``."""
+    if placeholder is not None:
+        return _values(ctx, placeholder)
+    return None if param.grad is None else ctx.p.to_numpy(param.grad)
+
+
+@collective_check()
+def check_grad_placeholder_write_grad(ctx):
+    p = ctx.p
+    g1, g2 = _arange(2, 3, start=1), _arange(2, 3, start=-3) * 0.5
+    param = _sharded(ctx, "conf.wg")
+    placeholder = p.grad_placeholder(param)
+    _check((placeholder is not None) == p.capabilities.returns_grads_from_backward,
+           f"returns_grads_from_backward is {p.capabilities.returns_grads_from_backward}, "
+           f"but grad_placeholder "
+           f"gave {placeholder!r}: a platform whose backward returns the user's gradients "
+           f"needs a tensor placeholder, one that accumulates them on the parameter None")
+    if placeholder is not None:
+        _check(p.shape(placeholder) == (2, 3) and p.dtype_of(placeholder) == p.dtype_of(param),
+               f"grad_placeholder: shape {p.shape(placeholder)} dtype {p.dtype_of(placeholder)}, "
+               "expected the local shard's")
+        _same(_values(ctx, placeholder), np.zeros((2, 3), np.float32), "grad_placeholder is zero")
+    p.write_grad(param, placeholder, p.from_numpy(g1), False)
+    _same(_delivered(ctx, param, placeholder), g1, "gradient after one write_grad")
+    if placeholder is None:
+        p.write_grad(param, placeholder, p.from_numpy(g2), False)
+        _same(_delivered(ctx, param, placeholder), g1 + g2, "a second write_grad accumulates "
+              "into .grad", tol=1e-6)
+        expected_grad = g1 + g2
+    else:
+        expected_grad = g1
+    main = _sharded(ctx, "conf.main")
+    main_placeholder = p.grad_placeholder(main)
+    low = p.cast(p.from_numpy(g1), p.dtype("float16"))
+    p.write_grad(main, main_placeholder, low, True)
+    p.write_grad(main, main_placeholder, p.cast(p.from_numpy(g2), p.dtype("float16")), True)
+    main_grad = getattr(main, "main_grad", None)
+    _check(main_grad is not None, "write_grad(to_main_grad=True) set no param.main_grad")
+    _check(p.to_numpy(main_grad).dtype == np.float32,
+           f"main_grad holds {p.to_numpy(main_grad).dtype}, expected float32")
+    _same(p.to_numpy(main_grad), g1 + g2, "main_grad accumulates both writes in float32",
+          tol=1e-6)
+    untouched = _delivered(ctx, main, main_placeholder)
+    _check(untouched is None or not np.any(untouched),
+           f"write_grad(to_main_grad=True) touched the gradient: {untouched}")
+    _same(_delivered(ctx, param, placeholder), expected_grad, "the first param is unaffected",
+          tol=1e-6)
+
+
+@collective_check()
+def check_write_grad_after_backward(ctx):
+    """The core's late fill: backward returns grad_placeholder(param) for the shard and a
+    final callback write_grad()s the reduced gradient; the user then sees that gradient."""
+    p = ctx.p
+    param = _sharded(ctx, "conf.late")
+    reduced = _arange(2, 3, start=10 * ctx.rank) * 0.25
+
+    def forward_fn(inputs):
+        return [p.scale(inputs[0], 2.0)]
+
+    def backward_fn(grads):
+        placeholder = p.grad_placeholder(param)
+        p.queue_backward_final_callback(
+            lambda: p.write_grad(param, placeholder, p.from_numpy(reduced), False))
+        return [placeholder]
+
+    def loss_fn(_):
+        out = p.differentiable_call([p.local_tensor(param)], forward_fn, backward_fn)[0]
+        return ctx.side.weighted_sum(out, np.ones((2, 3), np.float32))
+
+    _, _, (grad,) = ctx.side.backward(loss_fn, [], [param])
+    _same(grad, reduced, "gradient the framework reports after the late write_grad")
+
+
+@collective_check()
+def check_low_precision_collectives(ctx):
+    """Mixed precision gathers in float16/bfloat16 and may reduce in them."""
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    group = ctx.mesh1.get_group(0)
+    f32 = p.dtype("float32")
+    results = {}
+    for name in ("float16", "bfloat16"):
+        dtype = p.dtype(name)
+        out = p.zeros((2 * w,), dtype)
+        p.all_gather_into(out, p.cast(_f32(ctx, [r, 0.5 * r]), dtype), group)
+        chunk = p.zeros((2,), dtype)
+        p.reduce_scatter(chunk, p.cast(_f32(ctx, np.arange(2 * w) + r), dtype), group)
+        t = p.cast(_f32(ctx, [r, 1.0]), dtype)
+        p.all_reduce(t, group)
+        results[name] = [_values(ctx, p.cast(x, f32)) for x in (out, chunk, t)]
+    s = w * (w - 1) / 2
+    for name, (gathered, chunk, reduced) in results.items():
+        _same(gathered, np.array([v for k in range(w) for v in (k, 0.5 * k)], np.float32),
+              f"all_gather_into {name}")
+        _same(chunk, (np.arange(2 * w) * w + s)[2 * r:2 * r + 2].astype(np.float32),
+              f"reduce_scatter {name}")
+        _same(reduced, np.array([s, w], np.float32), f"all_reduce {name}")

@@ -1,0 +1,482 @@
+"""Conformance checks of the platform contract: tensors (creation, dtypes, functional ops).
+
+The harness (context, registry, assertion helpers) is conformance.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hyper_parallel.platform.storage_release import StorageRelease
+from tests.platform.conformance import (
+    DTYPE_SIZES, NUMPY_ROUND_TRIP, Skip, _arange, _check, _f32, _same, _values, local_check)
+
+
+@local_check
+def check_dtype_names(ctx):
+    p = ctx.p
+    dtypes = {}
+    for name, size in DTYPE_SIZES.items():
+        dtype = p.dtype(name)
+        dtypes[name] = dtype
+        _check(p.element_size(dtype) == size,
+               f"element_size(dtype({name!r})) = {p.element_size(dtype)}, expected {size}")
+        _check(p.dtype_of(p.zeros((2,), dtype)) == dtype,
+               f"dtype_of(zeros(.., dtype({name!r}))) = {p.dtype_of(p.zeros((2,), dtype))}")
+    names = list(dtypes)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            _check(dtypes[a] != dtypes[b], f"dtype({a!r}) == dtype({b!r})")
+    for bad in ("float8_nonexistent", "Float32", ""):
+        try:
+            p.dtype(bad)
+        except ValueError as error:
+            _check(repr(bad) in str(error) or bad in str(error),
+                   f"ValueError for dtype({bad!r}) does not name it: {error}")
+        else:
+            raise AssertionError(f"dtype({bad!r}) did not raise ValueError")
+
+
+@local_check
+def check_shape_dtype_of_element_size(ctx):
+    p = ctx.p
+    for name in NUMPY_ROUND_TRIP:
+        array = np.zeros((2, 3, 4), dtype=name)
+        t = p.from_numpy(array)
+        shape = p.shape(t)
+        _check(shape == (2, 3, 4) and isinstance(shape, tuple)
+               and all(type(s) is int for s in shape),
+               f"shape of a {name} (2, 3, 4) tensor is {shape!r} (want a tuple of ints)")
+        _check(p.dtype_of(t) == p.dtype(name), f"dtype_of(from_numpy({name})) = {p.dtype_of(t)}")
+        _check(p.element_size(p.dtype_of(t)) == array.itemsize,
+               f"element_size of {name} = {p.element_size(p.dtype_of(t))}")
+    _check(p.shape(p.zeros([3, 1, 2], p.dtype("float32"))) == (3, 1, 2),
+           "zeros with a list shape has the wrong shape")
+    _check(p.shape(p.from_numpy(np.zeros((0, 5), np.float32))) == (0, 5), "empty tensor shape")
+
+
+@local_check
+def check_zeros(ctx):
+    p = ctx.p
+    for name in ("float32", "float16", "bfloat16", "int64"):
+        t = p.zeros((3, 2), p.dtype(name))
+        _check(p.shape(t) == (3, 2), f"zeros({name}) shape {p.shape(t)}")
+        _check(p.dtype_of(t) == p.dtype(name), f"zeros({name}) dtype {p.dtype_of(t)}")
+        _same(_values(ctx, p.cast(t, p.dtype("float32"))), np.zeros((3, 2), np.float32),
+              f"zeros({name}) values")
+    a, b = p.zeros((4,), p.dtype("float32")), p.zeros((4,), p.dtype("float32"))
+    p.copy_into(a, _f32(ctx, [1, 2, 3, 4]))
+    _same(_values(ctx, b), np.zeros(4, np.float32), "two zeros() share memory: writing one "
+          "changed the other")
+
+
+@local_check
+def check_capabilities(ctx):
+    """One frozen record, the same every time; its flags are plain booleans (the core's
+    choice of delivery reads two of them, iteration.py; check_grad_placeholder_write_grad
+    matches returns_grads_from_backward against grad_placeholder)."""
+    import dataclasses
+
+    from hyper_parallel.platform.capabilities import Capabilities
+
+    caps = ctx.p.capabilities
+    _check(isinstance(caps, Capabilities), f"capabilities is {type(caps).__name__}, "
+           f"want a Capabilities")
+    _check(caps.can_release_storage == isinstance(ctx.p, StorageRelease),
+           f"can_release_storage is {caps.can_release_storage}, but the platform "
+           f"{'does not implement' if caps.can_release_storage else 'implements'} "
+           f"StorageRelease: the core calls release_storage exactly where it is True")
+    _check(ctx.p.capabilities == caps, "capabilities changed between two reads")
+    try:
+        setattr(caps, "can_release_storage", not caps.can_release_storage)
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("capabilities can be changed: want a frozen record")
+    for field in dataclasses.fields(caps):
+        value = getattr(caps, field.name)
+        if field.name == "default_own_collective_bytes":
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                     and value >= 0),
+                   f"default_own_collective_bytes = {value!r}: want None or an int >= 0")
+        else:
+            _check(isinstance(value, bool), f"capabilities.{field.name} = {value!r}: want a bool")
+
+
+@local_check
+def check_empty(ctx):
+    p = ctx.p
+    for name in ("float32", "bfloat16", "int64"):
+        t = p.empty((3, 2), p.dtype(name))
+        _check(p.shape(t) == (3, 2), f"empty({name}) shape {p.shape(t)}")
+        _check(p.dtype_of(t) == p.dtype(name), f"empty({name}) dtype {p.dtype_of(t)}")
+    a, b = p.empty((4,), p.dtype("float32")), p.empty((4,), p.dtype("float32"))
+    p.copy_into(a, _f32(ctx, [1, 2, 3, 4]))
+    p.copy_into(b, _f32(ctx, [5, 6, 7, 8]))
+    _same(_values(ctx, a), np.array([1, 2, 3, 4], np.float32),
+          "two empty() share memory: writing one changed the other")
+
+
+@local_check
+def check_from_numpy_to_numpy(ctx):
+    p = ctx.p
+    for name in NUMPY_ROUND_TRIP:
+        array = (np.arange(24).reshape(2, 3, 4) - 7).astype(name)
+        t = p.from_numpy(array)
+        back = p.to_numpy(t)
+        _check(isinstance(back, np.ndarray), f"to_numpy returned {type(back).__name__}")
+        _check(back.dtype == array.dtype, f"{name} round trip gave numpy dtype {back.dtype}")
+        _same(back, array, f"{name} round trip values")
+    source = _arange(5)
+    t = p.from_numpy(source)
+    source[:] = -1
+    _same(_values(ctx, t), _arange(5), "from_numpy must copy: changing the array changed the tensor")
+    out = p.to_numpy(t)
+    out[:] = -2
+    _same(_values(ctx, t), _arange(5), "to_numpy must copy: changing its result changed the tensor")
+    strided = _arange(3, 4).T  # a non-contiguous numpy array
+    _same(_values(ctx, p.from_numpy(strided)), strided, "from_numpy of a transposed array")
+    _same(_values(ctx, p.from_numpy(np.zeros((0, 3), np.float32))), np.zeros((0, 3), np.float32),
+          "from_numpy/to_numpy of an empty array")
+
+
+@local_check
+def check_optimizer_state(ctx):
+    p = ctx.p
+    params = [ctx.side.new_param(_arange(3, 2), "a"), ctx.side.new_param(_arange(4), "b")]
+    opt = ctx.side.optimizer("adamw", params)
+    undo = p.create_optimizer_state(opt)
+    state = p.optimizer_state(opt)
+    for param in params:
+        moments = [t for name, owner, t in state if name == "exp_avg" and owner is param]
+        _check(len(moments) == 1, f"optimizer_state lists {len(moments)} exp_avg of a parameter")
+        _same(p.to_numpy(moments[0]), np.zeros(p.shape(param), np.float32),
+              "a created exp_avg (zeros, shaped like its parameter)")
+    if undo is not None:  # the optimizer had no state: undoing leaves it with none again
+        undo()
+        _check(not [s for s in p.optimizer_state(opt) if s[1] is not None],
+               "create_optimizer_state's undo left per-parameter state behind")
+
+
+@local_check
+def check_refresh_converted_param(ctx):
+    p = ctx.p
+    param = ctx.side.new_param(_arange(3, 2), "w")
+    param.hp_conformance_tag = 7
+    p.refresh_converted_param(param)
+    _same(p.to_numpy(param), _arange(3, 2), "values after refresh_converted_param")
+    _check(getattr(param, "hp_conformance_tag", None) == 7,
+           "refresh_converted_param dropped an attribute of the parameter")
+    _check(p.param_requires_grad(param), "refresh_converted_param changed requires_grad")
+
+
+@local_check
+def check_save_tensors_load_tensors(ctx):
+    import os
+    import tempfile
+
+    p = ctx.p
+    saved = {"a.weight": p.from_numpy(_arange(3, 2)), "step": p.from_numpy(np.array(3, np.int32)),
+             "from_numpy": _arange(4)}
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, f"t.{p.checkpoint_extension}")
+        p.save_tensors(saved, path)
+        back = p.load_tensors(path)
+    _check(sorted(back) == sorted(saved), f"load_tensors keys {sorted(back)}")
+    for key, expected in (("a.weight", _arange(3, 2)), ("step", np.array(3, np.int32)),
+                          ("from_numpy", _arange(4))):
+        _same(p.to_numpy(back[key]), expected, f"save_tensors/load_tensors of {key}")
+
+
+def check_adam_state(ctx):
+    p = ctx.p
+    params = [ctx.side.new_param(_arange(3, 2), "a"), ctx.side.new_param(_arange(4), "b")]
+    opt = ctx.side.optimizer("adamw", params)
+    _check([id(x) for x in p.adam_params(opt)] == [id(x) for x in params], "adam_params order")
+    fresh = p.adam_state(opt, params[0])
+    _check(fresh is None or fresh[0] == 0, f"state before any step: {fresh}")
+    for param in params:
+        moments = {"exp_avg": p.from_numpy(_arange(*p.shape(param), start=1.0)),
+                   "exp_avg_sq": p.from_numpy(_arange(*p.shape(param), start=2.0))}
+        p.set_adam_state(opt, param, 3, moments)
+    for param in params:
+        step, moments = p.adam_state(opt, param)
+        _check(step == 3, f"step read back as {step}")
+        _same(_values(ctx, moments["exp_avg_sq"]), _arange(*p.shape(param), start=2.0),
+              "exp_avg_sq read back")
+    try:
+        p.adam_params(ctx.side.optimizer("sgd", params))
+    except TypeError:
+        return
+    raise AssertionError("adam_params accepted SGD")
+
+
+@local_check
+def check_is_tensor(ctx):
+    p = ctx.p
+    _check(p.is_tensor(p.zeros((2,), p.dtype("float32"))), "is_tensor(zeros) is False")
+    _check(p.is_tensor(p.from_numpy(_arange(2))), "is_tensor(from_numpy) is False")
+    _check(p.is_tensor(ctx.side.new_param(_arange(2), "conf_is_tensor")),
+           "is_tensor(Parameter) is False")
+    for obj in (np.zeros(2, np.float32), [1.0, 2.0], 1.0, None, "tensor"):
+        _check(not p.is_tensor(obj), f"is_tensor({type(obj).__name__}) is True")
+
+
+@local_check
+def check_cast(ctx):
+    p = ctx.p
+    f32 = p.dtype("float32")
+    values = np.array([0.5, -1.25, 3.0, 1024.0, -0.0625], np.float32)  # exact in f16 and bf16
+    t = p.from_numpy(values)
+    for name in ("float64", "float16", "bfloat16"):
+        out = p.cast(t, p.dtype(name))
+        _check(p.dtype_of(out) == p.dtype(name), f"cast to {name} gave {p.dtype_of(out)}")
+        _same(_values(ctx, p.cast(out, f32)), values, f"cast f32 -> {name} -> f32 values")
+    _check(p.cast(t, f32) is t, "cast to the tensor's own dtype must return the same tensor")
+    ints = p.cast(p.from_numpy(np.array([1, -2, 3], np.int64)), f32)
+    _same(_values(ctx, ints), np.array([1, -2, 3], np.float32), "cast int64 -> f32")
+    _same(_values(ctx, t), values, "cast changed its input")
+
+
+@local_check
+def check_reshape(ctx):
+    p = ctx.p
+    base = _arange(2, 3, 4)
+    t = p.from_numpy(base)
+    for shape in ((24,), (4, 6), [3, 8], (2, 12, 1)):
+        out = p.reshape(t, shape)
+        _check(p.shape(out) == tuple(shape), f"reshape to {shape}: shape {p.shape(out)}")
+        _same(_values(ctx, out), base.reshape(shape), f"reshape to {shape} values")
+    _same(_values(ctx, t), base, "reshape changed its input")
+
+
+@local_check
+def check_movedim(ctx):
+    p = ctx.p
+    base = _arange(2, 3, 4)
+    t = p.from_numpy(base)
+    for source, destination in ((0, 2), (2, 0), (1, 0), (0, 1), (1, 1)):
+        out = p.movedim(t, source, destination)
+        _same(_values(ctx, out), np.moveaxis(base, source, destination),
+              f"movedim({source}, {destination}) values")
+    flat = p.reshape(p.contiguous(p.movedim(t, 1, 0)), (24,))
+    _same(_values(ctx, flat), np.moveaxis(base, 1, 0).reshape(24), "movedim+contiguous+reshape")
+    flat = p.reshape(p.movedim(t, 1, 0), (24,))
+    _same(_values(ctx, flat), np.moveaxis(base, 1, 0).reshape(24),
+          "reshape of a movedim result (no contiguous in between)")
+
+
+@local_check
+def check_narrow(ctx):
+    p = ctx.p
+    base = _arange(5, 4)
+    t = p.from_numpy(base)
+    _same(_values(ctx, p.narrow(t, 0, 1, 3)), base[1:4], "narrow(dim 0, 1, 3)")
+    _same(_values(ctx, p.narrow(t, 0, 0, 2)), base[0:2], "narrow(dim 0, 0, 2)")
+    _same(_values(ctx, p.narrow(t, 1, 2, 2)), base[:, 2:4], "narrow(dim 1, 2, 2)")
+    _same(_values(ctx, p.narrow(p.narrow(t, 0, 1, 3), 1, 1, 2)), base[1:4, 1:3],
+          "narrow of a narrow")
+    flat = p.reshape(t, (20,))
+    _same(_values(ctx, p.narrow(flat, 0, 7, 6)), base.reshape(20)[7:13], "narrow of a reshape")
+    _same(_values(ctx, p.reshape(p.narrow(flat, 0, 8, 8), (2, 4))), base.reshape(20)[8:16]
+          .reshape(2, 4), "reshape of a narrow at an offset")
+    _same(_values(ctx, t), base, "narrow changed its input")
+
+
+@local_check
+def check_narrow_empty(ctx):
+    """Uneven sharding leaves some ranks an empty shard: narrow(.., start=rows, length=0)."""
+    p = ctx.p
+    base = _arange(3, 4)
+    t = p.from_numpy(base)
+    empty = p.narrow(t, 0, 3, 0)
+    _check(p.shape(empty) == (0, 4), f"narrow(dim 0, 3, 0) shape {p.shape(empty)}")
+    _same(_values(ctx, p.contiguous(empty)), np.zeros((0, 4), np.float32), "contiguous(empty)")
+    _same(_values(ctx, p.cat([empty, p.zeros((2, 4), p.dtype("float32"))], 0)),
+          np.zeros((2, 4), np.float32), "cat of an empty tensor and a (2, 4) one")
+    _check(p.shape(p.movedim(p.narrow(p.movedim(t, 1, 0), 0, 4, 0), 0, 1)) == (3, 0),
+           "narrow to 0 along a moved dim")
+
+
+@local_check
+def check_core_shard_pattern(ctx):
+    """The core's sharding read: narrow(movedim(t, d, 0), 0, start, rows) moved back, made
+    contiguous, flattened, padded with cat, and the full tensor rebuilt from that."""
+    p = ctx.p
+    base = _arange(5, 6, 3)
+    t = p.from_numpy(base)
+    for dim in (0, 1):
+        moved = np.moveaxis(base, dim, 0)
+        local = p.narrow(p.movedim(t, dim, 0), 0, 2, 2)
+        local = p.contiguous(p.movedim(local, 0, dim))
+        expected = np.moveaxis(moved[2:4], 0, dim)
+        _same(_values(ctx, local), expected, f"shard rows 2:4 along dim {dim}")
+        flat = p.reshape(p.movedim(local, dim, 0), (expected.size,))
+        padded = p.cat([flat, p.zeros((5,), p.dtype("float32"))], 0)
+        _same(_values(ctx, padded), np.concatenate([moved[2:4].reshape(-1), np.zeros(5)]),
+              f"flat padded shard along dim {dim}")
+
+
+@local_check
+def check_cat(ctx):
+    p = ctx.p
+    a, b, c = _arange(2, 3), _arange(1, 3, start=100), _arange(2, 2, start=50)
+    ta, tb, tc = p.from_numpy(a), p.from_numpy(b), p.from_numpy(c)
+    _same(_values(ctx, p.cat([ta, tb], 0)), np.concatenate([a, b], 0), "cat dim 0")
+    _same(_values(ctx, p.cat((ta, tc), 1)), np.concatenate([a, c], 1), "cat dim 1 (tuple)")
+    _same(_values(ctx, p.cat([ta, tb, ta])), np.concatenate([a, b, a], 0), "cat of three, default dim")
+    out = p.cat([ta, tb], 0)
+    p.copy_into(out, p.from_numpy(np.full((3, 3), -1, np.float32)))
+    _same(_values(ctx, ta), a, "writing the result of cat changed an input")
+    single = p.cat([ta], 0)
+    _check(p.is_tensor(single), "cat of a single-tensor list did not return a tensor")
+    _same(_values(ctx, single), a, "cat of one tensor")
+    p.copy_into(single, p.from_numpy(np.full((2, 3), -1, np.float32)))
+    _same(_values(ctx, single), np.full((2, 3), -1, np.float32), "copy_into the cat result")
+    _same(_values(ctx, ta), a, "cat([t]) must be a new tensor: writing it changed t")
+    _same(_values(ctx, p.cat([p.narrow(ta, 1, 1, 2), p.narrow(tc, 1, 0, 2)], 1)),
+          np.concatenate([a[:, 1:3], c[:, 0:2]], 1), "cat of narrowed inputs")
+
+
+@local_check
+def check_contiguous(ctx):
+    p = ctx.p
+    base = _arange(3, 4)
+    t = p.from_numpy(base)
+    strided = p.contiguous(p.movedim(t, 0, 1))
+    _same(_values(ctx, strided), base.T, "contiguous(movedim) values")
+    p.copy_into(strided, p.from_numpy(np.zeros((4, 3), np.float32)))
+    _same(_values(ctx, t), base, "contiguous of a strided read must own its memory: writing it "
+          "changed the base")
+    _same(_values(ctx, p.contiguous(p.narrow(t, 0, 1, 2))), base[1:3],
+          "contiguous(narrow along dim 0 at an offset) values")
+    part = p.contiguous(p.narrow(t, 1, 1, 2))  # a strided read
+    _same(_values(ctx, part), base[:, 1:3], "contiguous(narrow along dim 1) values")
+    p.copy_into(part, p.from_numpy(np.zeros((3, 2), np.float32)))
+    _same(_values(ctx, t), base, "contiguous(narrow along dim 1) must own its memory: writing "
+          "it changed the base")
+    _same(_values(ctx, p.contiguous(t)), base, "contiguous of a dense tensor")
+
+
+@local_check
+def check_clone(ctx):
+    p = ctx.p
+    base = _arange(3, 4)
+    t = p.from_numpy(base)
+    for how, source, expected in (("a dense tensor", t, base),
+                                  ("narrow at offset 0", p.narrow(t, 0, 0, 2), base[0:2]),
+                                  ("narrow at an offset", p.narrow(t, 0, 1, 2), base[1:3]),
+                                  ("movedim", p.movedim(t, 0, 1), base.T)):
+        copy = p.clone(source)
+        _check(p.dtype_of(copy) == p.dtype_of(source), f"clone of {how}: dtype {p.dtype_of(copy)}")
+        _same(_values(ctx, copy), expected, f"clone of {how}: values")
+        p.copy_into(copy, p.from_numpy(np.full(expected.shape, -1, np.float32)))
+        _same(_values(ctx, t), base, f"clone of {how} must own its memory: writing the clone "
+              "changed the original")
+    copy = p.clone(t)
+    p.copy_into(t, p.from_numpy(np.zeros((3, 4), np.float32)))
+    _same(_values(ctx, copy), base, "writing the original changed its clone")
+    half = p.cast(p.from_numpy(base), p.dtype("float16"))
+    _check(p.dtype_of(p.clone(half)) == p.dtype("float16"), "clone of float16 changed the dtype")
+
+
+@local_check
+def check_join_from_launcher_env(ctx):
+    """Outside the framework's own launcher (hp-run set RANK etc.) it must not join."""
+    p = ctx.p
+    world = p.world_size()
+    _check(p.join_from_launcher_env() is False, "join_from_launcher_env joined without its launcher")
+    _check(p.is_initialized() and p.world_size() == world, "join_from_launcher_env changed the group")
+
+
+@local_check
+def check_alias(ctx):
+    """alias: same values and memory under a new object, usable as a new node's output."""
+    p = ctx.p
+    base = _arange(3, 4)
+    t = p.from_numpy(base)
+    alias = p.alias(t)
+    _same(_values(ctx, alias), base, "alias: values")
+    _check(p.shape(alias) == (3, 4), f"alias: shape {p.shape(alias)}")
+    p.copy_into(t, p.from_numpy(np.zeros((3, 4), np.float32)))
+    _same(_values(ctx, alias), np.zeros((3, 4), np.float32), "alias must share the original's memory")
+
+
+@local_check
+def check_scale(ctx):
+    p = ctx.p
+    base = np.array([1.0, -2.0, 0.5, 4.0], np.float32)
+    for name in ("float32", "float16"):
+        t = p.cast(p.from_numpy(base), p.dtype(name))
+        for factor in (0.25, 3.0, 1.0):
+            out = p.scale(t, factor)
+            _check(p.dtype_of(out) == p.dtype(name), f"scale of {name} by {factor} gave "
+                   f"{p.dtype_of(out)}")
+            _same(_values(ctx, p.cast(out, p.dtype("float32"))), base * factor,
+                  f"scale({name}, {factor}) values")
+            p.copy_into(out, p.cast(p.from_numpy(np.zeros(4, np.float32)), p.dtype(name)))
+            _same(_values(ctx, p.cast(t, p.dtype("float32"))), base,
+                  f"scale({name}, {factor}) must return a new tensor: writing it changed the input")
+    view = p.narrow(p.from_numpy(_arange(8)), 0, 3, 4)
+    _same(_values(ctx, p.scale(view, 2.0)), _arange(8)[3:7] * 2, "scale of a narrow")
+    # may_overwrite: the value is the same whether or not the platform scales in place
+    for name in ("float32", "float16"):
+        own = p.cast(p.from_numpy(base), p.dtype(name))
+        out = p.scale(own, 0.5, may_overwrite=True)
+        _check(p.dtype_of(out) == p.dtype(name), f"scale(may_overwrite) of {name} gave "
+               f"{p.dtype_of(out)}")
+        _same(_values(ctx, p.cast(out, p.dtype("float32"))), base * 0.5,
+              f"scale({name}, 0.5, may_overwrite=True) values")
+
+
+@local_check
+def check_vector_norm(ctx):
+    p = ctx.p
+    base = np.array([[3.0, -4.0, 0.5], [0.0, 2.0, -1.5]], np.float32)
+    for name in ("float32", "float16", "bfloat16"):
+        t = p.cast(p.from_numpy(base), p.dtype(name))
+        for norm_type in (2.0, 1.0, 3.0, float("inf")):
+            out = p.vector_norm(t, norm_type)
+            _check(p.dtype_of(out) == p.dtype("float32") and p.shape(out) == (),
+                   f"vector_norm of {name} gave {p.dtype_of(out)} {p.shape(out)}: want a 0-d float32")
+            expected = np.linalg.norm(base.reshape(-1).astype(np.float64), norm_type)
+            _same(_values(ctx, out), np.float32(expected), f"vector_norm({name}, {norm_type})",
+                  tol=1e-6)
+    _same(_values(ctx, p.vector_norm(p.narrow(p.from_numpy(base), 1, 1, 1), 2.0)),
+          np.float32(np.sqrt(20.0)), "vector_norm of a narrow", tol=1e-6)
+
+
+@local_check
+def check_param_grad(ctx):
+    p = ctx.p
+    if p.capabilities.returns_grads_from_backward:
+        raise Skip("gradients are returned by backward, not attached to the parameters")
+    param = ctx.side.new_param(np.ones(3, np.float32), "w")
+    _check(p.param_grad(param) is None, "param_grad of a parameter without a gradient: want None")
+    weights = np.array([1.0, -2.0, 3.0], np.float32)
+    ctx.side.backward(lambda _: ctx.side.weighted_sum(param, weights), [], [param])
+    grad = p.param_grad(param)
+    _same(_values(ctx, grad), weights, "param_grad after backward")
+    p.copy_into(grad, p.scale(grad, 0.5))  # the clipping's in-place write reaches the gradient
+    _same(_values(ctx, p.param_grad(param)), weights * 0.5, "copy_into the gradient param_grad gave")
+
+
+@local_check
+def check_add(ctx):
+    p = ctx.p
+    a, b = _arange(2, 3), _arange(2, 3, start=10) * -1
+    ta, tb = p.from_numpy(a), p.from_numpy(b)
+    out = p.add(ta, tb)
+    _same(_values(ctx, out), a + b, "add values")
+    _same(_values(ctx, ta), a, "add changed a")
+    _same(_values(ctx, tb), b, "add changed b")
+    _check(p.dtype_of(out) == p.dtype("float32"), f"add of f32 gave {p.dtype_of(out)}")
+    p.copy_into(out, p.from_numpy(np.zeros((2, 3), np.float32)))
+    _same(_values(ctx, ta), a, "add's result aliases a")
+    _same(_values(ctx, tb), b, "add's result aliases b")
+    zero = p.zeros((2, 3), p.dtype("float32"))
+    out = p.add(zero, ta)
+    p.copy_into(out, p.from_numpy(np.ones((2, 3), np.float32)))
+    _same(_values(ctx, zero), np.zeros((2, 3)), "add(zeros, t) aliases its first input")
+    _same(_values(ctx, ta), a, "add(zeros, t) aliases its second input")
+    halves = p.add(p.narrow(ta, 1, 0, 1), p.narrow(tb, 1, 2, 1))
+    _same(_values(ctx, halves), a[:, 0:1] + b[:, 2:3], "add of narrowed inputs")
