@@ -29,6 +29,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable, Sequence
 
+from hyper_parallel import watchdog
 from hyper_parallel.comm_stats import CommStats
 
 
@@ -235,6 +236,9 @@ class Platform(abc.ABC):
 
     def _record(self, op: str, wire: str, nbytes: int, dim: str) -> None:
         self.comm_stats.record(op, wire, nbytes, dim)
+        watch = watchdog.active()
+        if watch is not None:
+            watch.issued(op, dim)
 
     # ------------------------------------------------------------------ tensors
     #: ``{name: framework dtype}`` for "float32", "float16", "bfloat16", "float64", "int64"...
