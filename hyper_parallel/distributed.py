@@ -5,23 +5,39 @@ MASTER_ADDR, MASTER_PORT. It is a no-op when the user already joined the framewo
 way (``torch.distributed.init_process_group`` under torchrun, ``mindspore.communication.init``
 under msrun); under msrun without that call it joins msrun's job the MindSpore way; and it
 joins a one-rank group when none of the variables is set (a single process).
+
+Whichever way the group was joined, a job of more than one rank gets a watchdog
+(hyper_parallel/watchdog.py): a collective blocked past ``timeout_s`` (default
+``DEFAULT_TIMEOUT_S``, or ``HP_TIMEOUT_S``) ends the process with an error naming it.
 """
 
 from __future__ import annotations
 
 import os
 
+from hyper_parallel import watchdog
 from hyper_parallel.platform import get_platform
 
 DEFAULT_TIMEOUT_S = 300.0
 
 
 def init_distributed(timeout_s: float | None = None) -> None:
-    """Join the default process group of the framework HP_BACKEND selects."""
+    """Join the default process group of the framework HP_BACKEND selects, and watch its
+    collectives: one blocked longer than ``timeout_s`` ends the process."""
+    timeout = timeout_s if timeout_s is not None else float(os.environ.get("HP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    if timeout <= 0:
+        raise ValueError(f"init_distributed: timeout_s must be positive, got {timeout:g}; "
+                         "pass the seconds a collective may block before the job is ended")
+    _join(timeout)
+    platform = get_platform()
+    if platform.world_size() > 1:
+        watchdog.start(timeout, platform.rank(), platform.world_size())
+
+
+def _join(timeout: float) -> None:
     platform = get_platform()
     if platform.is_initialized() or platform.join_from_launcher_env():
         return
-    timeout = timeout_s if timeout_s is not None else float(os.environ.get("HP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
         # A plain single process: a one-rank group, so meshes and DTensors work unchanged.
         from hyper_parallel.launch import find_free_port
@@ -47,4 +63,5 @@ def destroy_distributed() -> None:
     if not platform.is_initialized():
         return
     platform.barrier()
+    watchdog.stop()
     platform.destroy_process_group()

@@ -30,6 +30,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from hyper_parallel import watchdog
 from hyper_parallel.comm_stats import CommStats
 from hyper_parallel.platform.capabilities import Capabilities
 
@@ -204,6 +205,9 @@ class Platform(abc.ABC):
 
     def _record(self, op: str, wire: str, nbytes: int, dim: str) -> None:
         self.comm_stats.record(op, wire, nbytes, dim)
+        watch = watchdog.active()
+        if watch is not None:
+            watch.issued(op, dim)
 
     # ------------------------------------------------------------------ tensors
     #: ``{name: framework dtype}`` for "float32", "float16", "bfloat16", "float64", "int64"...
