@@ -305,7 +305,7 @@ def check_mesh2d_tensor_parallel_param(ctx):
 
 def _views_write_through(ctx) -> bool:
     """Whether a write into a leading narrow of a tensor reaches the tensor (torch: yes;
-    MindSpore CPU: no, platform-facts: its copy into a narrow even fails)."""
+    MindSpore CPU: no, docs/platforms.md: its copy into a narrow even fails)."""
     p = ctx.p
     whole = p.from_numpy(_arange(4, 3))
     try:
