@@ -11,7 +11,11 @@ watchdog does for CUDA:
 * The platform tells it each collective it issues (``issued``, called by
   ``Platform._record``, the one place every collective passes): one attribute store.
 * The thread samples the issuing thread's stack every ``poll_s``. Blocked means "inside
-  the platform's code" (a collective call or ``Handle.wait``); seen blocked at every sample
+  the platform's code", not only inside a collective call: MindSpore's pipeline makes a
+  rank wait for a collective's result at the next kernel that needs it (a cast, the
+  unshard cell), wherever in the platform that is. Checkpoint I/O (``state_io``) is the
+  one long platform call that waits for the disk, not for peers, and is never taken for
+  a hang. Seen blocked at every sample
   for longer than ``timeout_s`` with no new collective issued, the thread prints the error
   to stderr and ends the process with ``EXIT_CODE`` (a thread stuck in native code cannot
   be unwound by an exception from another thread). Short platform calls between samples
@@ -60,7 +64,7 @@ class Watchdog:
         while not self._stop.wait(self.poll_s):
             record = self._issued
             frames = list(_frames_of(sys._current_frames().get(record[2]))) if record else []
-            if not any(_in_platform(frame) for frame in frames):
+            if not _waits_on_peers(frames):
                 seen = None
             elif record is not seen:
                 seen, since = record, time.monotonic()
@@ -84,7 +88,7 @@ class Watchdog:
             frames.append(step.tb_frame)
             step = step.tb_next
         frames.reverse()  # innermost first
-        if record is not None and any(_in_platform(frame) for frame in frames):
+        if record is not None and _waits_on_peers(frames):
             sys.stderr.write(self._describe(record, frames, f"failed ({kind.__name__})") + "\n")
         self._previous_hook(kind, value, tb)
 
@@ -92,8 +96,12 @@ class Watchdog:
 _PLATFORM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "platform") + os.sep
 
 
-def _in_platform(frame) -> bool:
-    return frame.f_code.co_filename.startswith(_PLATFORM_DIR)
+def _waits_on_peers(frames) -> bool:
+    """Whether a stack is in the platform's code, other than its checkpoint I/O."""
+    files = [frame.f_code.co_filename for frame in frames]
+    return (any(name.startswith(_PLATFORM_DIR) for name in files)
+            and not any(name.startswith(_PLATFORM_DIR) and os.path.basename(name) == "state_io.py"
+                        for name in files))
 
 
 def _frames_of(frame):

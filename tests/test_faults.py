@@ -90,3 +90,35 @@ def test_hp_run_ends_the_job_on_a_stuck_rank(tmp_path, backend):
             os.kill(pid, 0)
     assert re.search(r"hyper_parallel: rank [01] of 2: \w+ of unit '[^']+' over ",
                      result.stderr), result.stderr[-3000:]
+
+
+_WATCHED_CALL = """
+import sys, time
+from hyper_parallel import watchdog
+watch = watchdog.start(timeout_s=0.5, rank=0, world_size=1)
+watch.issued("all_gather", "shard")
+code = compile("def {name}():\\n    time.sleep(3)\\n", watchdog._PLATFORM_DIR + "{file}", "exec")
+scope = {{"time": time}}
+exec(code, scope)
+scope["{name}"]()
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("file,name,blocked", [
+    ("platform.py", "all_gather_into", True),
+    ("platform.py", "differentiable_call", True),  # MindSpore waits at the unshard cell
+    ("state_io.py", "save_tensors", False),
+])
+def test_watchdog_fires_in_the_platform_but_not_in_checkpoint_io(file, name, blocked):
+    """A rank blocked anywhere in the platform's code past the timeout is ended; a long
+    checkpoint write or read (the platform's state I/O, which waits for the disk and not for
+    peers) is never taken for a hang."""
+    done = subprocess.run([sys.executable, "-c", _WATCHED_CALL.format(file=file, name=name)],
+                          env=_env("torch"), capture_output=True, text=True, timeout=60)
+    if blocked:
+        assert done.returncode == 75, done.stdout + done.stderr
+        assert "all_gather of unit '(outside any fully_shard unit)' over the 'shard' mesh " \
+               "dimension's group did not finish within 0.5 s" in done.stderr
+    else:
+        assert done.returncode == 0 and "survived" in done.stdout, done.stdout + done.stderr
