@@ -66,3 +66,35 @@ def hf_run(directory: str) -> dict:
     with torch.no_grad():
         logits = model(ids).logits.numpy()
     return {"logits": logits, "refused": refused, "wrote_nothing": wrote_nothing}
+
+
+def example_batch() -> np.ndarray:
+    return np.random.default_rng(5).integers(0, 256, size=(2, 16))
+
+
+def example_run(directory: str) -> np.ndarray:
+    """The example's Llama-style model (tiny size) sharded and exported with its config;
+    its logits on ``example_batch``."""
+    from examples.lm.config import hf_config
+
+    platform = hp.get_platform()
+    if platform.name == "torch":
+        import torch
+
+        from examples.lm.model_torch import build
+
+        model = build("tiny")
+        ids = torch.from_numpy(example_batch())
+    else:
+        import mindspore as ms
+
+        from examples.lm.model_mindspore import build
+
+        model = build("tiny", platform)
+        ids = ms.Tensor(example_batch().astype(np.int32))
+    for layer in model.model.layers:
+        hp.fully_shard(layer)
+    hp.fully_shard(model)
+    hp.export_full(directory, model, config=hf_config("tiny"))
+    with platform.no_grad():
+        return platform.to_numpy(model(ids))

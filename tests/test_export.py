@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.export_scenarios import SMALL_SHARD_BYTES, hf_batch
+from tests.export_scenarios import SMALL_SHARD_BYTES, example_batch, hf_batch
 from tests.multirank import run_ranks
 
 RTOL = 1e-5
+EXAMPLE_CROSS_RTOL = 1e-4
 
 
 def _read(directory: str) -> tuple:
@@ -66,3 +67,20 @@ def test_transformers_loads_the_export(tmp_path):
     with torch.no_grad():
         hf_logits = loaded(torch.from_numpy(hf_batch())).logits.numpy()
     np.testing.assert_allclose(hf_logits, result["logits"], rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_transformers_loads_the_example_model(backend, tmp_path):
+    """The example's model (examples/lm/), exported from 2 ranks on either framework, loads
+    as a ``LlamaForCausalLM`` whose logits match it: to 1e-5 relative on torch (same math,
+    same kernels), to EXAMPLE_CROSS_RTOL from MindSpore (fp32, other kernels)."""
+    transformers = pytest.importorskip("transformers", reason="the hf test extra is not installed")
+    import torch
+
+    logits = run_ranks("tests.export_scenarios:example_run", 2, backend, str(tmp_path),
+                       timeout_s=240)[0]
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path))
+    with torch.no_grad():
+        hf_logits = loaded(torch.from_numpy(example_batch())).logits.numpy()
+    rtol = RTOL if backend == "torch" else EXAMPLE_CROSS_RTOL
+    np.testing.assert_allclose(hf_logits, logits, rtol=rtol, atol=rtol * np.abs(logits).max())
