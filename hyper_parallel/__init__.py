@@ -8,6 +8,7 @@ from hyper_parallel.checkpoint import CheckpointError, load_checkpoint, save_che
 from hyper_parallel.clip_grad import clip_grad_norm_
 from hyper_parallel.comm_stats import CommStats, comm_stats, track_comms
 from hyper_parallel.distributed import destroy_distributed, init_distributed
+from hyper_parallel.export import export_full
 from hyper_parallel.fully_shard import (
     CPUOffloadPolicy, DataParallelMeshDims, DeviceMesh, FSDPModule, MixedPrecisionPolicy,
     OffloadPolicy, fully_shard, init_device_mesh, register_fsdp_forward_method,
@@ -22,7 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffloadPolicy", "CheckpointError", "CommStats", "DataParallelMeshDims", "DeviceMesh",
     "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "ShardedValue", "clip_grad_norm_",
-    "comm_stats", "destroy_distributed", "fully_shard", "gather_full_state_dict",
+    "comm_stats", "destroy_distributed", "export_full", "fully_shard", "gather_full_state_dict",
     "get_full_state_dict", "get_platform", "get_state_dict", "init_device_mesh",
     "init_distributed", "load_checkpoint", "load_sharded_checkpoint",
     "register_fsdp_forward_method", "save_checkpoint", "save_sharded_checkpoint",

@@ -1,0 +1,131 @@
+"""The Llama-style decoder of model_torch.py in MindSpore, with the same parameter names
+(Hugging Face ``LlamaForCausalLM``'s) and the same math, so checkpoints cross frameworks and
+``hp.export_full`` of it loads with ``from_pretrained``."""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from examples.lm.config import EPS, SIZES, VOCAB, initial, rope_tables
+
+
+class RMSNorm(nn.Cell):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+
+    def construct(self, x):
+        x32 = x.astype(ms.float32)
+        x32 = x32 * ops.rsqrt((x32 * x32).mean(-1, keep_dims=True) + EPS)
+        return self.weight * x32.astype(x.dtype)
+
+
+class Embedding(nn.Cell):
+    """``weight`` named as torch's (MindSpore's own nn.Embedding says ``embedding_table``)."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.zeros((vocab, dim), np.float32)), name="weight")
+
+    def construct(self, ids):
+        return ops.gather(self.weight, ids, 0)
+
+
+def _linear(d_in: int, d_out: int):
+    return nn.Dense(d_in, d_out, has_bias=False)
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + ops.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+class Attention(nn.Cell):
+    def __init__(self, hidden: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q_proj = _linear(hidden, heads * self.head_dim)
+        self.k_proj = _linear(hidden, kv_heads * self.head_dim)
+        self.v_proj = _linear(hidden, kv_heads * self.head_dim)
+        self.o_proj = _linear(heads * self.head_dim, hidden)
+
+    def construct(self, x, cos, sin, mask):
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.heads, self.head_dim).swapaxes(1, 2)
+        k = self.k_proj(x).reshape(b, t, self.kv_heads, self.head_dim).swapaxes(1, 2)
+        v = self.v_proj(x).reshape(b, t, self.kv_heads, self.head_dim).swapaxes(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        repeat = self.heads // self.kv_heads
+        k, v = ops.repeat_interleave(k, repeat, 1), ops.repeat_interleave(v, repeat, 1)
+        scores = ops.matmul(q, k.swapaxes(-1, -2)) / float(np.sqrt(self.head_dim))
+        weights = ops.softmax(scores.astype(ms.float32) + mask, -1).astype(q.dtype)
+        out = ops.matmul(weights, v).swapaxes(1, 2).reshape(b, t, -1)
+        return self.o_proj(out)
+
+
+class MLP(nn.Cell):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = _linear(hidden, intermediate)
+        self.up_proj = _linear(hidden, intermediate)
+        self.down_proj = _linear(intermediate, hidden)
+
+    def construct(self, x):
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Cell):
+    def __init__(self, s: dict):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s["hidden"])
+        self.self_attn = Attention(s["hidden"], s["heads"], s["kv_heads"])
+        self.post_attention_layernorm = RMSNorm(s["hidden"])
+        self.mlp = MLP(s["hidden"], s["intermediate"])
+
+    def construct(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Cell):
+    def __init__(self, s: dict):
+        super().__init__()
+        self.embed_tokens = Embedding(VOCAB, s["hidden"])
+        self.layers = nn.CellList([DecoderLayer(s) for _ in range(s["layers"])])
+        self.norm = RMSNorm(s["hidden"])
+        cos, sin = rope_tables(s["seq"], s["hidden"] // s["heads"])
+        self.cos, self.sin = Tensor(cos), Tensor(sin)  # constants, not parameters
+        causal = np.triu(np.full((s["seq"], s["seq"]), -1e9, np.float32), 1)
+        self.causal = Tensor(causal)
+
+    def construct(self, ids):
+        x = self.embed_tokens(ids)
+        t = ids.shape[1]
+        cos, sin = self.cos[:t].astype(x.dtype), self.sin[:t].astype(x.dtype)
+        mask = self.causal[:t, :t]
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+
+class LlamaLM(nn.Cell):
+    def __init__(self, size: str):
+        super().__init__()
+        s = SIZES[size]
+        self.model = Body(s)
+        self.lm_head = _linear(s["hidden"], VOCAB)
+
+    def construct(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+def build(size: str, platform) -> LlamaLM:
+    """``platform``: hyper_parallel's, whose module walk gives the qualified names."""
+    model = LlamaLM(size)
+    for module_name, sub in platform.named_modules(model):
+        for attr, p in platform.direct_params(sub):
+            name = f"{module_name}.{attr}" if module_name else attr
+            p.set_data(Tensor(initial(name, tuple(p.shape))))
+    return model

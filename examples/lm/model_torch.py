@@ -1,0 +1,110 @@
+"""A Llama-style decoder in torch, with Hugging Face ``LlamaForCausalLM``'s parameter names
+(so ``hp.export_full`` of it loads with ``from_pretrained``): RMSNorm, rotary embeddings,
+grouped-query attention, SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from examples.lm.config import EPS, SIZES, VOCAB, initial, rope_tables
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
+        return self.weight * x32.to(x.dtype)
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        repeat = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: dict):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s["hidden"])
+        self.self_attn = Attention(s["hidden"], s["heads"], s["kv_heads"])
+        self.post_attention_layernorm = RMSNorm(s["hidden"])
+        self.mlp = MLP(s["hidden"], s["intermediate"])
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, s: dict):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, s["hidden"])
+        self.layers = nn.ModuleList([DecoderLayer(s) for _ in range(s["layers"])])
+        self.norm = RMSNorm(s["hidden"])
+        cos, sin = rope_tables(s["seq"], s["hidden"] // s["heads"])
+        self.register_buffer("cos", torch.from_numpy(cos), persistent=False)
+        self.register_buffer("sin", torch.from_numpy(sin), persistent=False)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        t = ids.shape[1]
+        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class LlamaLM(nn.Module):
+    def __init__(self, size: str):
+        super().__init__()
+        s = SIZES[size]
+        self.model = Body(s)
+        self.lm_head = nn.Linear(s["hidden"], VOCAB, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+def build(size: str) -> LlamaLM:
+    model = LlamaLM(size)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(initial(name, tuple(p.shape))))
+    return model

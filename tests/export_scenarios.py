@@ -1,0 +1,100 @@
+"""Rank side of the export suite (tests/test_export.py).
+
+- ``export_run`` (either framework): the checkpoint suite's decoder sharded over every rank
+  and its single-process reference train the same steps; the sharded one is exported as one
+  file and as several; returns the reference's tensors.
+- ``hf_run`` (torch): a small ``transformers`` Llama with tied embeddings, sharded, trained
+  a step and exported with its config; returns its logits on a batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import hyper_parallel as hp
+from tests.checkpoint_scenarios import STEPS, _reference, _sharded, _side, _train
+
+SMALL_SHARD_BYTES = 4096  # splits the decoder over several files
+
+
+def export_run(directory: str) -> dict:
+    side = _side()
+    model, opt = _sharded(side, (hp.get_platform().world_size(),))
+    _train(side, model, opt, 0, STEPS)
+    hp.export_full(os.path.join(directory, "single"), model)
+    hp.export_full(os.path.join(directory, "sharded"), model, max_shard_bytes=SMALL_SHARD_BYTES)
+    reference = side.build()
+    _train(side, reference, side.optimizer(reference), 0, STEPS, sliced=False)
+    return hp.get_full_state_dict(reference, rank0_only=False)
+
+
+HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 61,
+             "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+             "max_position_embeddings": 64, "rope_theta": 10000.0, "tie_word_embeddings": True,
+             "torch_dtype": "float32"}
+
+
+def hf_batch() -> np.ndarray:
+    return np.random.default_rng(3).integers(0, HF_CONFIG["vocab_size"], size=(2, 12))
+
+
+def hf_run(directory: str) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**HF_CONFIG))
+    for layer in model.model.layers:
+        hp.fully_shard(layer)
+    hp.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ids = torch.from_numpy(hf_batch())
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    untied = {k: v for k, v in HF_CONFIG.items() if k != "tie_word_embeddings"}
+    try:
+        hp.export_full(directory, model, config=untied)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    wrote_nothing = not os.path.exists(directory)
+    hp.export_full(directory, model, config=HF_CONFIG)
+    with torch.no_grad():
+        logits = model(ids).logits.numpy()
+    return {"logits": logits, "refused": refused, "wrote_nothing": wrote_nothing}
+
+
+def example_batch() -> np.ndarray:
+    return np.random.default_rng(5).integers(0, 256, size=(2, 16))
+
+
+def example_run(directory: str) -> np.ndarray:
+    """The example's Llama-style model (tiny size) sharded and exported with its config;
+    its logits on ``example_batch``."""
+    from examples.lm.config import hf_config
+
+    platform = hp.get_platform()
+    if platform.name == "torch":
+        import torch
+
+        from examples.lm.model_torch import build
+
+        model = build("tiny")
+        ids = torch.from_numpy(example_batch())
+    else:
+        import mindspore as ms
+
+        from examples.lm.model_mindspore import build
+
+        model = build("tiny", platform)
+        ids = ms.Tensor(example_batch().astype(np.int32))
+    for layer in model.model.layers:
+        hp.fully_shard(layer)
+    hp.fully_shard(model)
+    hp.export_full(directory, model, config=hf_config("tiny"))
+    with platform.no_grad():
+        return platform.to_numpy(model(ids))

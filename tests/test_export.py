@@ -1,0 +1,86 @@
+"""Hugging Face-layout export (tests/export_scenarios.py): a model sharded over 2 ranks
+exports the tensors of its single-process reference after the same training steps (to
+1e-5 relative, the parity tolerance), as one file and as several with an index; on torch,
+``transformers`` loads the export of a tied-embedding Llama and its logits match the
+sharded model's (1e-5 relative: both are fp32 runs of the same math), and a config that
+would not tie the embeddings back is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.export_scenarios import SMALL_SHARD_BYTES, example_batch, hf_batch
+from tests.multirank import run_ranks
+
+RTOL = 1e-5
+EXAMPLE_CROSS_RTOL = 1e-4
+
+
+def _read(directory: str) -> tuple:
+    """The exported tensors and the files holding them."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return load_file(os.path.join(directory, "model.safetensors")), ["model.safetensors"]
+    with open(index, encoding="utf-8") as file:
+        weight_map = json.load(file)["weight_map"]
+    names = sorted(set(weight_map.values()))
+    tensors = {}
+    for name in names:
+        loaded = load_file(os.path.join(directory, name))
+        assert set(loaded) == {k for k, v in weight_map.items() if v == name}
+        tensors.update(loaded)
+    return tensors, names
+
+
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_export_matches_reference(backend, tmp_path):
+    reference = run_ranks("tests.export_scenarios:export_run", 2, backend, str(tmp_path),
+                          timeout_s=240)[0]
+    for layout, several in (("single", False), ("sharded", True)):
+        tensors, names = _read(str(tmp_path / layout))
+        assert (len(names) > 1) == several, names
+        assert set(tensors) == set(reference)
+        for key, value in reference.items():
+            np.testing.assert_allclose(tensors[key], value, rtol=RTOL, atol=1e-7, err_msg=key)
+        if several:
+            assert all(os.path.getsize(tmp_path / layout / n) < SMALL_SHARD_BYTES + 4096
+                       for n in names)
+
+
+def test_transformers_loads_the_export(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the hf test extra is not installed")
+    import torch
+
+    directory = tmp_path / "hf"
+    result = run_ranks("tests.export_scenarios:hf_run", 2, "torch", str(directory),
+                       timeout_s=240)[0]
+    # a tied model with a config that would not tie it back is refused before any write
+    assert "tie_word_embeddings" in result["refused"] and result["wrote_nothing"]
+    tensors, _ = _read(str(directory))
+    assert "lm_head.weight" not in tensors  # tied: written once, as HF does
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(directory))
+    with torch.no_grad():
+        hf_logits = loaded(torch.from_numpy(hf_batch())).logits.numpy()
+    np.testing.assert_allclose(hf_logits, result["logits"], rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_transformers_loads_the_example_model(backend, tmp_path):
+    """The example's model (examples/lm/), exported from 2 ranks on either framework, loads
+    as a ``LlamaForCausalLM`` whose logits match it: to 1e-5 relative on torch (same math,
+    same kernels), to EXAMPLE_CROSS_RTOL from MindSpore (fp32, other kernels)."""
+    transformers = pytest.importorskip("transformers", reason="the hf test extra is not installed")
+    import torch
+
+    logits = run_ranks("tests.export_scenarios:example_run", 2, backend, str(tmp_path),
+                       timeout_s=240)[0]
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path))
+    with torch.no_grad():
+        hf_logits = loaded(torch.from_numpy(example_batch())).logits.numpy()
+    rtol = RTOL if backend == "torch" else EXAMPLE_CROSS_RTOL
+    np.testing.assert_allclose(hf_logits, logits, rtol=rtol, atol=rtol * np.abs(logits).max())
