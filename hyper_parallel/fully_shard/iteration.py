@@ -45,14 +45,19 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hyper_parallel.fully_shard.joined_all_reduce import JoinedAllReduce
+
+if TYPE_CHECKING:
+    from hyper_parallel.fully_shard.reduction import UnitReduction
+    from hyper_parallel.fully_shard.state import FSDPState
+    from hyper_parallel.platform import Platform
 
 logger = logging.getLogger("hyper_parallel.fully_shard")
 
 
-def _sync_collectives(platform: Any) -> bool:
+def _sync_collectives(platform: Platform) -> bool:
     """``HP_SYNC_COLLECTIVES`` when set ("0"/"" off, anything else on), else whether the
     platform's collectives cannot overlap compute anyway."""
     flag = os.environ.get("HP_SYNC_COLLECTIVES")
@@ -64,7 +69,7 @@ def _sync_collectives(platform: Any) -> bool:
 class IterationContext:
     """All units of one root, in pre-order (root first), and their collectives in flight."""
 
-    def __init__(self, platform: Any, states: list):
+    def __init__(self, platform: Platform, states: list[FSDPState]):
         self.platform = platform
         self.states = states
         self.root = states[0]
@@ -106,12 +111,12 @@ class IterationContext:
                 resharded.append(state.group.gathered_bytes)
         self.platform.keep_released_memory(kept + sum(sorted(resharded)[-2:]))
 
-    def record_forward(self, state: Any) -> None:
+    def record_forward(self, state: FSDPState) -> None:
         if id(state) not in self._seen:
             self._seen.add(id(state))
             self._forward_order.append(state)
 
-    def neighbours(self, state: Any, step: int) -> list:
+    def neighbours(self, state: FSDPState, step: int) -> list:
         """[the unit ``step`` places after ``state`` in the known forward order] or []."""
         index = self._known_index.get(id(state))
         if index is None or not 0 <= index + step < len(self._known_order):
@@ -124,7 +129,7 @@ class IterationContext:
             self._final_callback_queued = True
             self.platform.queue_backward_final_callback(self.finish_backward)
 
-    def enqueue(self, reduction: Any, requires_all_reduce: bool) -> list | None:
+    def enqueue(self, reduction: UnitReduction, requires_all_reduce: bool) -> list | None:
         """A unit's reduce-scatter was issued: advance the one issued before it. With
         synchronous collectives run all the unit's stages now and return what
         ``UnitReduction.finish`` returns."""

@@ -44,12 +44,17 @@ honoured.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.fully_shard.iteration import IterationContext
 from hyper_parallel.fully_shard.post_forward import PostForwardShards
 from hyper_parallel.fully_shard.reduce_op import plan_reduction, resolve_reduce_dtype
 from hyper_parallel.fully_shard.reduction import UnitReduction
+
+if TYPE_CHECKING:
+    from hyper_parallel.fully_shard.param_group import FSDPParamGroup
+    from hyper_parallel.fully_shard.policy import MixedPrecisionPolicy
+    from hyper_parallel.platform import Platform
 
 logger = logging.getLogger("hyper_parallel.fully_shard")
 
@@ -82,8 +87,8 @@ class FullParams:
 class FSDPState:
     """State and hooks of one fully_shard unit (one module or a list of modules)."""
 
-    def __init__(self, platform: Any, name: str, modules: list, group: Any,
-                 reshard_after_forward: bool | int | None, mp_policy: Any):
+    def __init__(self, platform: Platform, name: str, modules: list, group: FSDPParamGroup | None,
+                 reshard_after_forward: bool | int | None, mp_policy: MixedPrecisionPolicy):
         self.platform = platform
         self.unit_type = name
         self.name = name  # refined to "<fqn> (<type>)" once the root knows the tree
