@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-v2
 BACKEND ?= $(or $(HP_BACKEND),torch)
 
-.PHONY: install demo test bench clean
+.PHONY: install demo example test bench clean
 
 install: $(STAMP)
 
@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml
 
 demo: install
 	HP_BACKEND=$(BACKEND) $(PY) examples/train_mlp.py --nproc 2
+
+# ~13M-parameter Llama-style model, 120 steps on 2 CPU ranks (a few minutes), checkpoints
+# every 60 steps and the loss curve in runs/train_lm/; EXAMPLE_ARGS adds train_lm.py options
+example: install
+	$(PY) examples/train_lm.py --backend $(BACKEND) --nproc 2 --ckpt-every 60 $(EXAMPLE_ARGS)
 
 test: install
 	$(PY) -m pytest -q

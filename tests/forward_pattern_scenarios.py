@@ -25,6 +25,8 @@ Patterns (``PATTERNS``): options of the model and wrapping, and which loss step 
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 
 import hyper_parallel as hp
@@ -157,7 +159,7 @@ def _diff(full: dict, reference: dict) -> float:
 def _train(kit, model, pattern, slice_, record_root=False) -> tuple:
     opt = kit.optimizer([p for p in kit.params(model) if p.requires_grad], lr=0.1)
     rng = np.random.default_rng(11)
-    losses, root_resharded = [], []
+    losses, root_resharded, live = [], [], []
     # the root's embedding reads its sharded parameter after forward only if it resharded
     attr, sharded = hp.get_platform().direct_params(model.embed)[0]
     for _ in range(STEPS[kit.name]):
@@ -166,6 +168,7 @@ def _train(kit, model, pattern, slice_, record_root=False) -> tuple:
         targets = rng.integers(0, VOCAB, (world_batch, SEQ))[slice_]
         if pattern.get("step") == "accumulate":
             losses.append(_accumulate_step(kit, model, opt, ids, targets))
+            live.append(_live_full_params() if record_root else 0)
             continue
         loss_fn = _loss_fn(kit, model, pattern, ids, targets)
         if record_root:
@@ -176,7 +179,8 @@ def _train(kit, model, pattern, slice_, record_root=False) -> tuple:
         losses.append(kit.grad_step(model, opt, loss_fn))
         if pattern.get("step") == "eval_after_step":
             model.head(model(kit.ids(targets)))
-    return losses, root_resharded
+        live.append(_live_full_params() if record_root else 0)
+    return losses, root_resharded, live
 
 
 def _reference(kit, pattern, cache: dict) -> tuple:
@@ -190,7 +194,7 @@ def _reference(kit, pattern, cache: dict) -> tuple:
     key = (math, pattern.get("tie", False), pattern.get("freeze", False))
     if key not in cache:
         ref = _build(kit, pattern)
-        losses, _ = _train(kit, ref, pattern, slice(None))
+        losses, _, _ = _train(kit, ref, pattern, slice(None))
         cache[key] = losses, {k: kit.to_numpy(v) for k, v in _named(kit, ref).items()}
     return cache[key]
 
@@ -205,10 +209,11 @@ def run_pattern(name: str, references: dict) -> dict:
     model = _build(kit, pattern)
     low = "bfloat16" if kit.name == "torch" else "float16"  # bf16 matmul: none on MindSpore CPU
     _wrap(kit, model, pattern, hp.fully_shard, hp.MixedPrecisionPolicy, low, "float32")
-    losses, root_resharded = _train(kit, model, pattern, mine, record_root=True)
+    losses, root_resharded, live = _train(kit, model, pattern, mine, record_root=True)
     full = hp.gather_full_state_dict(model)
     result = {"losses": losses, "ref_losses": ref_losses, "ref_diff": _diff(full, ref_full),
-              "root_resharded": root_resharded, "world": world}
+              "root_resharded": root_resharded, "world": world,
+              "live_full_params": live, "units": len(_units(model))}
     if kit.name == "torch" and not pattern.get("fsdp2_fails"):
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -216,11 +221,20 @@ def run_pattern(name: str, references: dict) -> dict:
         theirs = _build(kit, pattern)
         _wrap(kit, theirs, pattern, fully_shard, MixedPrecisionPolicy, torch.bfloat16,
               torch.float32)
-        result["fsdp2_losses"], _ = _train(kit, theirs, pattern, mine)
+        result["fsdp2_losses"], _, _ = _train(kit, theirs, pattern, mine)
         their_full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().numpy()
                       for n, p in theirs.named_parameters()}
         result["fsdp2_diff"] = _diff(full, their_full)
     return result
+
+
+def _live_full_params() -> int:
+    """How many sets of full parameters (one per unshard node) are alive in the process:
+    the same after every step (a count that grows with the steps is a leak)."""
+    from hyper_parallel.fully_shard.state import FullParams
+
+    gc.collect()
+    return sum(type(o) is FullParams for o in gc.get_objects())
 
 
 def _registration_trace(kit, model, is_unsharded) -> dict:

@@ -46,6 +46,10 @@ def test_pattern_matches_reference(backend, pattern):
     np.testing.assert_allclose(mean_losses, per_rank[0]["ref_losses"], atol=atol, rtol=0)
     for r in per_rank:
         assert r["ref_diff"] <= atol, f"parameters differ from the reference by {r['ref_diff']}"
+        # sets of full parameters alive after each step: one graph's worth (a set per unit)
+        # may wait for its collection; a leak adds a set per unit every step
+        live = r["live_full_params"]
+        assert max(live) - live[0] <= r["units"], f"full parameters alive per step: {live}"
         if "fsdp2_losses" in r:
             np.testing.assert_allclose(r["losses"], r["fsdp2_losses"], atol=ATOL, rtol=0)
             assert r["fsdp2_diff"] <= ATOL, f"parameters differ from FSDP2's by {r['fsdp2_diff']}"

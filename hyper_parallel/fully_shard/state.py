@@ -28,10 +28,12 @@ backward and no second all-gather is issued (docs/platforms.md).
 [Note: FullParams: one all-gather's full parameters]
 Each unshard node's outputs are one ``FullParams``: the tensors, whether their memory is
 allocated (``live``, shared by every FullParams over the same memory) and whether the
-node's backward ran (``spent``). The unit's current one is what its modules compute with;
-earlier ones stay referenced by the graphs that saved them (and by their pre-backward
-hooks) until those graphs are gone. A node's backward releases its own FullParams, never
-the one the unit is using now.
+node's backward ran (``spent``). The unit holds its current one; earlier ones live as long
+as the pre-backward hooks of the graphs that used them. The node holds its FullParams
+weakly: its outputs are the FullParams' tensors, and a strong reference would be a cycle
+through autograd's native node that Python's collector cannot see (every iteration's node
+would leak). A node's backward releases its own FullParams if it is still referenced,
+never the unit's current one, and reduces the gradients either way.
 
 [Note: roots]
 The first unit whose forward runs becomes the root: it creates the IterationContext shared
@@ -44,6 +46,7 @@ honoured.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.fully_shard.iteration import IterationContext
@@ -234,14 +237,14 @@ class FSDPState:
     def _new_full(self, forward_fn, memory: _Memory | None = None) -> FullParams:
         """One unshard node: the local shards in, ``forward_fn``'s full parameters out."""
         full = FullParams(memory)
+        held = weakref.ref(full)  # weakly: see the note "FullParams"
         full.tensors = self.platform.differentiable_call(
-            self.group.local_shards(), forward_fn, lambda grads: self._post_backward(full, grads),
+            self.group.local_shards(), forward_fn, lambda grads: self._post_backward(held(), grads),
             grads_to_inputs=self.platform.capabilities.returns_grads_from_backward)
         return full
 
     def prefetch(self) -> None:
-        """Start this unit's all-gather early, to overlap it with another unit's compute
-        (forward: the next unit's while this one computes; see IterationContext.neighbours)."""
+        """Start this unit's all-gather early, to overlap another unit's compute."""
         if self.group is not None and self._full is None and not self.group.has_pending_gather():
             logger.debug("%s: prefetch all-gather issued", self.name)
             self.group.issue_gather(async_op=True)
@@ -324,18 +327,15 @@ class FSDPState:
             self.group.issue_gather(async_op=True, released=full.tensors,
                                     post_forward=full.memory.post_forward)
 
-    def _post_backward(self, full: FullParams, full_grads: list) -> list:
-        """The backward of ``full``'s unshard node: start the reduction (or accumulate
-        locally) and return what autograd should see for the shards (see reduction.py)."""
+    def _post_backward(self, full: FullParams | None, full_grads: list) -> list:
+        """The backward of ``full``'s unshard node (None once nothing else holds it): start
+        the reduction (or accumulate locally); return what autograd sees for the shards."""
         self.iteration.ensure_final_callback()
-        full.spent = True
-        if self.reshard_after_backward:
-            # Free the full parameters before the reduction allocates its buffers, so
-            # those can take their memory (FSDP2 reshards first too).
-            if full is self._full:
-                self.reshard()
-            else:
-                self._release(full)
+        if full is not None:
+            full.spent = True
+            if self.reshard_after_backward:  # before the reduction allocates its buffers,
+                # so those can take the memory (FSDP2 reshards first too)
+                self.reshard() if full is self._full else self._release(full)
         p, group = self.platform, self.group
         dtype = resolve_reduce_dtype(group.reduce_dtype, group.param_dtype, p.dtype_of(full_grads[0]))
         full_grads = [p.cast(g, dtype) for g in full_grads]
