@@ -15,9 +15,11 @@ a step is ``value_and_grad`` + the optimizer, the idiom MindSpore users write:
   (raw_collectives.py, "the interleaved floor"); ``raw``: that schedule back to back.
 
 [Note: blocking execution]
-Every phase runs under ``ms.runtime.launch_blocking()``: on a CPU with about one core per
-rank, a wait on PyNative's asynchronous queue spins a whole core, so each rank would starve
-its own kernel threads (docs/platforms.md, "Performance on CPU (MindSpore)"). A step still
+By default (``--ms-pipeline blocking``) every phase runs under
+``ms.runtime.launch_blocking()``: on a CPU with about one core per rank, a wait on
+PyNative's asynchronous queue spins a whole core, so each rank would starve its own kernel
+threads (docs/platforms.md, "Performance on CPU (MindSpore)"); ``--ms-pipeline async``
+measures MindSpore's default instead. A step still
 ends with ``_pynative_executor.sync()`` (MindSpore's pipeline sync; a private API, with
 ``loss.asnumpy()`` as fallback), so its time covers the work, not its dispatch.
 """
@@ -144,7 +146,8 @@ def run(job: dict, rank: int, world: int) -> dict:
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE, runtime_num_threads=1)
-    ms.runtime.launch_blocking()  # every phase alike (the note on blocking execution)
+    if job["ms_pipeline"] == "blocking":  # every phase alike (the note on blocking execution)
+        ms.runtime.launch_blocking()
     hp.init_distributed(timeout_s=job["comm_timeout_s"])
     cfg = job["config"]
     hp_mesh = hp.init_device_mesh("cpu", tuple(cfg["mesh"]), mesh_dim_names=("shard",))

@@ -109,7 +109,8 @@ def notes(doc: dict) -> str:
              f"{env['platform']}; torch {env['versions'].get('torch')}, mindspore "
              f"{env['versions'].get('mindspore')}; {doc['grid']} grid, wall time "
              f"{doc['wall_s']:.0f} s; ranks "
-             f"{'bound to cores' if env.get('bind_cores') else 'not bound to cores'}",
+             f"{'bound to cores' if env.get('bind_cores') else 'not bound to cores'}; MindSpore "
+             f"pipeline {env.get('mindspore_pipeline')}",
              "- one launch per configuration, every implementation in the same processes, "
              "steps alternated round by round (A B C, C B A, ...); each figure the median over "
              "rounds of the max over ranks, [the interquartile range over rounds]; ratios are "

@@ -66,6 +66,10 @@ def _parse_args(argv):
                         default=CAN_BIND_CORES,
                         help="leave the ranks unbound (default on Linux: local rank i is bound "
                              "to its own slice of the cores, as hp-run --bind-cores does)")
+    parser.add_argument("--ms-pipeline", choices=("blocking", "async"), default="blocking",
+                        help="MindSpore PyNative execution, for every MindSpore phase alike: "
+                             "blocking (default, ms.runtime.launch_blocking()) or async "
+                             "(MindSpore's own default; see benchmarks/README.md)")
     parser.add_argument("--list", action="store_true", help="print the selected configurations and exit")
     return parser.parse_args(argv)
 
@@ -120,14 +124,15 @@ def _library_fingerprint() -> dict:
     return out
 
 
-def _run_config(index: int, total: int, cfg, t_run: float, bind_cores: bool) -> dict:
+def _run_config(index: int, total: int, cfg, t_run: float, bind_cores: bool,
+                ms_pipeline: str) -> dict:
     """One launch: every implementation of ``cfg`` in the same processes; its row."""
     print(f"[{index}/{total}] {cfg.name} ({cfg.world_size} ranks; {', '.join(cfg.impls)}; "
           f"{cfg.warmup} + {cfg.rounds} rounds): start at {time.monotonic() - t_run:.0f} s",
           flush=True)
     started = time.monotonic()
     job = {"config": cfg.to_json(), "comm_timeout_s": cfg.timeout_s,
-           "schedule": analysis.minimum_schedule(cfg)}
+           "schedule": analysis.minimum_schedule(cfg), "ms_pipeline": ms_pipeline}
     row = {"config": cfg.to_json()}
     try:
         ranks = launch_ranks.launch(RANK_SCRIPTS[cfg.backend], job, cfg.world_size, cfg.backend,
@@ -165,7 +170,8 @@ def main(argv=None) -> int:
           flush=True)
     library_at_start = _library_fingerprint()
     t_run = time.monotonic()
-    rows = [_run_config(i, len(grid), cfg, t_run, args.bind_cores) for i, cfg in enumerate(grid, 1)]
+    rows = [_run_config(i, len(grid), cfg, t_run, args.bind_cores, args.ms_pipeline)
+            for i, cfg in enumerate(grid, 1)]
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "grid": kind,
@@ -173,7 +179,7 @@ def main(argv=None) -> int:
         "wall_s": time.monotonic() - t_run,
         "environment": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                         "machine": platform.machine(), "versions": _versions(),
-                        "bind_cores": args.bind_cores},
+                        "bind_cores": args.bind_cores, "mindspore_pipeline": args.ms_pipeline},
         "library": {"start": library_at_start, "end": _library_fingerprint()},
         "configurations": rows,
     }
