@@ -30,7 +30,6 @@ import statistics
 import configs
 import workload
 
-SHARDED = ("hp", "fsdp2", "floor", "raw")
 # ratio name -> (numerator phase, denominator phase)
 RATIOS = {"hp_vs_fsdp2": ("hp", "fsdp2"), "hp_vs_ddp": ("hp", "ddp"), "hp_vs_dp": ("hp", "dp"),
           "hp_vs_floor": ("hp", "floor")}

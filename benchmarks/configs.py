@@ -118,7 +118,7 @@ class Config:
 def _torch(mesh, precision, model, *, raf=True, full=False) -> Config:
     floors = FLOORS if full and model in MLP_MODELS else ()
     batch = 2 if model in LM_MODELS else 16
-    return Config("torch", mesh, precision, model, local_batch=batch, warmup=1,
+    return Config("torch", mesh, precision, model, local_batch=batch, warmup=2,
                   rounds=8 if full else 6, timeout_s=600 if full else 240,
                   impls=TORCH_IMPLS + floors, reshard_after_forward=raf)
 
@@ -126,8 +126,8 @@ def _torch(mesh, precision, model, *, raf=True, full=False) -> Config:
 def _mindspore(model, *, full=False) -> Config:
     floors = FLOORS if model in MLP_MODELS else ()
     batch = 2 if model in LM_MODELS else 16
-    return Config("mindspore", (2,), "fp32", model, local_batch=batch, warmup=1,
-                  rounds=12 if full else 10, timeout_s=600 if full else 240,
+    return Config("mindspore", (2,), "fp32", model, local_batch=batch, warmup=2,
+                  rounds=20 if full else 16, timeout_s=600 if full else 240,
                   impls=MINDSPORE_IMPLS + floors)
 
 
