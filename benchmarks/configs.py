@@ -7,7 +7,7 @@ ranks and HSDP on a 2 x 2 mesh, fp32 and bf16 (bf16 parameters, fp32 reduction),
 (8 x Linear(1536, 1536) + ReLU, 18.9M parameters), and the Llama-shaped decoder
 (examples/lm, size "bench", 25.4M parameters) on FSDP, fp32. MindSpore: FSDP on 2 ranks,
 fp32, on an MLP of 8 x Dense(1024, 1024) (8.4M parameters; MindSpore CPU collectives are
-several times slower than gloo's). The decoder on MindSpore (a launch of ~100 s on 2
+several times slower than gloo's). The decoder on MindSpore (a launch of over 100 s on 2
 cores) runs in the full grid only. The models are smaller than a real job's:
 every step still moves each parameter through an all-gather and a reduce-scatter, so the
 ratios between implementations measure the same mechanisms.
