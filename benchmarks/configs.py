@@ -45,10 +45,13 @@ MLP_MODELS = {
 # name: the examples/lm/config.py size of the Llama-shaped decoder
 LM_MODELS = {"lm": "bench", "lm-tiny": "tiny"}
 
-# Phases: the implementations, and the library-free floors (raw_collectives.py).
-TORCH_IMPLS = ("hp", "fsdp2", "ddp", "compute")
-MINDSPORE_IMPLS = ("hp", "dp", "compute")
-FLOORS = ("floor", "raw")
+# Phases: the implementations, and the library-free floors (raw_collectives.py), in the
+# order a round steps them: hyper_parallel sits between the phases it is divided by (its
+# reference, and the interleaved floor or DDP), so with the order reversed every other
+# round each ratio compares two consecutive steps.
+TORCH_PHASES = {False: ("ddp", "hp", "fsdp2", "compute"),
+                True: ("ddp", "floor", "hp", "fsdp2", "compute", "raw")}
+MINDSPORE_PHASES = {False: ("hp", "dp", "compute"), True: ("floor", "hp", "dp", "compute", "raw")}
 # The implementation each hyper_parallel time and memory is divided by.
 REFERENCE = {"torch": "fsdp2", "mindspore": "dp"}
 IMPL_LABELS = {"hp": "hyper_parallel", "fsdp2": "FSDP2", "ddp": "DDP", "dp": "DP baseline",
@@ -116,19 +119,19 @@ class Config:
 
 
 def _torch(mesh, precision, model, *, raf=True, full=False) -> Config:
-    floors = FLOORS if full and model in MLP_MODELS else ()
+    floors = full and model in MLP_MODELS
     batch = 2 if model in LM_MODELS else 16
     return Config("torch", mesh, precision, model, local_batch=batch, warmup=2,
                   rounds=8 if full else 6, timeout_s=600 if full else 240,
-                  impls=TORCH_IMPLS + floors, reshard_after_forward=raf)
+                  impls=TORCH_PHASES[floors], reshard_after_forward=raf)
 
 
 def _mindspore(model, *, full=False) -> Config:
-    floors = FLOORS if model in MLP_MODELS else ()
+    floors = model in MLP_MODELS
     batch = 2 if model in LM_MODELS else 16
     return Config("mindspore", (2,), "fp32", model, local_batch=batch, warmup=2,
                   rounds=20 if full else 16, timeout_s=600 if full else 240,
-                  impls=MINDSPORE_IMPLS + floors)
+                  impls=MINDSPORE_PHASES[floors])
 
 
 def _quick(cfg: Config) -> Config:

@@ -84,6 +84,11 @@ def _bytes_ratios(figs: dict, impl: str) -> str:
     return " / ".join(parts)
 
 
+def _display_order(phases: dict) -> list:
+    """hyper_parallel, then the others in IMPL_LABELS order (whatever order they ran in)."""
+    return [name for name in configs.IMPL_LABELS if name in phases]
+
+
 def detail_table(doc: dict) -> str:
     head = ("| configuration | phase | step ms | step CPU ms | peak MB | tokens/s | "
             "bytes / minimum (AG / RS / AR) | loss Δ vs ref | setup s |")
@@ -92,7 +97,8 @@ def detail_table(doc: dict) -> str:
         if "error" in row:
             continue
         cfg, figs = row["config"], row["figures"]
-        for impl, fig in figs["phases"].items():
+        for impl in _display_order(figs["phases"]):
+            fig = figs["phases"][impl]
             loss = figs["loss_rel_diff_vs_ref"].get(impl)
             lines.append("| " + " | ".join([
                 cfg["name"], configs.IMPL_LABELS[impl], _with_iqr(fig["step"]), _ms(fig["cpu_s"]),
@@ -158,7 +164,8 @@ def write_png(doc: dict, path: Path) -> str:
     for i, row in enumerate(rows):
         phases = row["figures"]["phases"]
         width = 0.8 / max(1, len(phases))
-        for k, (impl, phase) in enumerate(phases.items()):
+        for k, impl in enumerate(_display_order(phases)):
+            phase = phases[impl]
             x = i + (k - (len(phases) - 1) / 2) * width
             name = configs.IMPL_LABELS[impl]
             label = None if name in labelled else name
