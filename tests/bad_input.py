@@ -70,6 +70,8 @@ def run_checks() -> dict:
     m = block()
     out["unknown_dtype_name"] = _attempt(kit, platform, m, lambda: hp.fully_shard(
         m, mp_policy=hp.MixedPrecisionPolicy(param_dtype="bf16")))
+    m = block()
+    out["policy_none"] = _attempt(kit, platform, m, lambda: hp.fully_shard(m, mp_policy=None))
     relu = kit.activation()
     returned = hp.fully_shard(relu)
     x = np.array([[-1.0, 2.0]], dtype=np.float32)

@@ -16,6 +16,9 @@ Patterns (``PATTERNS``): options of the model and wrapping, and which loss step 
 - ``two_partial``: the model's forward twice, then the head once on their sum;
 - ``eval_between``: after the training forward, a ``no_grad`` evaluation of the model and a
   second call of one block, then the backward (some parameters frozen);
+- ``eval_after_step``: after every optimizer step, a forward of the whole model outside any
+  training context, as an evaluation written without ``no_grad`` does (torch: grad mode on,
+  the graph dropped; MindSpore: outside ``value_and_grad``);
 - ``reshard_between`` / ``unshard_between``: an explicit ``reshard()`` / ``unshard()`` of
   every unit between forward and backward.
 """
@@ -49,6 +52,7 @@ PATTERNS = {
     # full parameters that the training forward saved (reading freed storage)
     "eval_between": {"step": "eval_between", "freeze": True, "fsdp2_fails": True},
     "eval_between_keep": {"step": "eval_between", "freeze": True, "raf": False},
+    "eval_after_step": {"step": "eval_after_step"},
     "reshard_between": {"step": "reshard_between", "raf": False},
     "unshard_between": {"step": "unshard_between"},
     "root_reshards": {"root_raf": True},
@@ -170,6 +174,8 @@ def _train(kit, model, pattern, slice_, record_root=False) -> tuple:
                 root_resharded.append(getattr(model.embed, attr) is sharded)
                 return value
         losses.append(kit.grad_step(model, opt, loss_fn))
+        if pattern.get("step") == "eval_after_step":
+            model.head(model(kit.ids(targets)))
     return losses, root_resharded
 
 
@@ -179,7 +185,8 @@ def _reference(kit, pattern, cache: dict) -> tuple:
     activation checkpointing and explicit reshard/unshard/evaluation calls change nothing
     in a plain model's training (MindSpore CPU steps are slow)."""
     step = pattern.get("step", "chunked")
-    math = "chunked" if step in ("eval_between", "reshard_between", "unshard_between") else step
+    math = "chunked" if step in ("eval_between", "eval_after_step", "reshard_between",
+                                "unshard_between") else step
     key = (math, pattern.get("tie", False), pattern.get("freeze", False))
     if key not in cache:
         ref = _build(kit, pattern)

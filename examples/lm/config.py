@@ -13,7 +13,7 @@ import numpy as np
 VOCAB = 256  # bytes
 SIZES = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=172, seq=32),  # tests
-    "small": dict(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024, seq=256),
+    "small": dict(hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1024, seq=256),
     "bench": dict(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536, seq=128),
     "124m": dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, seq=256),
 }
@@ -32,6 +32,15 @@ def hf_config(size: str) -> dict:
             "mlp_bias": False, "torch_dtype": "float32"}
 
 
+def parameter_count(size: str) -> int:
+    """Parameters of one model of ``size``: embedding, decoder layers, final norm, head."""
+    s = SIZES[size]
+    head_dim = s["hidden"] // s["heads"]
+    attention = 2 * s["hidden"] * head_dim * (s["heads"] + s["kv_heads"])
+    layer = attention + 3 * s["hidden"] * s["intermediate"] + 2 * s["hidden"]
+    return 2 * VOCAB * s["hidden"] + s["layers"] * layer + s["hidden"]
+
+
 def initial(name: str, shape: tuple) -> np.ndarray:
     """Ones for norms, N(0, 0.02) otherwise (Llama's initializer range), seeded by name."""
     if name.endswith("norm.weight"):
@@ -46,3 +55,13 @@ def rope_tables(seq: int, head_dim: int) -> tuple:
     angles = np.outer(np.arange(seq, dtype=np.float32), inv_freq)
     angles = np.concatenate([angles, angles], -1)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def set_initial_values(model) -> None:
+    """Give a sharded model (built without values: meta or ``no_init_parameters``) the
+    values ``initial`` defines, one parameter at a time: each rank keeps its rows, and no
+    more than one full parameter exists at once."""
+    import hyper_parallel as hp
+
+    for key, value in hp.get_state_dict(model).items():
+        hp.set_state_dict(model, {key: initial(key, tuple(value.global_shape))}, strict=False)

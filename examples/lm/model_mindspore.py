@@ -1,12 +1,15 @@
 """The Llama-style decoder of model_torch.py in MindSpore, with the same parameter names
 (Hugging Face ``LlamaForCausalLM``'s) and the same math, so checkpoints cross frameworks and
-``hp.export_full`` of it loads with ``from_pretrained``."""
+``hp.export_full`` of it loads with ``from_pretrained``. Every parameter is made from an
+initializer, so a build under ``no_init_parameters()`` allocates nothing until
+``fully_shard`` materialises each rank's shard."""
 
 from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
 
 from examples.lm.config import EPS, SIZES, VOCAB, initial, rope_tables
 
@@ -14,7 +17,7 @@ from examples.lm.config import EPS, SIZES, VOCAB, initial, rope_tables
 class RMSNorm(nn.Cell):
     def __init__(self, dim: int):
         super().__init__()
-        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+        self.weight = Parameter(initializer("ones", (dim,), ms.float32), name="weight")
 
     def construct(self, x):
         x32 = x.astype(ms.float32)
@@ -27,7 +30,7 @@ class Embedding(nn.Cell):
 
     def __init__(self, vocab: int, dim: int):
         super().__init__()
-        self.weight = Parameter(Tensor(np.zeros((vocab, dim), np.float32)), name="weight")
+        self.weight = Parameter(initializer("zeros", (vocab, dim), ms.float32), name="weight")
 
     def construct(self, ids):
         return ops.gather(self.weight, ids, 0)

@@ -78,9 +78,20 @@ class Body(nn.Module):
         self.embed_tokens = nn.Embedding(VOCAB, s["hidden"])
         self.layers = nn.ModuleList([DecoderLayer(s) for _ in range(s["layers"])])
         self.norm = RMSNorm(s["hidden"])
-        cos, sin = rope_tables(s["seq"], s["hidden"] // s["heads"])
-        self.register_buffer("cos", torch.from_numpy(cos), persistent=False)
-        self.register_buffer("sin", torch.from_numpy(sin), persistent=False)
+        self.seq, self.head_dim = s["seq"], s["hidden"] // s["heads"]
+        self.register_buffer("cos", torch.empty(self.seq, self.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(self.seq, self.head_dim), persistent=False)
+        self.init_rope()
+
+    def init_rope(self):
+        """Fill the rotary tables: at construction, and again after ``to_empty`` (a model
+        built on the meta device has no values until then)."""
+        if self.cos.is_meta:
+            return
+        cos, sin = rope_tables(self.seq, self.head_dim)
+        with torch.no_grad():
+            self.cos.copy_(torch.from_numpy(cos))
+            self.sin.copy_(torch.from_numpy(sin))
 
     def forward(self, ids):
         x = self.embed_tokens(ids)

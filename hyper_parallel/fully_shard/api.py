@@ -330,6 +330,11 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         if STATE_ATTR in m.__dict__:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "
                              f"apply it once per module (use the FSDPModule setters to change settings)")
+    for name, value, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
+                              ("offload_policy", offload_policy, OffloadPolicy)):
+        if not isinstance(value, kind):
+            raise TypeError(f"fully_shard: {name} must be a hp.{kind.__name__}, got {value!r}; "
+                            f"leave it out for the default ({kind.__name__}())")
     device_mesh = as_device_mesh(mesh)
     replicate_dims, shard_dims = data_parallel_dims(device_mesh, dp_mesh_dims)
     if isinstance(offload_policy, CPUOffloadPolicy) and platform.device_type() != "cpu":

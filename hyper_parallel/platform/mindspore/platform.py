@@ -401,7 +401,9 @@ class MindSporePlatform(MindSporeStateIO, Platform):
     def is_grad_enabled(self) -> bool:
         from mindspore.common.api import _pynative_executor
 
-        return bool(_pynative_executor.enable_grad())
+        # requires_grad: a value_and_grad is recording this forward (outside one, no
+        # backward can follow it, as under torch's no_grad)
+        return bool(_pynative_executor.enable_grad() and _pynative_executor.requires_grad())
 
     def in_backward(self) -> bool:
         from mindspore.common.api import _pynative_executor

@@ -1,0 +1,59 @@
+"""The MindSpore side of examples/train_lm.py: build (eagerly or under
+``no_init_parameters``), shard each decoder layer and the root, and run one AdamW step."""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+from mindspore.experimental.optim import AdamW
+from mindspore.mint import distributed as msdist
+from mindspore.nn.utils import no_init_parameters
+
+import hyper_parallel as hp
+from examples.lm.config import VOCAB, set_initial_values
+from examples.lm.model_mindspore import LlamaLM, build
+from examples.lm.progress import peak_resident_mb
+
+
+class Trainer:
+    def __init__(self, size: str, mesh, mp_policy, deferred: bool, lr: float,
+                 weight_decay: float, clip: float):
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        if deferred:
+            with no_init_parameters():  # parameters hold initializers, no values
+                model = LlamaLM(size)
+        else:
+            model = build(size, hp.get_platform())
+        for layer in model.model.layers:
+            hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+        hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # materialises the shards
+        if deferred:
+            set_initial_values(model)
+        self.model, self.clip = model, clip
+        self.params = list(model.trainable_params())
+        self.optimizer = AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.grad_fn = ms.value_and_grad(self._loss, None, self.params)
+
+    def _loss(self, ids, targets):
+        logits = self.model(ids).astype(ms.float32)
+        return ops.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+    def step(self, ids: np.ndarray, targets: np.ndarray) -> tuple:
+        """One optimizer step on this rank's rows; (local loss, global gradient norm)."""
+        loss, grads = self.grad_fn(Tensor(ids.astype(np.int32)), Tensor(targets.astype(np.int32)))
+        grads, norm = hp.clip_grad_norm_(self.params, self.clip, grads=grads)
+        self.optimizer(grads)
+        return float(loss.asnumpy()), float(norm.asnumpy())
+
+    def evaluate(self, ids: np.ndarray, targets: np.ndarray) -> float:
+        return float(self._loss(Tensor(ids.astype(np.int32)), Tensor(targets.astype(np.int32))).asnumpy())
+
+    def mean_over_ranks(self, values: list) -> list:
+        tensor = Tensor(np.array(values, np.float32))
+        msdist.all_reduce(tensor)
+        return (tensor.asnumpy().astype(np.float64) / msdist.get_world_size()).tolist()
+
+    def peak_memory_mb(self) -> float:
+        """The process's peak resident set (MindSpore on CPU)."""
+        return peak_resident_mb()

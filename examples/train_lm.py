@@ -1,0 +1,235 @@
+"""Train a Llama-style byte-level language model with fully_shard, on torch or MindSpore.
+
+    python examples/train_lm.py --nproc 2                        # torch, 2 CPU ranks, ~13M params
+    python examples/train_lm.py --backend mindspore --nproc 2
+    python examples/train_lm.py --nproc 4 --mesh 2x2 --dtype bf16  # HSDP, bf16 parameters
+    python examples/train_lm.py --size 124m --nproc 8            # GPT-2-small sized
+
+The model (examples/lm/: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, with
+Hugging Face Llama's parameter names) is written once per framework; every decoder layer
+and the root are fully_shard units. It trains with AdamW on random windows of the bundled
+text (examples/data/), a progress line per step, a checkpoint every ``--ckpt-every`` steps
+in ``--out``, validation at each checkpoint and at the end, and the loss curve as a PNG.
+
+A checkpoint is portable: ``--resume`` takes one written by either framework at any number
+of ranks and mesh, so a run started on torch continues on MindSpore (and back) on the
+batches the uninterrupted run would have seen:
+
+    python examples/train_lm.py --steps 100 --ckpt-every 50
+    python examples/train_lm.py --steps 100 --backend mindspore --resume runs/train_lm/step-00050
+
+``--export DIR`` writes the trained weights in the Hugging Face layout with their
+config.json, for ``transformers.LlamaForCausalLM.from_pretrained(DIR)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.lm.config import SIZES  # noqa: E402
+
+DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=("torch", "mindspore"),
+                        default=os.environ.get("HP_BACKEND", "torch"),
+                        help="framework (default: $HP_BACKEND, else torch)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks on this machine (default 2)")
+    parser.add_argument("--mesh", metavar="RxS",
+                        help="HSDP: R replicas of S-way sharding, R*S = --nproc (default: "
+                             "FSDP over all ranks)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small",
+                        help="model size (default small, ~13M parameters)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                        help="parameter dtype in forward and backward; gradients are reduced "
+                             "and the optimizer steps in fp32 (default fp32)")
+    parser.add_argument("--eager-init", action="store_true",
+                        help="build the full model before sharding it (default: deferred, on "
+                             "torch's meta device or under MindSpore's no_init_parameters, so "
+                             "a rank only ever allocates its shards)")
+    parser.add_argument("--steps", type=int, default=120, help="last step to train to (default 120)")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="global batch in sequences, split over the ranks (default 8)")
+    parser.add_argument("--seq", type=int, help="sequence length in bytes (default: the size's)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (default 1.0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the batches (default 0)")
+    parser.add_argument("--out", default="runs/train_lm",
+                        help="checkpoints, metrics.json and loss.png go here (default runs/train_lm)")
+    parser.add_argument("--ckpt-every", type=int, default=0, metavar="K",
+                        help="checkpoint every K steps into OUT/step-NNNNN (default 0: only "
+                             "with --ckpt-at-end)")
+    parser.add_argument("--ckpt-at-end", action="store_true", help="checkpoint after the last step")
+    parser.add_argument("--keep", type=int, default=2, help="checkpoints kept (default 2, newest)")
+    parser.add_argument("--resume", metavar="PATH", help="continue from this checkpoint")
+    parser.add_argument("--eval-batches", type=int, default=4,
+                        help="held-out batches per validation (default 4; 0: none)")
+    parser.add_argument("--export", metavar="DIR",
+                        help="write the final weights in the Hugging Face layout to DIR")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="end the job if it runs longer (default: no limit)")
+    args = parser.parse_args(argv)
+    args.seq = args.seq or SIZES[args.size]["seq"]
+    args.mesh_shape = _mesh_shape(parser, args)
+    if args.batch % args.nproc:
+        parser.error(f"--batch {args.batch} must divide over --nproc {args.nproc}: every rank "
+                     f"takes an equal share of each global batch")
+    if args.seq > SIZES[args.size]["seq"]:
+        parser.error(f"--seq {args.seq} is longer than size {args.size}'s rotary tables "
+                     f"({SIZES[args.size]['seq']})")
+    if args.backend == "mindspore" and args.dtype == "bf16":
+        parser.error("--dtype bf16: MindSpore on CPU has no bfloat16 matmul; use --dtype fp16")
+    return args
+
+
+def _mesh_shape(parser, args):
+    if args.mesh is None:
+        return None
+    try:
+        replicas, shards = (int(n) for n in args.mesh.lower().split("x"))
+    except ValueError:
+        parser.error(f"--mesh {args.mesh!r}: expected RxS, e.g. 2x2")
+    if replicas * shards != args.nproc:
+        parser.error(f"--mesh {args.mesh} has {replicas * shards} ranks but --nproc is {args.nproc}")
+    return replicas, shards
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import hyper_parallel as hp
+    from examples.lm.config import hf_config, parameter_count
+    from examples.lm.data import ByteCorpus, rank_rows
+    from examples.lm.progress import plot_losses, progress_line
+
+    hp.init_distributed()
+    platform = hp.get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    if platform.name == "torch":
+        from examples.lm.trainer_torch import Trainer
+    else:
+        from examples.lm.trainer_mindspore import Trainer
+    mesh = None if args.mesh_shape is None else hp.init_device_mesh(
+        platform.device_type(), args.mesh_shape, mesh_dim_names=("replicate", "shard"))
+    mp_policy = hp.MixedPrecisionPolicy(param_dtype=DTYPES[args.dtype],
+                                        reduce_dtype=DTYPES[args.dtype] and "float32")
+    trainer = Trainer(args.size, mesh, mp_policy, not args.eager_init, args.lr,
+                      args.weight_decay, args.clip)
+    corpus = ByteCorpus()
+    history, validation = [], []
+    if args.resume:
+        extra = hp.load_checkpoint(args.resume, trainer.model, trainer.optimizer)
+        _check_resumable(args, extra)
+        history, validation = extra["history"], extra["validation"]
+    start = history[-1]["step"] if history else 0
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"train_lm: {platform.name}, {world} ranks ({_layout(args)}), size {args.size} "
+        f"({parameter_count(args.size) / 1e6:.1f}M parameters), {args.dtype}, "
+        f"{'eager' if args.eager_init else 'deferred'} init, batch {args.batch} x {args.seq} bytes"
+        + (f", resumed at step {start} from {args.resume}" if args.resume else ""), flush=True)
+    began = time.perf_counter()
+    for step in range(start, args.steps):
+        ids, targets = corpus.batch(step, args.batch, args.seq, args.seed)
+        tick = time.perf_counter()
+        loss, grad_norm = trainer.step(rank_rows(ids, rank, world), rank_rows(targets, rank, world))
+        (loss,) = trainer.mean_over_ranks([loss])
+        seconds = time.perf_counter() - tick
+        record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "backend": platform.name,
+                  "tokens_per_s": args.batch * args.seq / seconds,
+                  "memory_mb": trainer.peak_memory_mb(), "elapsed_s": time.perf_counter() - began}
+        history.append(record)
+        say(progress_line(record, args.steps), flush=True)
+        last = step + 1 == args.steps
+        if (args.ckpt_every and (step + 1) % args.ckpt_every == 0) or (last and args.ckpt_at_end):
+            _validate(args, trainer, corpus, rank, world, validation, step + 1, say)
+            _checkpoint(args, hp, trainer, history, validation, step + 1, rank, say)
+        elif last:
+            _validate(args, trainer, corpus, rank, world, validation, step + 1, say)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "metrics.json"), "w") as file:
+            json.dump({"args": _saved_args(args), "history": history, "validation": validation}, file)
+        png = os.path.join(args.out, "loss.png")
+        title = f"train_lm {args.size} on {_layout(args)}, {args.dtype}"
+        say(f"loss curve: {png}" if plot_losses(history, validation, png, title)
+            else "loss curve skipped: matplotlib is not installed (pip install matplotlib)")
+    if args.export:
+        hp.export_full(args.export, trainer.model, config=hf_config(args.size))
+        say(f"exported for from_pretrained: {args.export}")
+    hp.destroy_distributed()
+
+
+def _layout(args) -> str:
+    return f"HSDP {args.mesh}" if args.mesh_shape else f"FSDP {args.nproc}"
+
+
+def _saved_args(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k != "mesh_shape"}
+
+
+def _check_resumable(args, extra) -> None:
+    if not isinstance(extra, dict) or "history" not in extra:
+        raise SystemExit(f"--resume {args.resume}: not a checkpoint of train_lm.py (its extra "
+                         f"data has no training history)")
+    saved = extra["args"]
+    for name in ("size", "seq", "batch", "seed"):
+        if saved[name] != getattr(args, name):
+            raise SystemExit(f"--resume {args.resume}: it was trained with --{name} "
+                             f"{saved[name]}, this run has {getattr(args, name)}; the batches "
+                             f"would not continue the run's. Pass --{name} {saved[name]}")
+    if extra["history"] and extra["history"][-1]["step"] >= args.steps:
+        raise SystemExit(f"--resume {args.resume}: it is at step {extra['history'][-1]['step']}, "
+                         f"past --steps {args.steps}; raise --steps")
+
+
+def _validate(args, trainer, corpus, rank, world, validation, step, say) -> None:
+    if not args.eval_batches:
+        return
+    from examples.lm.data import rank_rows
+
+    losses = []
+    for i in range(args.eval_batches):
+        ids, targets = corpus.batch(i, args.batch, args.seq, args.seed, validation=True)
+        losses.append(trainer.evaluate(rank_rows(ids, rank, world), rank_rows(targets, rank, world)))
+    loss = sum(trainer.mean_over_ranks(losses)) / len(losses)
+    validation.append({"step": step, "loss": loss})
+    say(f"validation at step {step}: loss {loss:.4f}", flush=True)
+
+
+def _checkpoint(args, hp, trainer, history, validation, step, rank, say) -> None:
+    path = os.path.join(args.out, f"step-{step:05d}")
+    tick = time.perf_counter()
+    hp.save_checkpoint(path, trainer.model, trainer.optimizer,
+                       extra={"args": _saved_args(args), "history": history, "validation": validation})
+    say(f"checkpoint: {path} ({time.perf_counter() - tick:.1f} s)", flush=True)
+    if rank == 0 and args.keep > 0:
+        saved = sorted(p for p in Path(args.out).glob("step-*") if p.is_dir())
+        for old in saved[:-args.keep]:
+            shutil.rmtree(old)
+
+
+def main() -> None:
+    args = parse_args()
+    if "RANK" in os.environ:
+        rank_main(args)
+        return
+    command = [sys.executable, "-m", "hyper_parallel.launch", "--nproc", str(args.nproc),
+               "--backend", args.backend]
+    if args.timeout:
+        command += ["--timeout", str(args.timeout)]
+    sys.exit(subprocess.call(command + [__file__, *sys.argv[1:]]))
+
+
+if __name__ == "__main__":
+    main()
