@@ -1,74 +1,76 @@
-"""The benchmark grid: which configurations run, on which models, with which implementations.
+"""The benchmark grids: which configurations run, on which models, with which implementations.
 
-[Note: the grid and its pruning]
-The torch grid has four dimensions: mesh (FSDP on 2 ranks, HSDP on a 2x2 mesh),
-``reshard_after_forward`` (True, False), precision (fp32; bf16 parameters with fp32
-reduction) and model (even 12 x Linear(2048, 2048), ~50M parameters; uneven shapes
-2000/1999/2003, ~48M). The full product is 16 configurations x 4 implementations; on a
-2-core machine a launch of the ~50M model takes 4-70 s, and each configuration launches
-hyper_parallel, FSDP2 and compute-only three times (DEFAULT_ROUNDS), so the product needs
-~45 minutes when the machine is quiet and far more when other work shares it. The default
-("pruned") grid keeps every value of every dimension but varies one dimension at a time
-around the baseline (fp32, even, reshard_after_forward=True): bf16 and the uneven model run
-only with reshard_after_forward=True. That is 4 configurations per mesh, 8 in all (26-45
-minutes with MindSpore, each launch also timing compute-only at its end and each
-hyper_parallel launch the alternated rounds). ``--grid full`` runs the whole product instead.
+[Note: the headline grid]
+``make bench`` runs the headline grid: one launch per configuration, every implementation
+built in the same processes and stepped in alternated rounds (measure.py). torch: FSDP on 2
+ranks and HSDP on a 2 x 2 mesh, fp32 and bf16 (bf16 parameters, fp32 reduction), on the MLP
+(8 x Linear(1536, 1536) + ReLU, 18.9M parameters), and the Llama-shaped decoder
+(examples/lm, size "bench", 25.4M parameters) on FSDP, fp32. MindSpore: FSDP on 2 ranks,
+fp32, on an MLP of 8 x Dense(1024, 1024) (8.4M parameters; MindSpore CPU collectives are
+several times slower than gloo's). The decoder on MindSpore (a launch of over 100 s on 2
+cores) runs in the full grid only. The models are smaller than a real job's:
+every step still moves each parameter through an all-gather and a reduce-scatter, so the
+ratios between implementations measure the same mechanisms.
 
-[Note: shared rows]
-DDP and the compute-only processes do not depend on ``reshard_after_forward``, so a
-configuration that differs from an earlier one only in that setting reuses their
-measurements (run.py keys launches by ``Impl.run_key``); the table marks nothing special,
-the JSON records which launch each number came from.
+[Note: the full grid]
+``--full``: the torch product of mesh (FSDP 2, HSDP 2 x 2), ``reshard_after_forward``
+(True, False), precision (fp32, bf16) and model (12 x Linear(2048, 2048), 50.4M parameters;
+the same with widths 2000 / 1999 / 2003 that no shard size divides), the decoder on both
+meshes and precisions, and MindSpore's MLP (even and uneven widths) and decoder; torch
+configurations add the interleaved floor and the raw collectives, and every configuration
+runs more rounds.
 
 [Note: MindSpore]
-MindSpore CPU collectives are ~9x slower than gloo and PyNative dispatch is slower too, so
-its model is smaller (8 x Dense(1024, 1024), ~8.4M parameters). MindSpore cannot free full
-parameters between forward and backward (docs/platforms.md), so reshard_after_forward=True
-behaves like False there; only FSDP on 2 ranks runs, fp32, even and uneven shapes.
+MindSpore cannot free full parameters between forward and backward (docs/platforms.md), so
+``reshard_after_forward=True`` behaves like False there, and bf16 matmuls do not run on its
+CPU: only FSDP on 2 ranks in fp32 runs.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
-MODELS = {
+from examples.lm.config import SIZES as LM_SIZES
+
+MLP_MODELS = {
     # name: the Linear widths, block i is Linear(dims[i], dims[i+1]) + ReLU
-    "even": [2048] * 13,
-    "uneven": [2000] + [1999, 2003] * 6,
-    "even1k": [1024] * 9,
-    "uneven1k": [1000] + [999, 1003] * 4,
-    "tiny": [64] * 5,
-    "tiny-uneven": [60, 59, 63, 59, 63],
+    "mlp": [1536] * 9,
+    "mlp-large": [2048] * 13,
+    "mlp-large-uneven": [2000] + [1999, 2003] * 6,
+    "mlp1k": [1024] * 9,
+    "mlp1k-uneven": [1000] + [999, 1003] * 4,
+    "mlp-tiny": [64] * 5,
 }
-TINY_OF = {"even": "tiny", "even1k": "tiny", "uneven": "tiny-uneven", "uneven1k": "tiny-uneven"}
+# name: the examples/lm/config.py size of the Llama-shaped decoder
+LM_MODELS = {"lm": "bench", "lm-tiny": "tiny"}
 
-TORCH_IMPLS = ("hp", "fsdp2", "ddp", "compute")
-MINDSPORE_IMPLS = ("hp", "dp", "compute")
+# Phases: the implementations, and the library-free floors (raw_collectives.py), in the
+# order a round steps them: hyper_parallel sits between the phases it is divided by (its
+# reference, and the interleaved floor or DDP), so with the order reversed every other
+# round each ratio compares two consecutive steps.
+TORCH_PHASES = {False: ("ddp", "hp", "fsdp2", "compute"),
+                True: ("ddp", "floor", "hp", "fsdp2", "compute", "raw")}
+MINDSPORE_PHASES = {False: ("hp", "dp", "compute"), True: ("floor", "hp", "dp", "compute", "raw")}
 # The implementation each hyper_parallel time and memory is divided by.
 REFERENCE = {"torch": "fsdp2", "mindspore": "dp"}
-# Launches of hyper_parallel, of its reference and of compute-only per configuration (run.py
-# --rounds). On the 2-core machine a whole launch can run ~20% slower than the same code's
-# other launches in the same run; the median over the pooled steps shrugs off such a launch
-# only while it holds fewer than half the steps, so at least three. MindSpore gets four:
-# its launches are short (~15 s) and swing more (35% seen between two launches).
-DEFAULT_ROUNDS = {"torch": 3, "mindspore": 4}
 IMPL_LABELS = {"hp": "hyper_parallel", "fsdp2": "FSDP2", "ddp": "DDP", "dp": "DP baseline",
-               "compute": "compute-only"}
+               "compute": "compute-only", "floor": "interleaved floor",
+               "raw": "raw collectives"}
 
 
 @dataclass(frozen=True)
 class Config:
     backend: str                 # "torch" or "mindspore"
     mesh: tuple                  # (S,) FSDP or (R, S) HSDP
-    reshard_after_forward: bool
-    precision: str               # "fp32" or "bf16" (torch) / "fp16" (MindSpore)
-    model: str                   # key of MODELS
-    local_batch: int
-    warmup: int
-    steps: int
+    precision: str               # "fp32" or "bf16"
+    model: str                   # key of MLP_MODELS or LM_MODELS
+    local_batch: int             # rows (MLP) or sequences (decoder) per rank and step
+    warmup: int                  # alternated rounds before the measured ones
+    rounds: int                  # measured alternated rounds
     timeout_s: float
     impls: tuple = field(default=())
+    reshard_after_forward: bool = True
 
     @property
     def world_size(self) -> int:
@@ -82,91 +84,75 @@ class Config:
         return len(self.mesh) == 2
 
     @property
+    def is_lm(self) -> bool:
+        return self.model in LM_MODELS
+
+    @property
     def name(self) -> str:
         mesh = f"hsdp{self.mesh[0]}x{self.mesh[1]}" if self.is_hsdp else f"fsdp{self.mesh[0]}"
         backend = "torch" if self.backend == "torch" else "ms"
-        raf = "rafT" if self.reshard_after_forward else "rafF"
-        return f"{backend}-{mesh}-{raf}-{self.precision}-{self.model}"
+        raf = "" if self.reshard_after_forward else "-rafF"
+        return f"{backend}-{mesh}-{self.precision}-{self.model}{raf}"
 
     @property
-    def dims(self) -> list:
-        return MODELS[self.model]
+    def dims(self) -> list | None:
+        return MLP_MODELS.get(self.model)
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        """The global batch's tokens (decoder only)."""
+        if not self.is_lm:
+            return None
+        return self.world_size * self.local_batch * LM_SIZES[LM_MODELS[self.model]]["seq"]
 
     @property
     def param_dtype(self) -> str:
-        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.precision]
-
-    @property
-    def reduce_dtype(self) -> str:
-        return "float32"  # mixed precision here always reduces in fp32
+        return {"fp32": "float32", "bf16": "bfloat16"}[self.precision]
 
     def to_json(self) -> dict:
         out = asdict(self)
         out.update(name=self.name, world_size=self.world_size, dims=self.dims,
-                   param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+                   lm_size=LM_MODELS.get(self.model),
+                   tokens_per_step=self.tokens_per_step, param_dtype=self.param_dtype,
+                   reduce_dtype="float32")
         return out
 
 
-@dataclass(frozen=True)
-class Impl:
-    """One launch: an implementation of one configuration."""
-
-    config: Config
-    impl: str
-
-    @property
-    def run_key(self) -> tuple:
-        """Launches with equal keys measure the same thing (see the note on shared rows)."""
-        c = self.config
-        base = (c.backend, self.impl, c.world_size, c.model, c.precision, c.local_batch,
-                c.warmup, c.steps)
-        if self.impl in ("ddp", "dp", "compute"):
-            return base
-        return base + (c.mesh, c.reshard_after_forward)
+def _torch(mesh, precision, model, *, raf=True, full=False) -> Config:
+    floors = full and model in MLP_MODELS
+    batch = 2 if model in LM_MODELS else 16
+    return Config("torch", mesh, precision, model, local_batch=batch, warmup=2,
+                  rounds=8 if full else 6, timeout_s=600 if full else 240,
+                  impls=TORCH_PHASES[floors], reshard_after_forward=raf)
 
 
-def _torch(mesh, raf, precision, model, *, quick=False) -> Config:
-    if quick:
-        return Config("torch", mesh, raf, precision, model, local_batch=8, warmup=1, steps=2,
-                      timeout_s=90, impls=TORCH_IMPLS)
-    return Config("torch", mesh, raf, precision, model, local_batch=16, warmup=2, steps=6,
-                  timeout_s=420 if len(mesh) == 2 else 300, impls=TORCH_IMPLS)
+def _mindspore(model, *, full=False) -> Config:
+    floors = model in MLP_MODELS
+    batch = 2 if model in LM_MODELS else 16
+    return Config("mindspore", (2,), "fp32", model, local_batch=batch, warmup=2,
+                  rounds=20 if full else 16, timeout_s=600 if full else 240,
+                  impls=MINDSPORE_PHASES[floors])
 
 
-def _mindspore(raf, precision, model, *, quick=False) -> Config:
-    if quick:
-        return Config("mindspore", (2,), raf, precision, model, local_batch=8, warmup=1, steps=2,
-                      timeout_s=120, impls=MINDSPORE_IMPLS)
-    return Config("mindspore", (2,), raf, precision, model, local_batch=16, warmup=2, steps=5,
-                  timeout_s=420, impls=MINDSPORE_IMPLS)
+def _quick(cfg: Config) -> Config:
+    return Config(cfg.backend, cfg.mesh, cfg.precision, cfg.model, cfg.local_batch, warmup=1,
+                  rounds=2, timeout_s=90, impls=cfg.impls)
 
 
 def build_grid(kind: str) -> list[Config]:
-    """``quick`` (smoke test), ``pruned`` (the default, see the note) or ``full``."""
+    """``quick`` (the test's smoke run), ``headline`` (``make bench``) or ``full``."""
     if kind == "quick":
-        return [_torch((2,), True, "fp32", "tiny", quick=True),
-                _mindspore(True, "fp32", "tiny", quick=True)]
-    configs = []
-    for mesh in ((2,), (2, 2)):
-        if kind == "full":
-            for raf, precision, model in itertools.product((True, False), ("fp32", "bf16"),
-                                                           ("even", "uneven")):
-                configs.append(_torch(mesh, raf, precision, model))
-        else:
-            configs += [_torch(mesh, True, "fp32", "even"), _torch(mesh, False, "fp32", "even"),
-                        _torch(mesh, True, "bf16", "even"), _torch(mesh, True, "fp32", "uneven")]
-    configs += [_mindspore(True, "fp32", "even1k"), _mindspore(True, "fp32", "uneven1k")]
-    return configs
-
-
-def shrink(cfg: Config) -> Config:
-    """The same configuration on a tiny model with 1 + 2 steps (``--tiny``: every code path of
-    the grid in a few minutes, for development)."""
-    return replace(cfg, model=TINY_OF.get(cfg.model, cfg.model), local_batch=8, warmup=1, steps=2,
-                   timeout_s=150)
-
-
-PRUNING_NOTE = ("torch grid pruned to fit ~26-45 min on 2 cores: every value of every dimension "
-                "runs, one dimension varied at a time around fp32 / even / "
-                "reshard_after_forward=True (bf16 and the uneven model only with "
-                "reshard_after_forward=True); `--grid full` runs the whole product.")
+        return [_quick(_torch((2,), "fp32", "mlp-tiny", full=True)),
+                _quick(_torch((2,), "fp32", "lm-tiny")),
+                _quick(_mindspore("mlp-tiny"))]
+    if kind == "headline":
+        return ([_torch(mesh, precision, "mlp") for mesh in ((2,), (2, 2))
+                 for precision in ("fp32", "bf16")]
+                + [_torch((2,), "fp32", "lm"), _mindspore("mlp1k")])
+    configs = [_torch(mesh, precision, model, raf=raf, full=True)
+               for mesh, raf, precision, model in itertools.product(
+                   ((2,), (2, 2)), (True, False), ("fp32", "bf16"),
+                   ("mlp-large", "mlp-large-uneven"))]
+    configs += [_torch(mesh, precision, "lm", full=True)
+                for mesh in ((2,), (2, 2)) for precision in ("fp32", "bf16")]
+    return configs + [_mindspore(m, full=True) for m in ("mlp1k", "mlp1k-uneven", "lm")]

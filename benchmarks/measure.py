@@ -1,28 +1,34 @@
-"""Rank-side measurement shared by both frameworks: step timing, peak memory, result files.
+"""Rank-side measurement shared by both frameworks: alternated phases, memory, result files.
 
-[Note: how a step is timed]
-Each rank times its own steps with ``time.perf_counter``. Before every step (warm-up and
-measured) the ranks meet at a barrier outside the timed region, so step i starts together
-on every rank and the parent can take, per step, the maximum over ranks (the slowest rank
-is the step time of a synchronous job), then the median over steps. The step function must
-not return before the step's work is done (MindSpore queues work asynchronously: its step
-ends with a pipeline sync).
+[Note: every implementation in the same processes]
+One launch measures every implementation of a configuration (hyper_parallel, FSDP2, DDP,
+compute-only, ...; a "phase" each). The ranks build each phase's model in turn, then run
+rounds in which every phase steps once, the order reversed every other round (A B C,
+C B A, A B C, ...), each step after a barrier outside the timed region. So the figures
+compared with one another come from the same minutes of the same processes: a slow stretch
+of the machine slows them alike, and a phase is never favoured by always coming first.
+Every phase steps through the same batches in the same order (step i reads batch
+i mod N), so their losses can be compared step by step.
 
-[Note: peak memory]
-Linux keeps a process's resident high-water mark in ``VmHWM`` (/proc/self/status).
-Writing "5" to /proc/self/clear_refs resets it to the current resident size, so resetting
-before the last warm-up step and reading after the measured ones gives the peak of the
-steady state alone: model, gradients, optimizer state, gathered parameters, activations, buffers,
-and the framework's own footprint (the same for every implementation of one framework).
-Before the reset, ``malloc_trim(0)`` returns the pages that setup freed (the unsharded
-model, the numpy initial values) to the OS: without it they stayed resident in glibc's heap
-and the baseline of every sharded run carried ~0.5-1 GB that no implementation uses.
-Allocator retention during the steps is still counted: it is real resident memory. The
-trim hands back pages the steps reuse too, and the step after it faults them in again
-(on torch the first step after the reset took 1.64x its launch's median for compute-only,
-1.15x for FSDP2, 1.09x for hyper_parallel, whether 2 or 4 warm-up steps came before): that
-step is the last warm-up step, so no measured step pays for the measurement.
-Elsewhere (no /proc) the fields are null.
+[Note: peak memory, attributed per phase]
+The phases share one process, so its resident high-water mark (``VmHWM``) alone cannot say
+which phase needed what. Each phase's peak is therefore assembled from three readings, each
+taken after ``malloc_trim`` (which hands the C heap's free pages back to the OS, so the
+resident size counts live memory):
+
+* ``base_mb``: the resident size before any phase is built (framework, process group, data);
+* ``persistent_mb``: how much the resident size grew while the phase was built and took
+  its first step (parameters, optimizer state, buffers the implementation keeps);
+* ``transient_mb``: the high-water mark during one more step, reset just before it
+  (``echo 5 > /proc/self/clear_refs``), above the resident size at the reset (gradients,
+  activations, gathered parameters, communication buffers).
+
+peak = base + persistent + transient, as if the phase ran alone. What a process does once,
+the first time a code path runs (lazy imports, kernel and autograd caches, the process
+group's buffers), would land on whichever phase is built first; so before the base reading
+every phase is built on a tiny model, stepped twice and dropped (priming). The memory step runs
+after the timed rounds: the trim before it makes that step fault its pages back in, which
+would slow a timed step. Elsewhere (no /proc) the fields are null.
 
 [Note: results travel as JSON files]
 A rank writes ``result.<rank>.json`` atomically (write, then rename) and nothing else
@@ -38,7 +44,6 @@ import ctypes
 import gc
 import json
 import os
-import resource
 import sys
 import time
 import traceback
@@ -46,24 +51,12 @@ from pathlib import Path
 
 
 def release_free_memory() -> None:
-    """Collect garbage and hand the C heap's free pages back to the OS (glibc ``malloc_trim``),
-    so the resident size counts live memory, not what setup freed (see the note on memory)."""
+    """Collect garbage and hand the C heap's free pages back to the OS (glibc ``malloc_trim``)."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
-        pass  # not glibc: the baseline keeps whatever the allocator retained
-
-
-def reset_peak_memory() -> bool:
-    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
-    release_free_memory()
-    try:
-        with open("/proc/self/clear_refs", "w") as file:
-            file.write("5")
-        return True
-    except OSError:
-        return False
+        pass  # not glibc: the readings keep whatever the allocator retained
 
 
 def _status_mb(field: str) -> float | None:
@@ -77,99 +70,101 @@ def _status_mb(field: str) -> float | None:
     return None
 
 
-def peak_memory_mb() -> float | None:
-    return _status_mb("VmHWM")
-
-
-def resident_mb() -> float | None:
+def trimmed_resident_mb() -> float | None:
+    release_free_memory()
     return _status_mb("VmRSS")
 
 
-def minor_faults() -> int:
-    """Page faults served without I/O so far in this process: mostly first touches of
-    freshly mapped memory, which the kernel zeroes page by page (the cost of allocating
-    anew what could have been reused)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+        return True
+    except OSError:
+        return False
 
 
-def timed_steps(step, warmup: int, steps: int, barrier=None, measured_context=None) -> dict:
-    """Run ``warmup + steps`` steps; return measured times, losses and peak memory.
-
-    ``step(i)`` runs step i and returns its loss as a float; ``barrier()`` (None for a
-    process without peers) aligns the ranks before each step, outside the timed region.
-    ``measured_context`` (a context manager, e.g. ``hp.track_comms()``) is entered around
-    the measured steps only, after the warm-up. ``cpu_s``: the CPU time of the whole process
-    (every thread: the framework's communication threads too) per measured step;
-    ``main_cpu_s``: the part of it spent by the thread that runs the step (Python, hooks,
-    the kernels it launches), the rest being the framework's own threads;
-    ``minor_faults``: its page faults per measured step (``minor_faults``).
-    """
-    times, cpu, main_cpu, faults, losses = [], [], [], [], []
-    peak_reset = baseline = None
-    for i in range(warmup):
-        if i == warmup - 1:
-            # the reset trims the heap: the next step faults those pages back in, so it is
-            # the last warm-up step, not a measured one (see "peak memory" above)
-            peak_reset, baseline = reset_peak_memory(), resident_mb()
-        if barrier is not None:
-            barrier()
-        losses.append(step(i))
-    if warmup == 0:
-        peak_reset, baseline = reset_peak_memory(), resident_mb()
-    with measured_context if measured_context is not None else contextlib.nullcontext():
-        for i in range(warmup, warmup + steps):
+def alternate(steps: dict, first: int, warmup: int, rounds: int, barrier=None) -> dict:
+    """Run ``warmup + rounds`` rounds in which every phase (``name -> step(i)``, returning its
+    loss) steps once, the order reversed every other round; return the measured rounds'
+    ``times`` (seconds) and process ``cpu`` seconds per phase, every round's ``losses``, and
+    the ``order`` of each measured round."""
+    names = list(steps)
+    out = {"times": {n: [] for n in names}, "cpu": {n: [] for n in names},
+           "losses": {n: [] for n in names}, "order": []}
+    for k in range(warmup + rounds):
+        order = names if k % 2 == 0 else names[::-1]
+        for name in order:
             if barrier is not None:
                 barrier()
-            start_faults = minor_faults()
-            start, start_cpu, start_main = time.perf_counter(), time.process_time(), time.thread_time()
-            loss = step(i)
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-            main_cpu.append(time.thread_time() - start_main)
-            faults.append(minor_faults() - start_faults)
-            losses.append(loss)
-    return {"step_s": times, "cpu_s": cpu, "main_cpu_s": main_cpu, "minor_faults": faults,
-            "losses": losses,
-            "peak_mb": peak_memory_mb() if peak_reset else None,
-            "rss_before_mb": baseline, "rss_after_mb": resident_mb()}
+            start, start_cpu = time.perf_counter(), time.process_time()
+            loss = steps[name](first + k)
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            out["losses"][name].append(loss)
+            if k >= warmup:
+                out["times"][name].append(elapsed)
+                out["cpu"][name].append(cpu)
+        if k >= warmup:
+            out["order"].append(list(order))
+    return out
+
+
+def measure_phases(builders: dict, warmup: int, rounds: int, barrier=None,
+                   counters: dict | None = None, primers: dict | None = None) -> dict:
+    """Build every phase (``name -> build()`` returning its ``step(i)``), take its first step,
+    run the alternated rounds, then one memory step and one counted step per phase.
+
+    ``counters`` maps a phase to a context manager factory ``counter(rows)`` that appends what
+    the step sent (``comm_records`` rows) to ``rows``; the counted step runs last.
+    ``primers`` are builders of the same phases on a tiny model, each built and stepped twice
+    and dropped before anything is measured (the note on peak memory).
+    """
+    for build in (primers or {}).values():
+        step = build()
+        for i in range(2):
+            if barrier is not None:
+                barrier()
+            step(i)
+        del step
+    base = trimmed_resident_mb()
+    steps, persistent, setup_s = {}, {}, {}
+    for name, build in builders.items():
+        before, start = trimmed_resident_mb(), time.perf_counter()
+        steps[name] = build()
+        if barrier is not None:
+            barrier()
+        steps[name](0)
+        setup_s[name] = time.perf_counter() - start
+        after = trimmed_resident_mb()
+        persistent[name] = None if None in (before, after) else after - before
+    result = alternate(steps, 1, warmup, rounds, barrier)
+    index = 1 + warmup + rounds
+    transient = {}
+    for name, step in steps.items():
+        at_reset = trimmed_resident_mb()
+        reset = _reset_peak()
+        if barrier is not None:
+            barrier()
+        step(index)
+        high = _status_mb("VmHWM") if reset else None
+        transient[name] = None if None in (high, at_reset) else max(0.0, high - at_reset)
+    comm = {}
+    for name, counter in (counters or {}).items():
+        rows: list = []
+        if barrier is not None:
+            barrier()
+        with counter(rows):
+            steps[name](index + 1)
+        comm[name] = rows
+    result.update(base_mb=base, persistent_mb=persistent, transient_mb=transient,
+                  setup_s=setup_s, comm=comm)
+    return result
 
 
 def comm_records(stats) -> list[dict]:
     """An ``hp.CommStats`` as JSON rows ``{op, wire, dim, calls, bytes}``."""
     return [{"op": op, "wire": wire, "dim": dim, "calls": rec.calls, "bytes": rec.nbytes}
             for (op, wire, dim), rec in sorted(stats.records.items())]
-
-
-def timed_rounds(round_fn, warmup: int, rounds: int, barrier=None) -> list[float]:
-    """Time ``rounds`` calls of ``round_fn()`` after ``warmup`` untimed ones, each after a
-    barrier (the raw-collectives measurement)."""
-    times = []
-    for i in range(warmup + rounds):
-        if barrier is not None:
-            barrier()
-        start = time.perf_counter()
-        round_fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
-
-
-def alternated(phases: dict, warmup: int, rounds: int, barrier=None) -> dict:
-    """``{name: [seconds]}``: ``rounds`` rounds (after ``warmup``) in which every phase
-    (``name -> fn(i)``) runs once, each after a barrier, the order reversed every other
-    round. Figures that are subtracted from one another are then timed in the same minutes
-    of the same processes, step by step: a slow stretch of the machine slows them alike."""
-    names = list(phases)
-    times: dict = {name: [] for name in names}
-    for i in range(warmup + rounds):
-        for name in (names if i % 2 == 0 else names[::-1]):
-            if barrier is not None:
-                barrier()
-            start = time.perf_counter()
-            phases[name](i)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return times
 
 
 @contextlib.contextmanager

@@ -1,47 +1,33 @@
 """One MindSpore rank of one benchmark launch: ``python benchmarks/rank_mindspore.py JOB.json``.
 
-[Note: the three implementations]
-All three build the same ``Stack`` (blocks of Dense + ReLU) from workload.py's arrays and
-train it with ``mindspore.experimental.optim.SGD`` (momentum 0.9) on the rank's rows of the
-same batches; a step is ``value_and_grad`` + the optimizer, the idiom MindSpore users write:
+[Note: the phases]
+Every phase builds its own copy of the same model (the MLP of workload.py, or the decoder
+of examples/lm) from the same numpy values and trains it with
+``mindspore.experimental.optim.SGD`` (momentum 0.9) on the rank's rows of the same batches;
+a step is ``value_and_grad`` + the optimizer, the idiom MindSpore users write:
 
-* ``hp``: ``hyper_parallel.fully_shard`` on every block, then on the root;
+* ``hp``: ``hyper_parallel.fully_shard`` on every block (decoder layer), then on the root;
 * ``dp``: the plain data-parallel baseline: ``value_and_grad`` on the unsharded model, all
   gradients concatenated into one flat buffer, one ``mint.distributed.all_reduce`` (SUM) of
   it, divided by the world size and split back, then the optimizer;
-* ``compute``: the plain model in a process that joins no group (one per rank, started
-  together, so the CPU is shared as in the distributed runs). Every distributed launch
-  also times it once more at its end (``compute_paired``), and the hp launch then
-  alternates its step with it, the interleaved floor and the raw collectives
-  (``alternated``), as rank_torch.py says.
+* ``compute``: the plain model, no communication;
+* ``floor``: the plain model with the minimal schedule issued from hooks
+  (raw_collectives.py, "the interleaved floor"); ``raw``: that schedule back to back.
 
-[Note: blocking or asynchronous execution]
-By default (``--ms-pipeline blocking``) every implementation runs under
+[Note: blocking execution]
+By default (``--ms-pipeline blocking``) every phase runs under
 ``ms.runtime.launch_blocking()``: on a CPU with about one core per rank, a wait on
-PyNative's asynchronous queue spins a whole core (CPU time = 2x wall time in a plain
-sync of queued matmuls), so each rank starves its own kernel threads, and every
-mid-step wait costs the time of the whole queue. ``--ms-pipeline async`` measures
-MindSpore's default instead.
-
-[Note: asynchronous execution]
-PyNative queues kernels and returns at once; collectives on CPU complete lazily too. A step
-therefore ends with ``_pynative_executor.sync()`` (MindSpore's pipeline sync; a private API,
-with ``loss.asnumpy()`` as fallback), so the time covers the work, not its dispatch. The raw
-collectives end each round with the same sync.
-
-[Note: the composed reduce-scatter]
-MindSpore CPU has no reduce-scatter kernel; the platform composes one (over two ranks an
-exchange of halves by one all-gather, over more an all-reduce of the whole buffer; see
-README.md). The hp launch times, besides the minimal schedule, the schedule's
-reduce-scatters alone and all-gathers of the same sizes: a native reduce-scatter moves the
-same bytes per rank as an all-gather of its input size, so their time ratio is the measured
-cost factor of the composition.
+PyNative's asynchronous queue spins a whole core, so each rank would starve its own kernel
+threads (docs/platforms.md, "Performance on CPU (MindSpore)"); ``--ms-pipeline async``
+measures MindSpore's default instead. A step still
+ends with ``_pynative_executor.sync()`` (MindSpore's pipeline sync; a private API, with
+``loss.asnumpy()`` as fallback), so its time covers the work, not its dispatch.
 """
 
 from __future__ import annotations
 
-import gc
-import time
+import sys
+from pathlib import Path
 
 import measure
 import raw_collectives
@@ -51,7 +37,7 @@ SEED, DATA_SEED, N_BATCHES = 1234, 4321, 4
 LR = 1e-3
 
 
-def _build_model(ms, dims: list):
+def _mlp(ms, dims: list):
     from mindspore import nn, ops
 
     class Block(nn.Cell):
@@ -91,122 +77,51 @@ def _sync(tensor=None) -> None:
             tensor.asnumpy()
 
 
-def run(job: dict, rank: int, world: int) -> dict:
-    import mindspore as ms
+def _workload(ms, hp, cfg: dict, rank: int, world: int):
+    """(build() -> model, units(model) -> the blocks to shard, data, loss(out, target))."""
     from mindspore import ops
 
-    ms.set_device("CPU")
-    ms.set_context(mode=ms.PYNATIVE_MODE, runtime_num_threads=1)
-    if job.get("ms_pipeline", "blocking") == "blocking":
-        ms.runtime.launch_blocking()  # every implementation alike (README: "MindSpore pipeline")
-    cfg, impl = job["config"], job["impl"]
-    dims, mesh_shape = cfg["dims"], tuple(cfg["mesh"])
-    started = time.perf_counter()
-    hp = msdist = None
-    if impl != "compute":
-        from mindspore.mint import distributed as msdist
+    if cfg["lm_size"] is None:
+        dims = cfg["dims"]
+        data = [(ms.Tensor(workload.local_rows(x, rank, world)),
+                 ms.Tensor(workload.local_rows(y, rank, world)))
+                for x, y in workload.batches(N_BATCHES, cfg["local_batch"] * world, dims[0],
+                                             dims[-1], DATA_SEED)]
+        return (lambda: _mlp(ms, dims), lambda m: list(m.blocks), data,
+                lambda out, y: ((out.astype(ms.float32) - y) ** 2).mean())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ at the repo root
+    from examples.lm.config import SIZES, VOCAB
+    from examples.lm.model_mindspore import build
 
-        import hyper_parallel as hp
+    size = cfg["lm_size"]
+    data = []
+    for ids in workload.token_batches(N_BATCHES, cfg["local_batch"] * world, SIZES[size]["seq"],
+                                      VOCAB, DATA_SEED):
+        local = workload.local_rows(ids, rank, world).astype("int32")
+        data.append((ms.Tensor(local[:, :-1].copy()), ms.Tensor(local[:, 1:].copy())))
 
-        hp.init_distributed(timeout_s=job["comm_timeout_s"])
-    model = _build_model(ms, dims)
-    hp_mesh = None
-    if impl == "hp":
-        hp_mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("shard",))
-        mp = (hp.MixedPrecisionPolicy(param_dtype=cfg["param_dtype"], reduce_dtype="float32")
-              if cfg["precision"] != "fp32" else hp.MixedPrecisionPolicy())
-        for block in model.blocks:
-            hp.fully_shard(block, mesh=hp_mesh, reshard_after_forward=cfg["reshard_after_forward"],
-                           mp_policy=mp)
-        hp.fully_shard(model, mesh=hp_mesh, reshard_after_forward=cfg["reshard_after_forward"],
-                       mp_policy=mp)
-    params = [p for p in model.trainable_params() if p.requires_grad]
-    shapes = [tuple(p.shape) for p in params]
-    sizes = [int(p.size) for p in params]
-    data = [(ms.Tensor(workload.local_rows(x, rank, world)), ms.Tensor(workload.local_rows(y, rank, world)))
-            for x, y in workload.batches(N_BATCHES, cfg["local_batch"] * world, dims[0], dims[-1],
-                                         DATA_SEED)]
+    def loss(logits, target):
+        return ops.cross_entropy(logits.astype(ms.float32).reshape(-1, VOCAB), target.reshape(-1))
 
-    def all_reduce_mean(grads):
-        flat = ops.cat([g.reshape(-1) for g in grads])
-        msdist.all_reduce(flat, op="sum")
-        flat = flat / world
-        out, offset = [], 0
-        for shape, size in zip(shapes, sizes):
-            out.append(flat[offset:offset + size].reshape(shape))
-            offset += size
-        return tuple(out)
-
-    step = _step_fn(ms, model, data, all_reduce_mean if impl == "dp" else None)
-    gc.collect()
-    setup_s = time.perf_counter() - started
-
-    barrier = hp.get_platform().barrier if hp is not None else None
-    result = {"impl": impl, "setup_s": setup_s}
-    counted: list = []
-    context = None
-    if impl == "hp":
-        context = measure.track_into(hp, counted)
-        result["comm_source"] = "hp.track_comms"
-    result["timing"] = measure.timed_steps(step, cfg["warmup"], cfg["steps"], barrier,
-                                           measured_context=context)
-    result["comm_steps"] = cfg["steps"]
-    if impl == "hp":
-        result["comm"] = counted
-    if impl == "dp":
-        result["comm"] = [{"op": "all_reduce", "wire": "all_reduce", "dim": "",
-                           "calls": cfg["steps"], "bytes": sum(sizes) * 4 * cfg["steps"]}]
-        result["comm_source"] = "one all_reduce of the flat fp32 gradients per step"
-        result["raw"] = raw_collectives.time_schedule(hp, job["schedule"], {"": (None, world)}, 1,
-                                                      cfg["steps"], barrier, finish=_sync)
-    elif impl == "hp":
-        groups = {"shard": (hp_mesh.get_group("shard"), hp_mesh.size("shard"))}
-        result["raw"] = raw_collectives.time_schedule(hp, job["schedule"], groups, 1, cfg["steps"],
-                                                      barrier, finish=_sync)
-        scatters = [e for e in job["schedule"] if e["op"] == "reduce_scatter"]
-        same_size_gathers = [dict(e, op="all_gather") for e in scatters]
-        result["raw_reduce_scatters"] = raw_collectives.time_schedule(
-            hp, scatters, groups, 1, cfg["steps"], barrier, finish=_sync)
-        result["raw_same_size_all_gathers"] = raw_collectives.time_schedule(
-            hp, same_size_gathers, groups, 1, cfg["steps"], barrier, finish=_sync)
-    if impl != "compute":
-        # the implementation's model, all of it, goes before the plain one; hp's lives on in
-        # its step for the alternation
-        library_step = step if impl == "hp" else None
-        step = model = params = None
-        gc.collect()
-        compute_step = _step_fn(ms, _build_model(ms, dims), data)
-        result["compute_paired"] = measure.timed_steps(compute_step, cfg["warmup"], cfg["steps"],
-                                                       barrier)
-        if impl == "hp":
-            floor = _build_model(ms, dims)
-
-            def make_floor_step(after_backward):
-                def last_collectives(grads):  # between value_and_grad and the optimizer
-                    after_backward()
-                    return grads
-                return _step_fn(ms, floor, data, last_collectives)
-
-            result.update(raw_collectives.alternate_with_floor(
-                hp, job["schedule"], groups, library_step, compute_step, floor, make_floor_step,
-                cfg["steps"], barrier, finish=_sync))
-        hp.destroy_distributed()
-    return result
+    return (lambda: build(size, hp.get_platform()), lambda m: list(m.model.layers), data, loss)
 
 
-def _step_fn(ms, model, data: list, reduce_grads=None):
-    """The timed step of every implementation: ``value_and_grad`` of the loss, the
-    gradients through ``reduce_grads`` (the DP baseline's all-reduce; the interleaved
-    floor's last collectives), the optimizer, then a pipeline sync so the time covers the
-    work."""
+def _tiny(cfg: dict) -> dict:
+    """The same configuration on a tiny model of the same kind (measure.py's priming)."""
+    return dict(cfg, dims=None, lm_size="tiny") if cfg["lm_size"] else dict(cfg, dims=[64] * 5)
+
+
+def _step_fn(ms, model, data: list, loss_fn, reduce_grads=None):
+    """The timed step of every phase: ``value_and_grad`` of the loss, the gradients through
+    ``reduce_grads`` (the DP baseline's all-reduce; the interleaved floor's last
+    collectives), the optimizer, then a pipeline sync so the time covers the work."""
     from mindspore.experimental.optim import SGD
 
     params = [p for p in model.trainable_params() if p.requires_grad]
     opt = SGD(params, lr=LR, momentum=0.9)
 
     def forward(x, y):
-        out = model(x)
-        return ((out.astype(ms.float32) - y) ** 2).mean()
+        return loss_fn(model(x), y)
 
     grad_fn = ms.value_and_grad(forward, None, opt.parameters)
 
@@ -220,6 +135,79 @@ def _step_fn(ms, model, data: list, reduce_grads=None):
         return float(loss.asnumpy())
 
     return step
+
+
+def run(job: dict, rank: int, world: int) -> dict:
+    import mindspore as ms
+    from mindspore import ops
+    from mindspore.mint import distributed as msdist
+
+    import hyper_parallel as hp
+
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.PYNATIVE_MODE, runtime_num_threads=1)
+    if job["ms_pipeline"] == "blocking":  # every phase alike (the note on blocking execution)
+        ms.runtime.launch_blocking()
+    hp.init_distributed(timeout_s=job["comm_timeout_s"])
+    cfg = job["config"]
+    hp_mesh = hp.init_device_mesh("cpu", tuple(cfg["mesh"]), mesh_dim_names=("shard",))
+    groups = {"shard": (hp_mesh.get_group("shard"), hp_mesh.size("shard"))}
+
+    def make(build_model, units, data, loss_fn):
+        """The builders of every phase on one workload (``_workload``)."""
+
+        def build_hp():
+            model = build_model()
+            for unit in units(model) + [model]:
+                hp.fully_shard(unit, mesh=hp_mesh)
+            return _step_fn(ms, model, data, loss_fn)
+
+        def build_dp():
+            model = build_model()
+            params = [p for p in model.trainable_params() if p.requires_grad]
+            shapes, sizes = [tuple(p.shape) for p in params], [int(p.size) for p in params]
+
+            def all_reduce_mean(grads):
+                flat = ops.cat([g.reshape(-1) for g in grads])
+                msdist.all_reduce(flat, op="sum")
+                flat = flat / world
+                out, offset = [], 0
+                for shape, size in zip(shapes, sizes):
+                    out.append(flat[offset:offset + size].reshape(shape))
+                    offset += size
+                return tuple(out)
+
+            return _step_fn(ms, model, data, loss_fn, all_reduce_mean)
+
+        def build_floor():
+            model = build_model()
+
+            def make_step(after_backward):
+                def last_collectives(grads):  # between value_and_grad and the optimizer
+                    after_backward()
+                    return grads
+                return _step_fn(ms, model, data, loss_fn, last_collectives)
+
+            return raw_collectives.interleaved_step(hp, model, job["schedule"], groups, make_step)
+
+        def build_raw():
+            one_round = raw_collectives.round_fn(hp, job["schedule"], groups, finish=_sync)
+            return lambda i: one_round() or 0.0
+
+        return {"hp": build_hp, "dp": build_dp,
+                "compute": lambda: _step_fn(ms, build_model(), data, loss_fn),
+                "floor": build_floor, "raw": build_raw}
+
+    counters = {name: (lambda rows: measure.track_into(hp, rows)) for name in ("hp", "floor")}
+    impls = cfg["impls"]
+    builders = make(*_workload(ms, hp, cfg, rank, world))
+    tiny = make(*_workload(ms, hp, _tiny(cfg), rank, world))
+    result = measure.measure_phases(
+        {i: builders[i] for i in impls}, cfg["warmup"], cfg["rounds"], hp.get_platform().barrier,
+        {i: c for i, c in counters.items() if i in impls},
+        primers={i: tiny[i] for i in impls if i not in ("floor", "raw")})
+    hp.destroy_distributed()
+    return result
 
 
 if __name__ == "__main__":

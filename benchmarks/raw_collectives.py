@@ -1,75 +1,33 @@
-"""The communication floor of a step: its collectives issued back to back, with no compute.
+"""The communication floors of a step: its minimal collectives with no library around them.
 
-[Note: what "raw collectives" means]
-``time_schedule`` takes a schedule from workload.py (the minimal collectives of one step,
-in issue order and at their real sizes) and issues it through the hyper_parallel platform
+[Note: raw collectives]
+``round_fn`` takes a schedule from workload.py (the minimal collectives of one step, in
+issue order and at their real sizes) and issues it through the hyper_parallel platform
 primitives (``all_gather_into``, ``reduce_scatter``, ``all_reduce``) on zero-filled flat
 buffers made with ``platform.zeros``, each call synchronous, nothing else in between. One
-round is one step's worth. Its median time is what the step's communication costs when
-nothing overlaps it and no library code runs around it, so
-
-    overhead = step - (compute-only step + raw collectives)
-
-is the time an implementation spends beyond compute and the unavoidable communication:
-Python work, copies, allocation, waiting. Overlap of communication with compute makes it
-negative. On MindSpore CPU the primitives are the platform's composed ones (the
-reduce-scatter an exchange by one all-gather over two ranks, an all-reduce over more; the
-all-gather's output copied into the caller's buffer), so this floor is the platform's, not
-an ideal network's.
+round is one step's worth: what the step's communication costs when nothing overlaps it and
+no library code runs around it. On MindSpore CPU the primitives are the platform's composed
+ones (the reduce-scatter an exchange by one all-gather over two ranks, an all-reduce over
+more), so this floor is the platform's, not an ideal network's.
 
 [Note: the interleaved floor]
 Back to back, the collectives run with nothing between them; in a step each sits between
 two blocks' compute, and where a collective cannot overlap compute (MindSpore CPU: one
-kernel pipeline) every switch can cost something no library code causes: waking the
+kernel pipeline) every switch costs something no library code causes: waking the
 communication threads, the peer arriving late, caches the compute evicted. The
-interleaved floor measures that: the plain model (no library) steps with the same
-schedule issued from hooks where the step needs it (``unit_issuers``: a unit's forward
-all-gather before its forward, a re-gather before its backward, its reduce-scatter and
-all-reduce after it), each collective synchronous on these zero buffers. So
-
-    step - interleaved floor
-
-is what the library adds beyond compute, the minimal communication and the cost of
-placing it between the compute, and ``interleaved floor - (compute + raw collectives)`` is
-that placing cost itself (analysis.py, "alternated overhead", where the three are timed
-round by round).
-
-Each round's CPU time (the whole process, communication threads included, and the calling
-thread's alone) is kept too: collectives that keep the CPU busy cannot be hidden behind
-compute on a machine whose cores the ranks already fill (analysis.py, "CPU overhead").
+interleaved floor is the plain model (no library) stepped with the same schedule issued
+from hooks where the step needs it (``unit_issuers``: a unit's forward all-gather before
+its forward, a re-gather before its backward, its reduce-scatter and all-reduce after it),
+each collective synchronous on these zero buffers. So ``step / interleaved floor - 1`` is
+what the library adds beyond compute, the minimal communication and the cost of placing it
+between the compute (analysis.py, "library cost"). Where the library overlaps
+communication with compute (torch), the step can beat the floor.
 
 Buffers are allocated once per distinct (op, size, dtype, dim) and reused by every call of
 that shape: the calls are synchronous, so sharing is safe and the memory stays small.
 """
 
 from __future__ import annotations
-
-import time
-
-import measure
-
-
-def time_schedule(hp, schedule: list[dict], groups: dict, warmup: int, rounds: int,
-                  barrier=None, finish=None) -> dict:
-    """Time ``rounds`` rounds of ``schedule``; also count what they sent with track_comms.
-
-    ``groups`` maps a schedule dim ("shard", "replicate", "") to ``(group, group_size)``;
-    ``finish()`` (MindSpore) waits for queued work at the end of each round.
-    """
-    one_round = round_fn(hp, schedule, groups, finish)
-    cpu, main_cpu = [], []
-
-    def cpu_timed_round():
-        start, start_main = time.process_time(), time.thread_time()
-        one_round()
-        cpu.append(time.process_time() - start)
-        main_cpu.append(time.thread_time() - start_main)
-
-    with hp.track_comms() as window:
-        times = measure.timed_rounds(cpu_timed_round, warmup, rounds, barrier)
-    return {"round_s": times, "round_cpu_s": cpu[warmup:], "round_main_cpu_s": main_cpu[warmup:],
-            "rounds_counted": warmup + rounds,
-            "comm": measure.comm_records(window)}
 
 
 def round_fn(hp, schedule: list[dict], groups: dict, finish=None):
@@ -88,7 +46,7 @@ def round_fn(hp, schedule: list[dict], groups: dict, finish=None):
 def unit_issuers(hp, schedule: list[dict], groups: dict) -> dict:
     """``{(unit, phase): issue()}`` for the interleaved floor: each issues, synchronously,
     the entries of ``schedule`` that belong to that unit and phase (workload.py), on zero
-    buffers shared the same way as ``time_schedule``'s."""
+    buffers shared the same way as ``round_fn``'s."""
     p, buffers, by_place = hp.get_platform(), {}, {}
     for entry in schedule:
         by_place.setdefault((entry["unit"], entry["phase"]), []).append(entry)
@@ -162,24 +120,5 @@ def interleave(model, issuers: dict):
 def interleaved_step(hp, model, schedule: list[dict], groups: dict, make_step):
     """The interleaved floor's step: ``make_step(after_backward)`` is the framework's step
     of the plain ``model``, which must call ``after_backward()`` between backward and the
-    optimizer; ``schedule`` is hooked into ``model`` (``interleave``). Returns the step
-    and what one step sends (``comm`` rows), to be checked against the library's step."""
-    step = make_step(interleave(model, unit_issuers(hp, schedule, groups)))
-    counted: list = []
-    with measure.track_into(hp, counted):
-        step(0)
-    return step, counted
-
-
-def alternate_with_floor(hp, schedule: list[dict], groups: dict, library_step, compute_step,
-                         floor, make_floor_step, rounds: int, barrier=None, finish=None) -> dict:
-    """The alternated rounds (analysis.py, "alternated overhead"): the library's step, the
-    compute-only step, the interleaved floor's step (``interleaved_step`` on the plain
-    model ``floor``) and one round of raw collectives, ``rounds`` times after a warm-up round.
-    Returns ``{"alternated": {name: [seconds]}, "interleaved_comm": rows}``."""
-    floor_step, floor_comm = interleaved_step(hp, floor, schedule, groups, make_floor_step)
-    raw_round = round_fn(hp, schedule, groups, finish)
-    times = measure.alternated({"step": library_step, "compute": compute_step,
-                                "interleaved": floor_step, "raw": lambda i: raw_round()},
-                               1, rounds, barrier)
-    return {"alternated": times, "interleaved_comm": floor_comm}
+    optimizer; ``schedule`` is hooked into ``model`` (``interleave``)."""
+    return make_step(interleave(model, unit_issuers(hp, schedule, groups)))

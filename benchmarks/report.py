@@ -1,13 +1,12 @@
 """Rendering a benchmark run: the markdown tables, the JSON file and the PNG plot.
 
 [Note: two tables]
-The summary table has one row per configuration: hyper_parallel against the reference
-(FSDP2 on torch, the DP baseline on MindSpore) in time and memory, DDP and the compute-only
-step beside them, hyper_parallel's bytes per collective against the minimum, its raw
-collectives, overhead (and how much of it is the library's own, against the interleaved
-floor) and exposed communication. The detail table has one row per
-implementation of each configuration, so FSDP2's and DDP's overhead and bytes can be read
-the same way. Ratios > 1 mean hyper_parallel is slower / bigger / sends more.
+The headline table has one row per configuration: hyper_parallel's step against the
+reference (FSDP2 on torch, the DP baseline on MindSpore) and DDP, in time and memory, the
+decoder's tokens/s, and, where the interleaved floor ran, the library's cost beyond it
+next to the floor itself. The detail table has one row per phase of each configuration.
+Every figure is a median over alternated rounds with its interquartile range in brackets;
+ratios > 1 mean hyper_parallel is slower / bigger.
 
 [Note: the plot is optional]
 matplotlib is imported only here and only when the PNG is written; without it the run
@@ -22,205 +21,123 @@ from pathlib import Path
 import configs
 
 
-def _ms(seconds) -> str:
-    return "—" if seconds is None else f"{seconds * 1000:.0f}"
+def _ms(value) -> str:
+    return "—" if value is None else f"{value * 1000:.0f}"
 
 
-def _ratio(value) -> str:
-    return "—" if value is None else f"{value:.2f}"
-
-
-def _mb(value) -> str:
-    return "—" if value is None else f"{value:.0f}"
-
-
-def _bytes_ratios(fig: dict) -> dict:
-    """``{"AG": "1.00", "RS": ..., "AR": ...}`` for the table (several dims joined by /)."""
-    out = {}
-    for op, short in (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "AR")):
-        per_dim = fig.get("bytes_vs_min", {}).get(op, {})
-        out[short] = "/".join(_ratio(v) for _, v in sorted(per_dim.items())) if per_dim else "—"
-    return out
-
-
-def _overhead(fig: dict, kind: str = "") -> str:
-    if fig.get(f"{kind}overhead_s") is None:
+def _with_iqr(fig: dict | None, scale: float = 1000.0, digits: int = 0, suffix: str = "") -> str:
+    """``median [q1–q3]`` of a ``spread`` dict."""
+    if not fig:
         return "—"
-    return f"{fig[f'{kind}overhead_s'] * 1000:.0f} ({fig[f'{kind}overhead_pct']:+.0f}%)"
+    f = f"{{:.{digits}f}}"
+    return (f"{f.format(fig['median'] * scale)}{suffix} "
+            f"[{f.format(fig['q1'] * scale)}–{f.format(fig['q3'] * scale)}]")
 
 
-def _alternated_times(fig: dict) -> str:
-    if fig.get("alternated_step_s") is None:
-        return "—"
-    return " / ".join(_ms(fig[k]) for k in ("alternated_step_s", "alternated_compute_s",
-                                            "alternated_raw_s", "interleaved_s"))
+def _ratio(fig: dict | None) -> str:
+    return _with_iqr(fig, scale=1.0, digits=2)
 
 
-def _interleave_cost(fig: dict) -> str:
-    if fig.get("interleave_cost_s") is None:
-        return "—"
-    return f"{fig['interleave_cost_s'] * 1000:.0f} ({fig['interleave_cost_pct']:+.0f}%)"
+def _num(value, digits: int = 0) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
 
 
-def _overhead_with_rounds(fig: dict, kind: str = "") -> str:
-    """The pooled overhead and, after several launches, each launch's own (its noise)."""
-    per_round = fig.get(f"{kind}overhead_pct_per_round")
-    if not per_round or len(per_round) < 2:
-        return _overhead(fig, kind)
-    return f"{_overhead(fig, kind)}; rounds {' / '.join(f'{v:+.0f}%' for v in per_round)}"
+def _tokens(figs: dict, impl: str) -> str:
+    return _num(figs["phases"].get(impl, {}).get("tokens_per_s"))
 
 
-def _spread(fig: dict) -> str:
-    return "—" if fig.get("round_spread_pct") is None else f"{fig['round_spread_pct']:.0f}%"
-
-
-def _cpu_split(fig: dict) -> str:
-    if fig.get("cpu_overhead_main_s") is None:
-        return "—"
-    return f"{_ms(fig['cpu_overhead_main_s'])} / {_ms(fig['cpu_overhead_threads_s'])}"
-
-
-def _share(fig: dict) -> str:
-    return "—" if fig.get("raw_cpu_per_wall") is None else f"{fig['raw_cpu_per_wall']:.2f}"
-
-
-def summary_table(doc: dict) -> str:
-    head = ("| configuration | ranks | hp step ms | ref | ref step ms | **hp/ref time** | DDP ms | "
-            "compute ms | hp peak MB | ref peak MB | **hp/ref mem** | hp AG/min | hp RS/min | "
-            "hp AR/min | raw coll ms | hp overhead ms (% step) | "
-            "hp overhead, same-launch compute ms (% step) | hp overhead, alternated ms (% step) | "
-            "hp interleave cost ms (% step) | **hp library overhead ms (% step)** | "
-            "hp CPU overhead ms (% step CPU) | "
-            "hp exposed ms | hp round spread |")
+def headline_table(doc: dict) -> str:
+    head = ("| configuration | hp step ms | reference | ref step ms | **hp / ref time** | "
+            "hp / DDP time | hp / ref peak memory | tokens/s hp / ref | "
+            "interleaved floor ms | **hp library cost beyond the floor** |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in doc["configurations"]:
-        cfg, figs = row["config"], row["figures"]
-        ref_name = configs.REFERENCE[cfg["backend"]]
-        hp, ref = figs.get("hp", {}), figs.get(ref_name, {})
-        ratios = _bytes_ratios(hp)
+        cfg = row["config"]
+        ref = configs.REFERENCE[cfg["backend"]]
+        if "error" in row:
+            lines.append(f"| {cfg['name']} | FAILED |" + " |" * (head.count("|") - 3))
+            continue
+        figs = row["figures"]
+        phases, ratios = figs["phases"], figs["ratios"]
+        cost = figs.get("library_cost_pct")
+        tokens = (f"{_tokens(figs, 'hp')} / {_tokens(figs, ref)}" if cfg.get("tokens_per_step")
+                  else "—")
         lines.append("| " + " | ".join([
-            cfg["name"], str(cfg["world_size"]),
-            _err_or(hp, _ms(hp.get("step_s"))), configs.IMPL_LABELS[ref_name],
-            _err_or(ref, _ms(ref.get("step_s"))), _ratio(hp.get("step_vs_ref")),
-            _ms(figs.get("ddp", {}).get("step_s")), _ms(figs.get("compute", {}).get("step_s")),
-            _mb(hp.get("peak_mb")), _mb(ref.get("peak_mb")), _ratio(hp.get("peak_vs_ref")),
-            ratios["AG"], ratios["RS"], ratios["AR"], _ms(hp.get("raw_collectives_s")),
-            _overhead_with_rounds(hp), _overhead_with_rounds(hp, "paired_"),
-            _overhead_with_rounds(hp, "alternated_"), _interleave_cost(hp),
-            _overhead_with_rounds(hp, "library_"), _overhead(hp, "cpu_"),
-            _ms(hp.get("exposed_comm_s")), _spread(hp),
+            cfg["name"], _with_iqr(phases["hp"]["step"]), configs.IMPL_LABELS[ref],
+            _with_iqr(phases[ref]["step"]), _ratio(ratios.get(f"hp_vs_{ref}")),
+            _ratio(ratios.get("hp_vs_ddp")), _num(figs.get("peak_hp_vs_ref"), 2), tokens,
+            _with_iqr(phases.get("floor", {}).get("step")),
+            _with_iqr(cost, scale=1.0, digits=1, suffix="%") if cost else "—",
         ]) + " |")
     return "\n".join(lines)
 
 
+def _bytes_ratios(figs: dict, impl: str) -> str:
+    """``AG / RS / AR`` bytes against the minimum (several mesh dims joined by ``+``)."""
+    per_op = figs.get("bytes_vs_min", {}).get(impl)
+    if not per_op:
+        return "—"
+    parts = []
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        dims = per_op.get(op, {})
+        parts.append("+".join(_num(v, 2) for _, v in sorted(dims.items())) if dims else "—")
+    return " / ".join(parts)
+
+
+def _display_order(phases: dict) -> list:
+    """hyper_parallel, then the others in IMPL_LABELS order (whatever order they ran in)."""
+    return [name for name in configs.IMPL_LABELS if name in phases]
+
+
 def detail_table(doc: dict) -> str:
-    head = ("| configuration | implementation | step ms | vs ref | peak MB | vs ref | compute ms | "
-            "raw coll ms | overhead ms (% step) | same-launch compute ms | "
-            "overhead, same-launch compute ms (% step) | alternated: step / compute / raw / "
-            "interleaved floor ms | overhead, alternated ms (% step) | interleave cost ms (% step) | "
-            "library overhead ms (% step) | step CPU ms | "
-            "CPU overhead ms (% step CPU) | "
-            "CPU overhead: stepping thread / other threads ms | raw CPU/wall | exposed ms | "
-            "AG/min | RS/min | AR/min | loss Δ vs ref |")
+    head = ("| configuration | phase | step ms | step CPU ms | peak MB | tokens/s | "
+            "bytes / minimum (AG / RS / AR) | loss Δ vs ref | setup s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in doc["configurations"]:
+        if "error" in row:
+            continue
         cfg, figs = row["config"], row["figures"]
-        for impl in cfg["impls"]:
-            fig = figs.get(impl, {})
-            ratios = _bytes_ratios(fig)
-            loss = fig.get("loss_rel_diff_vs_ref")
+        for impl in _display_order(figs["phases"]):
+            fig = figs["phases"][impl]
+            loss = figs["loss_rel_diff_vs_ref"].get(impl)
             lines.append("| " + " | ".join([
-                cfg["name"], configs.IMPL_LABELS[impl], _err_or(fig, _ms(fig.get("step_s"))),
-                _ratio(fig.get("step_vs_ref")), _mb(fig.get("peak_mb")), _ratio(fig.get("peak_vs_ref")),
-                _ms(fig.get("compute_s")), _ms(fig.get("raw_collectives_s")), _overhead(fig),
-                _ms(fig.get("compute_paired_s")), _overhead(fig, "paired_"),
-                _alternated_times(fig), _overhead(fig, "alternated_"), _interleave_cost(fig),
-                _overhead(fig, "library_"),
-                _ms(fig.get("step_cpu_s")), _overhead(fig, "cpu_"), _cpu_split(fig), _share(fig),
-                _ms(fig.get("exposed_comm_s")), ratios["AG"], ratios["RS"], ratios["AR"],
-                "—" if loss is None else f"{loss:.1e}",
+                cfg["name"], configs.IMPL_LABELS[impl], _with_iqr(fig["step"]), _ms(fig["cpu_s"]),
+                _num(fig["peak_mb"]), _num(fig.get("tokens_per_s")), _bytes_ratios(figs, impl),
+                "—" if loss is None else f"{loss:.1e}", _num(figs["setup_s"][impl], 1),
             ]) + " |")
     return "\n".join(lines)
 
 
-def _err_or(fig: dict, text: str) -> str:
-    return "FAILED" if "error" in fig else text
-
-
 def notes(doc: dict) -> str:
-    """The lines printed under the tables: machine, grid, MindSpore's composed reduce-scatter."""
+    """The lines printed under the tables: machine, method, failures."""
     env = doc["environment"]
-    lines = [f"- machine: {env['cpu_count']} cores (os.cpu_count()), {env['platform']}; "
-             f"torch {env['versions'].get('torch')}, mindspore {env['versions'].get('mindspore')}, "
-             f"hyper_parallel {env['versions'].get('hyper_parallel')}"
-             f"{_library_note(doc)}; wall time "
-             f"{doc['wall_s']:.0f} s; grid: {doc['grid']}; ranks "
-             f"{'bound to cores (each launch, every implementation)' if env.get('bind_cores') else 'not bound to cores'}",
-             "- ref = FSDP2 (torch) or the DP baseline (MindSpore); ratios > 1: hyper_parallel "
-             "slower / bigger / more bytes. AG/RS/AR = bytes per step / theoretical minimum "
-             "(HSDP RS/AR are over 'shard'/'replicate').",
-             "- overhead = step − (compute + raw collectives); negative = communication "
-             "overlapped with compute. exposed = step − compute. Raw collectives: every "
-             "hyper_parallel launch times them after its steps, pooled over the launches; "
-             "'rounds' (summary table): each launch's median step against its own raw "
-             "collectives, in launch order. Same-launch compute: compute-only stepped again at "
-             "the end of each distributed launch, in its processes; that overhead subtracts it "
-             "instead of the separate compute-only launches' (per round: each launch against "
-             "its own compute and raw collectives).",
-             "- alternated: each hyper_parallel launch ends with rounds in which its step, the "
-             "compute-only step, the interleaved floor's step and a round of raw collectives "
-             "run one after the other; the overhead is the median over rounds of each round's "
-             "step − (compute + raw collectives), so its terms come from the same minutes. "
-             "Interleaved floor: the plain model with the minimal collectives issued from hooks "
-             "where the step needs them (synchronous, no library code). interleave cost = floor "
-             "− (compute + raw collectives): what placing the collectives between the compute "
-             "costs by itself; library overhead = step − floor: hyper_parallel's own cost "
-             "(negative where it overlaps communication with compute).",
-             "- CPU overhead = step CPU − (compute CPU + raw collectives CPU), per rank, CPU time of "
-             "the whole process: the work an implementation adds, without the effect of ranks "
-             "sharing cores. raw CPU/wall: cores a rank keeps busy during the raw collectives "
-             f"({env['cpu_count']} cores here); near the cores each rank has, communication "
-             "cannot hide behind compute. Detail table: the CPU overhead split between the "
-             "thread that runs the step (hooks, copies, scaling, issuing collectives) and the "
-             "framework's other threads (communication).",
-             "- round spread: how far hyper_parallel's own launches of one configuration "
-             "disagree (slowest minus fastest launch median, % of the pooled step): the noise "
-             "of this run.",
-             f"- MindSpore pipeline: {env.get('mindspore_pipeline', 'async')} for every MindSpore "
-             f"implementation alike (benchmarks/README.md, 'MindSpore pipeline')"]
-    if doc.get("grid_note"):
-        lines.append(f"- {doc['grid_note']}")
+    lines = [f"- {doc['date'][:10]}, {env['cpu_count']} cores (os.cpu_count()), "
+             f"{env['platform']}; torch {env['versions'].get('torch')}, mindspore "
+             f"{env['versions'].get('mindspore')}; {doc['grid']} grid, wall time "
+             f"{doc['wall_s']:.0f} s; ranks "
+             f"{'bound to cores' if env.get('bind_cores') else 'not bound to cores'}; MindSpore "
+             f"pipeline {env.get('mindspore_pipeline')}",
+             "- one launch per configuration, every implementation in the same processes, "
+             "steps alternated round by round (A B C, C B A, ...); each figure the median over "
+             "rounds of the max over ranks, [the interquartile range over rounds]; ratios are "
+             "per-round ratios, then their median [IQR]",
+             "- library cost = hp step / interleaved floor − 1, the floor being the plain model "
+             "with the minimal collectives issued from hooks where the step needs them (no "
+             "library code)"]
     for row in doc["configurations"]:
-        factor = row["figures"].get("hp", {}).get("composed_reduce_scatter")
-        if factor and "sent_bytes_factor" in factor:
-            text = (f"- {row['config']['name']}: reduce-scatter runs as {'/'.join(factor['wire'])} "
-                    f"over {factor['group_size']} ranks; counted bytes = minimum, each rank sends "
-                    f"{factor['sent_bytes_factor']:.1f}x what a native reduce-scatter sends")
-            if "time_factor" in factor:
-                text += (f"; measured time of the composed reduce-scatters "
-                         f"{factor['composed_rs_s'] * 1000:.0f} ms vs all-gathers of the same size "
-                         f"{factor['same_size_all_gather_s'] * 1000:.0f} ms: "
-                         f"{factor['time_factor']:.2f}x")
-            lines.append(text)
-    failed = [f"{row['config']['name']}/{impl}" for row in doc["configurations"]
-              for impl, fig in row["figures"].items() if "error" in fig]
+        figs = row.get("figures", {})
+        if "interleave_cost_pct" in figs:
+            lines.append(f"- {row['config']['name']}: the floor itself costs "
+                         f"{_with_iqr(figs['interleave_cost_pct'], 1.0, 1, '%')} beyond compute-only "
+                         f"+ raw collectives back to back (a platform cost)")
+    failed = [row["config"]["name"] for row in doc["configurations"] if "error" in row]
     if failed:
         lines.append(f"- FAILED launches (details in the JSON): {', '.join(failed)}")
     return "\n".join(lines)
 
 
-def _library_note(doc: dict) -> str:
-    lib = doc.get("library", {}).get("start", {})
-    if not lib.get("commit"):
-        return ""
-    text = f" at {lib['commit']}" + (" + uncommitted changes" if lib.get("dirty") else "")
-    if doc["library"].get("changed_during_run"):
-        text += " (CHANGED DURING THE RUN)"
-    return text
-
-
 def markdown(doc: dict) -> str:
-    return "\n\n".join([summary_table(doc), detail_table(doc), notes(doc)])
+    return "\n\n".join([headline_table(doc), detail_table(doc), notes(doc)])
 
 
 def write_json(doc: dict, path: Path) -> None:
@@ -230,15 +147,9 @@ def write_json(doc: dict, path: Path) -> None:
     partial.replace(path)
 
 
-def _plot_order(cfg: dict) -> list:
-    ref = configs.REFERENCE[cfg["backend"]]
-    first = [impl for impl in ("hp", ref) if impl in cfg["impls"]]
-    return first + [impl for impl in cfg["impls"] if impl not in first]
-
-
 def write_png(doc: dict, path: Path) -> str:
-    """Bars of step time and peak memory per configuration and implementation; returns a
-    note for the console (written, or why not)."""
+    """Bars of median step time (with the IQR as error bars) and peak memory per
+    configuration and phase; returns a note for the console (written, or why not)."""
     try:
         import matplotlib
 
@@ -246,27 +157,31 @@ def write_png(doc: dict, path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return f"PNG skipped: matplotlib is not installed (pip install matplotlib) — {path.name} not written"
-    rows = doc["configurations"]
+    rows = [row for row in doc["configurations"] if "figures" in row]
     colors = {impl: f"C{i}" for i, impl in enumerate(configs.IMPL_LABELS)}
-    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.3 * len(rows) + 3), 8.5), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.4 * len(rows) + 3), 8.5), sharex=True)
     labelled = set()
-    for metric, scale, axis, label in (("step_s", 1000.0, axes[0], "median step time (ms)"),
-                                       ("peak_mb", 1.0, axes[1], "peak memory per rank (MB)")):
-        for i, row in enumerate(rows):
-            # bars per row in table order: hp, its reference, then the others, centred
-            order = _plot_order(row["config"])
-            width = 0.8 / max(1, len(order))
-            for k, impl in enumerate(order):
-                value = row["figures"].get(impl, {}).get(metric)
-                if value is None:
-                    continue
-                name = configs.IMPL_LABELS[impl]
-                axis.bar(i + (k - (len(order) - 1) / 2) * width, value * scale, width,
-                         color=colors[impl], label=None if name in labelled else name)
-                labelled.add(name)
-        axis.set_ylabel(label)
+    for i, row in enumerate(rows):
+        phases = row["figures"]["phases"]
+        width = 0.8 / max(1, len(phases))
+        for k, impl in enumerate(_display_order(phases)):
+            phase = phases[impl]
+            x = i + (k - (len(phases) - 1) / 2) * width
+            name = configs.IMPL_LABELS[impl]
+            label = None if name in labelled else name
+            labelled.add(name)
+            step = phase["step"]
+            axes[0].bar(x, step["median"] * 1000, width, color=colors[impl], label=label,
+                        yerr=[[(step["median"] - step["q1"]) * 1000],
+                              [(step["q3"] - step["median"]) * 1000]], capsize=2)
+            if phase["peak_mb"] is not None and impl != "raw":
+                axes[1].bar(x, phase["peak_mb"], width, color=colors[impl])
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("median step time, ms (log; bars: IQR)")
+    axes[1].set_ylabel("peak memory per rank, MB")
+    for axis in axes:
         axis.grid(axis="y", alpha=0.3)
-    axes[0].legend(ncol=len(configs.IMPL_LABELS), fontsize="small")
+    axes[0].legend(ncol=4, fontsize="small")
     axes[0].set_title(f"hyper_parallel benchmark ({doc['environment']['cpu_count']} cores, "
                       f"{doc['date'][:10]})")
     axes[1].set_xticks(range(len(rows)))

@@ -1,13 +1,14 @@
 """What every implementation trains on, and what its communication must at least cost.
 
 [Note: one workload, many implementations]
-Every implementation of one configuration (hyper_parallel, FSDP2, DDP, the compute-only
-process, MindSpore's data-parallel baseline) builds its model from ``block_dims`` and fills
-it from ``init_arrays``, and reads its batches from ``batches`` with the same seeds. So they
-start from identical weights, see identical data (rank r always reads rows
-``[r*B, (r+1)*B)`` of the global batch), and their losses can be compared step by step
-(run.py does, as a sanity check that the benchmark compares like with like). Everything
-here is numpy only: the parent process never imports a framework.
+Every implementation of one configuration (hyper_parallel, FSDP2, DDP, compute-only,
+MindSpore's data-parallel baseline) builds the MLP from ``block_shapes`` and fills it from
+``init_arrays`` (the decoder: examples/lm, seeded by parameter name), and reads its batches
+from ``batches`` or ``token_batches`` with the same seeds. So they start from identical
+weights, see identical data (rank r always reads rows ``[r*B, (r+1)*B)`` of the global
+batch), and their losses can be compared step by step (analysis.py does, as a check that
+the benchmark compares like with like). Everything here is numpy only: the parent process
+never imports a framework.
 
 [Note: the communication schedule and its minimum]
 ``shard_schedule`` lists the collectives one training step of a fully sharded model needs
@@ -23,9 +24,10 @@ at minimum, in issue order, with the buffer sizes that ``hp.track_comms()`` reco
 "Padded" is how both FSDP2 and hyper_parallel lay a parameter out: dim 0 split like
 ``torch.chunk`` into ``ceil(rows / S)`` rows per rank, so the buffer holds
 ``S * ceil(rows / S)`` rows. The same list, issued back to back on zero buffers, is the "raw
-collectives" time (rank_torch.py, rank_mindspore.py), and its byte totals are the
-theoretical minimum the measured bytes are divided by. The root of the benchmark models owns
-no parameter of its own (every block is a unit), so the root never gathers.
+collectives" phase (raw_collectives.py), and its byte totals are the theoretical minimum
+the measured bytes are divided by. The MLP's root owns no parameter of its own (every block
+is a unit), so the root never gathers; the decoder's root owns the embedding, the final
+norm and the output head, and its bytes are reported as measured.
 """
 
 from __future__ import annotations
@@ -35,12 +37,6 @@ import math
 import numpy as np
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-# DDP's default bucketing (torch.nn.parallel.DistributedDataParallel): the first bucket is
-# capped at 1 MiB, the others at bucket_cap_mb=25.
-DDP_FIRST_BUCKET_BYTES = 1024 * 1024
-DDP_BUCKET_BYTES = 25 * 1024 * 1024
-
 
 def block_shapes(dims: list[int]) -> list[list[tuple]]:
     """Parameter shapes per block: block i is Linear(dims[i], dims[i+1]) (+ ReLU)."""
@@ -67,6 +63,13 @@ def batches(count: int, global_batch: int, d_in: int, d_out: int, seed: int) -> 
     rng = np.random.default_rng(seed)
     return [(rng.standard_normal((global_batch, d_in), dtype=np.float32),
              rng.standard_normal((global_batch, d_out), dtype=np.float32)) for _ in range(count)]
+
+
+def token_batches(count: int, global_batch: int, seq: int, vocab: int, seed: int) -> list:
+    """``count`` distinct global batches of token ids, ``(global_batch, seq + 1)`` int64: the
+    decoder reads columns ``[:-1]`` and predicts ``[1:]``."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, (global_batch, seq + 1), dtype=np.int64) for _ in range(count)]
 
 
 def local_rows(array: np.ndarray, rank: int, world: int) -> np.ndarray:
@@ -109,35 +112,10 @@ def shard_schedule(dims: list[int], shard_size: int, replicate_size: int,
     return schedule
 
 
-def ddp_schedule(dims: list[int], bucket_bytes: list[int] | None = None) -> list[dict]:
-    """DDP's gradient all-reduces, fp32: the bucket sizes DDP reported, or its default rule
-    (gradients in reverse registration order, first bucket 1 MiB, then 25 MiB)."""
-    if bucket_bytes:
-        return [{"op": "all_reduce", "dim": "", "dtype": "float32", "numel": b // 4} for b in bucket_bytes]
-    sizes = [math.prod(s) * 4 for block in reversed(block_shapes(dims)) for s in reversed(block)]
-    buckets, current, cap = [], 0, DDP_FIRST_BUCKET_BYTES
-    for size in sizes:
-        current += size
-        if current >= cap:
-            buckets.append(current)
-            current, cap = 0, DDP_BUCKET_BYTES
-    if current:
-        buckets.append(current)
-    return [{"op": "all_reduce", "dim": "", "dtype": "float32", "numel": b // 4} for b in buckets]
-
-
 def schedule_bytes(schedule: list[dict]) -> dict:
     """``{op: {dim: bytes}}`` totals of a schedule, the form the measured bytes take."""
     out: dict = {}
     for entry in schedule:
         per_dim = out.setdefault(entry["op"], {})
         per_dim[entry["dim"]] = per_dim.get(entry["dim"], 0) + entry["numel"] * ELEMENT_BYTES[entry["dtype"]]
-    return out
-
-
-def schedule_calls(schedule: list[dict]) -> dict:
-    out: dict = {}
-    for entry in schedule:
-        per_dim = out.setdefault(entry["op"], {})
-        per_dim[entry["dim"]] = per_dim.get(entry["dim"], 0) + 1
     return out

@@ -1,6 +1,9 @@
-"""`make bench --quick` runs end to end (a smoke test that the benchmark works, not a timing).
+"""`benchmarks/run.py --quick` runs end to end on both backends, and its report holds together.
 
-Two rounds per backend are the fewest that still show the alternation (A B, then B A)."""
+The quick grid is the benchmark's smallest configurations (tiny MLP and decoder on torch,
+tiny MLP on MindSpore, 1 + 2 alternated rounds): it tests that every launch, phase, figure,
+table and file is produced, and that every figure is computed from the measured rounds,
+not that anything is fast."""
 
 from __future__ import annotations
 
@@ -16,101 +19,81 @@ import pytest
 from hyper_parallel.launch import CAN_BIND_CORES, core_slices
 
 REPO = Path(__file__).resolve().parents[1]
-ROUNDS = 2
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import configs  # noqa: E402
 
 
-@pytest.mark.timeout(420)
-def test_quick_benchmark_runs_and_reports(tmp_path):
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick",
-               "--rounds", str(ROUNDS), "--out", str(tmp_path)]
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    command = [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--out", str(out)]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    results = list(tmp_path.glob("*.json"))
-    assert results, f"no JSON written in {tmp_path}: {proc.stdout[-2000:]}"
-    data = json.loads(results[0].read_text())
-    assert data, "the results file is empty"
-    assert "|" in proc.stdout, "no markdown table printed"
-    assert data["environment"]["bind_cores"] is CAN_BIND_CORES  # bound wherever the OS can
-    for row in data["configurations"]:
-        cfg, launches = row["config"], row["launches"]
-        for impl, launch in launches.items():  # every launch bound rank r to its own slice
-            if CAN_BIND_CORES:
-                assert launch["cores_per_rank"] == [sorted(c) for c in core_slices(cfg["world_size"])], impl
-        ref = "fsdp2" if cfg["backend"] == "torch" else "dp"
-        rounds = ROUNDS
-        assert data["rounds"][cfg["backend"]] == rounds
-        for impl in ("hp", ref, "compute"):
-            # the backend's rounds pooled: every measured step of every launch
-            assert launches[impl]["rounds"] == rounds, (cfg["name"], impl)
-            assert len(launches[impl]["step_max_over_ranks_s"]) == rounds * cfg["steps"]
-            assert row["launch_order"].count(impl) == rounds, (cfg["name"], impl)
-        # hyper_parallel and its reference back to back, the order flipped each round (A B B
-        # A ...); compute-only closes every round
-        pairs = [x for x in row["launch_order"] if x in ("hp", ref)]
-        pairs = [pairs[i:i + 2] for i in range(0, len(pairs), 2)]
-        assert all(later == earlier[::-1] for earlier, later in zip(pairs, pairs[1:])), row["launch_order"]
-        assert row["launch_order"][-1] == "compute"
-        # CPU figures: pooled over the rounds, and the overhead is their difference
-        hp = row["figures"]["hp"]
-        assert len(launches["hp"]["step_cpu_per_step_s"]) == rounds * cfg["steps"]
-        assert hp["step_cpu_s"] > 0 and hp["raw_cpu_s"] > 0 and hp["compute_cpu_s"] > 0
-        assert abs(hp["cpu_overhead_s"] - (hp["step_cpu_s"] - hp["compute_cpu_s"] - hp["raw_cpu_s"])) < 1e-9
-        # ... split into the stepping thread's part and the other threads' (they add up)
-        main = launches["hp"]["step_main_cpu_s"]
-        assert 0 < main <= hp["step_cpu_s"] and len(launches["hp"]["step_main_cpu_per_step_s"]) == rounds * cfg["steps"]
-        assert hp["cpu_overhead_main_s"] == main - (launches["compute"]["step_main_cpu_s"]
-                                                    + launches["hp"]["raw"]["main_cpu_s"])
-        assert abs(hp["cpu_overhead_main_s"] + hp["cpu_overhead_threads_s"] - hp["cpu_overhead_s"]) < 1e-9
-        per_round = launches["hp"]["step_s_per_round"]
-        assert hp["round_spread_pct"] == 100.0 * (max(per_round) - min(per_round)) / hp["step_s"]
-        # raw collectives: every launch's rounds pooled, each launch's overhead on its own
-        raw = launches["hp"]["raw"]
-        assert len(raw["s_per_launch"]) == rounds and len(raw["round_max_over_ranks_s"]) == rounds * cfg["steps"]
-        assert len(raw["round_cpu_s"]) == rounds * cfg["steps"]
-        assert hp["raw_collectives_s"] == raw["s"] == statistics.median(raw["round_max_over_ranks_s"])
-        assert hp["overhead_pct_per_round"] == [
-            100.0 * (s - hp["compute_s"] - r) / s for s, r in zip(per_round, raw["s_per_launch"])]
-        # compute-only stepped again at the end of every distributed launch, pooled; the paired
-        # overhead subtracts it instead, launch by launch too
-        paired = launches["hp"]["compute_paired"]
-        assert len(paired["s_per_launch"]) == rounds
-        assert len(paired["step_max_over_ranks_s"]) == rounds * cfg["steps"]
-        assert hp["compute_paired_s"] == paired["s"] == statistics.median(paired["step_max_over_ranks_s"])
-        assert hp["paired_overhead_s"] == hp["step_s"] - (paired["s"] + raw["s"])
-        assert hp["paired_overhead_pct_per_round"] == [
-            100.0 * (s - c - r) / s for s, c, r in zip(per_round, paired["s_per_launch"], raw["s_per_launch"])]
-        assert "compute_paired" in launches[ref] and "compute_paired" not in launches["compute"]
-        # the alternated rounds: hp's step, compute-only, the interleaved floor (the plain
-        # model with the minimal schedule hooked in, sending exactly what the step sends) and
-        # the raw collectives, round by round in every hp launch, pooled
-        alternated = launches["hp"]["alternated"]
-        times = alternated["rounds_max_over_ranks_s"]
-        assert alternated["rounds_per_launch"] == [cfg["steps"]] * rounds
-        assert sorted(times) == ["compute", "interleaved", "raw", "step"]
-        assert all(len(v) == rounds * cfg["steps"] for v in times.values())
-        assert launches["hp"]["interleaved_comm_per_step"] == launches["hp"]["comm_per_step"]
-        med = statistics.median
-        assert hp["interleaved_s"] == med(times["interleaved"])
-        assert hp["alternated_overhead_s"] == med(
-            [s - c - r for s, c, r in zip(times["step"], times["compute"], times["raw"])])
-        assert hp["library_overhead_s"] == med([s - f for s, f in zip(times["step"], times["interleaved"])])
-        assert hp["interleave_cost_s"] == med(
-            [f - c - r for f, c, r in zip(times["interleaved"], times["compute"], times["raw"])])
-        n = cfg["steps"]
-        assert hp["library_overhead_pct_per_round"] == [
-            100.0 * med([s - f for s, f in zip(times["step"][k:k + n], times["interleaved"][k:k + n])])
-            / med(times["step"][k:k + n]) for k in range(0, rounds * n, n)]
-        assert "alternated" not in launches[ref] and "library_overhead_s" not in row["figures"][ref]
-        if ref == "fsdp2":  # FSDP2 borrows hp's floor: no launch of its own to pair with
-            assert "overhead_pct_per_round" not in row["figures"][ref]
-            assert "paired_overhead_pct_per_round" not in row["figures"][ref]
-        else:  # the DP baseline times its own all-reduce in each of its launches
-            assert len(row["figures"][ref]["overhead_pct_per_round"]) == rounds
-            # the composed reduce-scatter is reported as what went on the wire: over a
-            # two-rank shard group that is the world, the exchange by the flat all-gather,
-            # which sends what a native one sends
-            composed = hp["composed_reduce_scatter"]
-            assert cfg["mesh"] == [2] and cfg["world_size"] == 2 and composed["group_size"] == 2
-            assert composed["wire"] == ["all_gather"] and composed["sent_bytes_factor"] == 1.0
-            assert composed["time_factor"] == composed["composed_rs_s"] / composed["same_size_all_gather_s"]
+    return proc.stdout, json.loads((out / "quick.json").read_text()), out
+
+
+def _spread_of(values):
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {"median": median, "q1": q1, "q3": q3}
+
+
+@pytest.mark.timeout(180)
+def test_every_configuration_and_phase_is_reported(quick_run):
+    stdout, doc, out = quick_run
+    expected = configs.build_grid("quick")
+    assert {cfg.backend for cfg in expected} == {"torch", "mindspore"}
+    assert [row["config"]["name"] for row in doc["configurations"]] == [c.name for c in expected]
+    assert doc["date"] and doc["environment"]["bind_cores"] is CAN_BIND_CORES
+    headline = stdout.split("\n\n")[1]  # after the progress lines
+    for cfg, row in zip(expected, doc["configurations"]):
+        assert "error" not in row, row.get("error")
+        assert f"| {cfg.name} |" in headline
+        assert sorted(row["figures"]["phases"]) == sorted(cfg.impls)
+        if CAN_BIND_CORES:  # local rank r bound to its own slice of the cores
+            assert row["cores_per_rank"] == [sorted(c) for c in core_slices(cfg.world_size)]
+    assert (out / "quick.png").exists() or "PNG skipped" in stdout
+
+
+@pytest.mark.timeout(180)
+def test_figures_are_computed_from_the_measured_rounds(quick_run):
+    _, doc, _ = quick_run
+    for cfg, row in zip(configs.build_grid("quick"), doc["configurations"]):
+        figs = row["figures"]
+        phases, ratios = figs["phases"], figs["ratios"]
+        # the alternation: every measured round reverses the one before (A B C, C B A, ...)
+        assert len(figs["order"]) == cfg.rounds
+        assert all(later == earlier[::-1] for earlier, later in zip(figs["order"], figs["order"][1:]))
+        assert sorted(figs["order"][0]) == sorted(cfg.impls)
+        for name, phase in phases.items():
+            rounds = phase["rounds_s"]
+            assert len(rounds) == cfg.rounds and all(t > 0 for t in rounds), name
+            assert phase["step"] == _spread_of(rounds)
+            assert phase["step"]["q1"] <= phase["step"]["median"] <= phase["step"]["q3"]
+            assert phase["peak_mb"] == max(phase["peak_mb_per_rank"])
+            if cfg.is_lm:
+                assert phase["tokens_per_s"] == cfg.tokens_per_step / phase["step"]["median"]
+        ref = configs.REFERENCE[cfg.backend]
+        for key, (a, b) in {"hp_vs_" + ref: ("hp", ref), "hp_vs_ddp": ("hp", "ddp"),
+                            "hp_vs_floor": ("hp", "floor")}.items():
+            if b not in phases:
+                assert key not in ratios
+                continue
+            per_round = [x / y for x, y in zip(phases[a]["rounds_s"], phases[b]["rounds_s"])]
+            assert ratios[key]["rounds"] == per_round
+            assert {k: ratios[key][k] for k in ("median", "q1", "q3")} == _spread_of(per_round)
+        assert figs["peak_hp_vs_ref"] == phases["hp"]["peak_mb"] / phases[ref]["peak_mb"]
+        if "floor" in phases:
+            assert figs["library_cost_pct"] == {
+                k: 100.0 * (ratios["hp_vs_floor"][k] - 1.0) for k in ("median", "q1", "q3")}
+            parts = [100.0 * (f / (c + r) - 1.0) for f, c, r in zip(
+                phases["floor"]["rounds_s"], phases["compute"]["rounds_s"], phases["raw"]["rounds_s"])]
+            assert figs["interleave_cost_pct"] == _spread_of(parts)
+            # the floor sends exactly what the library's step sends, the minimum
+            assert figs["comm"]["floor"] == figs["comm"]["hp"]
+        if not cfg.is_lm:
+            assert all(v == 1.0 for per_dim in figs["bytes_vs_min"]["hp"].values()
+                       for v in per_dim.values()), figs["bytes_vs_min"]
+        # same weights, data and averaging: the implementations train alike
+        assert figs["loss_rel_diff_vs_ref"]["hp"] < 1e-4

@@ -14,6 +14,7 @@ VOCAB = 256  # bytes
 SIZES = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=172, seq=32),  # tests
     "small": dict(hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1024, seq=256),
+    "bench": dict(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536, seq=128),
     "124m": dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, seq=256),
 }
 ROPE_THETA, EPS = 10000.0, 1e-6
