@@ -20,7 +20,8 @@ watchdog does for CUDA:
   to stderr and ends the process with ``EXIT_CODE`` (a thread stuck in native code cannot
   be unwound by an exception from another thread). Short platform calls between samples
   never look blocked for long, so no end-of-collective hook is needed.
-* The unit is read from the blocked stack only when the error is written.
+* The unit (its module path under the root, as ``named_modules()`` names it; ``root``
+  for the root) is read from the blocked stack only when the error is written.
 * An exception escaping the process while a collective is open (gloo's "connection closed
   by peer") gets the same description printed first, through ``sys.excepthook``.
 """
@@ -111,11 +112,13 @@ def _frames_of(frame):
 
 
 def _unit_of(frames) -> str:
-    """Name of the innermost fully_shard unit on the stack (innermost frame first)."""
+    """Module path of the innermost fully_shard unit on the stack (innermost frame first):
+    a unit's own hooks, or the reduction of its gradients (which a later unit's backward
+    may drive)."""
     for frame in frames:
         owner = frame.f_locals.get("self")
-        if type(owner).__name__ == "FSDPState":
-            return owner.name
+        if type(owner).__name__ in ("FSDPState", "UnitReduction"):
+            return owner.path
     return "(outside any fully_shard unit)"
 
 
