@@ -9,6 +9,9 @@ joins a one-rank group when none of the variables is set (a single process).
 Whichever way the group was joined, a job of more than one rank gets a watchdog
 (hyper_parallel/watchdog.py): a collective blocked past ``timeout_s`` (default
 ``DEFAULT_TIMEOUT_S``, or ``HP_TIMEOUT_S``) ends the process with an error naming it.
+With ``debug_collectives`` (or ``HP_DEBUG=collectives``) the ranks also cross-check every
+collective before issuing it (hyper_parallel/collective_check.py), and the final barrier of
+``destroy_distributed``.
 """
 
 from __future__ import annotations
@@ -16,22 +19,40 @@ from __future__ import annotations
 import os
 
 from hyper_parallel import watchdog
+from hyper_parallel.collective_check import CollectiveCheck, Issued
 from hyper_parallel.platform import get_platform
 
 DEFAULT_TIMEOUT_S = 300.0
+DEBUG_FLAGS = ("collectives",)  # what HP_DEBUG may list (comma-separated)
 
 
-def init_distributed(timeout_s: float | None = None) -> None:
+def init_distributed(timeout_s: float | None = None, debug_collectives: bool | None = None) -> None:
     """Join the default process group of the framework HP_BACKEND selects, and watch its
-    collectives: one blocked longer than ``timeout_s`` ends the process."""
+    collectives: one blocked longer than ``timeout_s`` ends the process. ``debug_collectives``
+    (default: whether ``HP_DEBUG`` lists ``collectives``): the ranks cross-check each
+    collective before issuing it and raise where they differ, at the cost of one small
+    all-gather per collective."""
     timeout = timeout_s if timeout_s is not None else float(os.environ.get("HP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if timeout <= 0:
         raise ValueError(f"init_distributed: timeout_s must be positive, got {timeout:g}; "
                          "pass the seconds a collective may block before the job is ended")
+    if debug_collectives is None:
+        debug_collectives = "collectives" in _debug_flags()
     _join(timeout)
     platform = get_platform()
     if platform.world_size() > 1:
         watchdog.start(timeout, platform.rank(), platform.world_size())
+    platform.collective_check = (CollectiveCheck(platform)
+                                 if debug_collectives and platform.world_size() > 1 else None)
+
+
+def _debug_flags() -> set:
+    flags = {f.strip() for f in os.environ.get("HP_DEBUG", "").split(",") if f.strip()}
+    unknown = sorted(flags - set(DEBUG_FLAGS))
+    if unknown:
+        raise ValueError(f"init_distributed: HP_DEBUG lists {unknown}, which hyper_parallel does "
+                         f"not know; valid (comma-separated): {list(DEBUG_FLAGS)}")
+    return flags
 
 
 def _join(timeout: float) -> None:
@@ -62,6 +83,9 @@ def destroy_distributed() -> None:
     platform = get_platform()
     if not platform.is_initialized():
         return
+    if platform.collective_check is not None:  # a rank that ran a step more raises here
+        platform.collective_check.check(Issued("destroy_distributed's final barrier"), None)
+        platform.collective_check = None
     platform.barrier()
     watchdog.stop()
     platform.destroy_process_group()

@@ -20,7 +20,8 @@ watchdog does for CUDA:
   to stderr and ends the process with ``EXIT_CODE`` (a thread stuck in native code cannot
   be unwound by an exception from another thread). Short platform calls between samples
   never look blocked for long, so no end-of-collective hook is needed.
-* The unit is read from the blocked stack only when the error is written.
+* The unit (its module path under the root, as ``named_modules()`` names it; ``root``
+  for the root) is read from the blocked stack only when the error is written.
 * An exception escaping the process while a collective is open (gloo's "connection closed
   by peer") gets the same description printed first, through ``sys.excepthook``.
 """
@@ -33,6 +34,9 @@ import threading
 import time
 
 EXIT_CODE = 75
+#: why a cross-check (collective_check.py) waits: its peers issued nothing
+PEERS_SILENT = ("no peer rank issued a collective there; one ran fewer steps or skipped this "
+                "unit, died, or stopped calling collectives (see its log)")
 
 
 class Watchdog:
@@ -42,16 +46,21 @@ class Watchdog:
         self.timeout_s = float(timeout_s)
         self.poll_s = min(self.timeout_s / 10, 2.0)
         self.rank, self.world_size = rank, world_size
-        self._issued = None  # (op, dim, thread id) of the collective issued last
+        self._issued = None  # (op, dim, thread id, checking) of the collective issued last
         self._stop = threading.Event()
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
         self._thread = threading.Thread(target=self._watch, name="hp-watchdog", daemon=True)
         self._thread.start()
 
-    def issued(self, op: str, dim: str) -> None:
-        """Called by the platform as it issues a collective."""
-        self._issued = (op, dim, threading.get_ident())
+    def issued(self, op: str, dim: str, checking: str | None = None) -> None:
+        """Called by the platform as it issues a collective; ``checking``: the collective
+        whose cross-check (collective_check.py) this exchange is."""
+        self._issued = (op, dim, threading.get_ident(), checking)
+
+    def forget(self) -> None:
+        """Nothing is in flight any more: an exception raised now is no peer's fault."""
+        self._issued = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -63,7 +72,7 @@ class Watchdog:
         seen, since = None, 0.0  # the record seen blocked at every sample, and from when
         while not self._stop.wait(self.poll_s):
             record = self._issued
-            frames = list(_frames_of(sys._current_frames().get(record[2]))) if record else []
+            frames = list(frames_of(sys._current_frames().get(record[2]))) if record else []
             if not _waits_on_peers(frames):
                 seen = None
             elif record is not seen:
@@ -75,10 +84,14 @@ class Watchdog:
                 os._exit(EXIT_CODE)
 
     def _describe(self, record, frames, what: str) -> str:
-        op, dim, _ = record
+        op, dim, _, checking = record
         group = f"the {dim!r} mesh dimension's group" if dim else "the default group"
+        if checking is not None:
+            return (f"hyper_parallel: rank {self.rank} of {self.world_size}: the cross-check "
+                    f"(HP_DEBUG=collectives) of {checking} over {group} {what}: {PEERS_SILENT}")
+        unit = unit_of(frames) or "(outside any fully_shard unit)"
         return (f"hyper_parallel: rank {self.rank} of {self.world_size}: {op} of unit "
-                f"{_unit_of(frames)!r} over {group} {what}: a peer rank died or stopped "
+                f"{unit!r} over {group} {what}: a peer rank died or stopped "
                 "calling collectives (see its log); if the step is only slow, raise "
                 "init_distributed(timeout_s=...)")
 
@@ -104,19 +117,21 @@ def _waits_on_peers(frames) -> bool:
                         for name in files))
 
 
-def _frames_of(frame):
+def frames_of(frame):
     while frame is not None:
         yield frame
         frame = frame.f_back
 
 
-def _unit_of(frames) -> str:
-    """Name of the innermost fully_shard unit on the stack (innermost frame first)."""
+def unit_of(frames) -> str | None:
+    """Module path of the innermost fully_shard unit on the stack (innermost frame first):
+    a unit's own hooks, or the reduction of its gradients (which a later unit's backward
+    may drive)."""
     for frame in frames:
         owner = frame.f_locals.get("self")
-        if type(owner).__name__ == "FSDPState":
-            return owner.name
-    return "(outside any fully_shard unit)"
+        if type(owner).__name__ in ("FSDPState", "UnitReduction"):
+            return owner.path
+    return None
 
 
 _ACTIVE: list = []  # the process's watchdog, once init_distributed started it

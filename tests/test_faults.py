@@ -26,7 +26,7 @@ TIMEOUT_S = 5.0
 SLACK_S = 5.0  # the watchdog's sampling interval, process exit, a loaded CPU
 START_LIMIT_S = 120.0  # start-up and the steps before the fault
 ERROR = re.compile(r"hyper_parallel: rank 0 of 2: (all_gather|reduce_scatter|all_reduce) of "
-                   r"unit '[^']+' over the ('\w+' mesh dimension's|default) group "
+                   r"unit '(root|blocks\.[01])' over the ('\w+' mesh dimension's|default) group "
                    r"(did not finish within 5 s|failed)")
 BACKENDS = ("torch", "mindspore")
 

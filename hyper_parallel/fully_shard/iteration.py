@@ -111,6 +111,11 @@ class IterationContext:
                 resharded.append(state.group.gathered_bytes)
         self.platform.keep_released_memory(kept + sum(sorted(resharded)[-2:]))
 
+    @property
+    def forwards_run(self) -> list:
+        """The units whose forward ran this iteration, in order (collective_check.py)."""
+        return self._forward_order
+
     def record_forward(self, state: FSDPState) -> None:
         if id(state) not in self._seen:
             self._seen.add(id(state))

@@ -47,10 +47,11 @@ class _LegInFlight:
 class UnitReduction:
     """Reduce one unit's full gradients for one backward."""
 
-    def __init__(self, name: str, group: FSDPParamGroup, full_grads: list, dtype: Any,
+    def __init__(self, name: str, path: str, group: FSDPParamGroup, full_grads: list, dtype: Any,
                  plan: ReducePlan, placeholders: list | None, to_main_grad: bool, async_op: bool,
                  joined: JoinedAllReduce):
         self.name = name
+        self.path = path  # the unit's module path, which errors name
         self.group = group
         self.plan = plan
         self.placeholders = placeholders

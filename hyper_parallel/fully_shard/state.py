@@ -94,7 +94,7 @@ class FSDPState:
                  reshard_after_forward: bool | int | None, mp_policy: MixedPrecisionPolicy):
         self.platform = platform
         self.unit_type = name
-        self.name = name  # refined to "<fqn> (<type>)" once the root knows the tree
+        self.name = self.path = name  # refined by the root: for logs, and for errors
         self.modules = modules
         self.group = group
         self.reshard_after_forward = reshard_after_forward
@@ -129,7 +129,7 @@ class FSDPState:
             names.setdefault(id(module), fqn)
             state = module.__dict__.get(STATE_ATTR)
             if state is not None and all(state is not s for s in states):
-                state.name = f"{fqn or '<root>'} ({state.unit_type})"  # logs tell units apart
+                state.name, state.path = f"{fqn or '<root>'} ({state.unit_type})", fqn or "root"
                 states.append(state)
         for state in states:  # every check before anything changes
             for fsdp_param in state.group.params if state.group is not None else ():
@@ -357,8 +357,8 @@ class FSDPState:
                         and not self.to_main_grad)
             placeholders = None if returned else [p.grad_placeholder(fp.sharded_param)
                                                   for fp in group.params]
-            reduction = UnitReduction(self.name, group, full_grads, dtype, plan, placeholders,
-                                      self.to_main_grad, async_op=not sync,
+            reduction = UnitReduction(self.name, self.path, group, full_grads, dtype, plan,
+                                      placeholders, self.to_main_grad, async_op=not sync,
                                       joined=self.iteration.joined)
             delivered = self.iteration.enqueue(reduction, self.requires_all_reduce)
             result = delivered if returned else placeholders

@@ -76,6 +76,7 @@ class Platform(abc.ABC):
 
     def __init__(self) -> None:
         self.comm_stats = CommStats()
+        self.collective_check = None  # a CollectiveCheck under HP_DEBUG=collectives
 
     @property
     @abc.abstractmethod
@@ -203,7 +204,12 @@ class Platform(abc.ABC):
     def barrier(self, group: Any = None) -> None:
         """Block until every rank of ``group`` (default: world) arrives."""
 
-    def _record(self, op: str, wire: str, nbytes: int, dim: str) -> None:
+    def _record(self, op: str, wire: str, nbytes: int, dim: str, group: Any = None,
+                tensor: Any = None) -> None:
+        """Called as a collective over ``group`` is issued; ``tensor``: what this rank sends."""
+        if self.collective_check is not None and self.collective_check.intercept(
+                op, wire, dim, group, tensor):
+            return  # the check's own exchange (collective_check.py): not the user's traffic
         self.comm_stats.record(op, wire, nbytes, dim)
         watch = watchdog.active()
         if watch is not None:

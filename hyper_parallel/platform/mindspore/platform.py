@@ -205,7 +205,7 @@ class MindSporePlatform(MindSporeStateIO, Platform):
     def all_gather_into(self, output, input, group, async_op=False, dim=""):
         nbytes = output.numel() * _ITEM_SIZE[output.dtype]
         if not self._on_cpu:
-            self._record("all_gather", "all_gather", nbytes, dim)
+            self._record("all_gather", "all_gather", nbytes, dim, group, input)
             return Handle(msdist.all_gather_into_tensor(output, input, group=group,
                                                         async_op=async_op))
         pieces, whole, native = self._cpu_all_gather(input, group, self.group_size(group),
@@ -223,16 +223,17 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         if group in (None, GlobalComm.WORLD_COMM_GROUP) and input.dtype in _FLAT_GATHER_DTYPES:
             if self._world_gather is None:
                 self._world_gather = ops.AllGather()
-            self._record(op, "all_gather", nbytes, dim)
+            self._record(op, "all_gather", nbytes, dim, group, input)
             whole, rows = self._world_gather(input), input.shape[0]
             return [mint.narrow(whole, 0, r * rows, rows) for r in range(group_size)], whole, None
-        self._record(op, "all_gather_list", nbytes, dim)
+        self._record(op, "all_gather_list", nbytes, dim, group, input)
         pieces = [mint.empty(input.shape, dtype=input.dtype) for _ in range(group_size)]
         return pieces, None, msdist.all_gather(pieces, input, group=group, async_op=async_op)
 
     def reduce_scatter(self, output, input, group, async_op=False, dim=""):
         if not self._on_cpu:
-            self._record("reduce_scatter", "reduce_scatter", input.numel() * _ITEM_SIZE[input.dtype], dim)
+            self._record("reduce_scatter", "reduce_scatter", input.numel() * _ITEM_SIZE[input.dtype],
+                         dim, group, input)
             return Handle(msdist.reduce_scatter_tensor(output, input, group=group,
                                                        async_op=async_op))
         # The composition of reduce_scatter_new (which leaves the caller's input as it was),
@@ -269,7 +270,8 @@ class MindSporePlatform(MindSporeStateIO, Platform):
             half = total // 2
             pieces = [[mint.narrow(input, 0, 0, half)], [mint.narrow(input, 0, half, half)]]
             return self._exchange_reduce_scatter(pieces, group, async_op, dim)
-        self._record("reduce_scatter", "all_reduce", total * _ITEM_SIZE[input.dtype], dim)
+        self._record("reduce_scatter", "all_reduce", total * _ITEM_SIZE[input.dtype], dim, group,
+                     input)
         if not may_overwrite_input:
             input = input + 0
         native = msdist.all_reduce(input, op="sum", group=group, async_op=async_op)
@@ -306,7 +308,8 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         return handle
 
     def all_reduce(self, tensor, group, op="sum", async_op=False, dim=""):
-        self._record("all_reduce", "all_reduce", tensor.numel() * _ITEM_SIZE[tensor.dtype], dim)
+        self._record("all_reduce", "all_reduce", tensor.numel() * _ITEM_SIZE[tensor.dtype], dim,
+                     group, tensor)
         return Handle(msdist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
     def barrier(self, group=None) -> None:

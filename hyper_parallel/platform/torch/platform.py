@@ -171,7 +171,8 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
 
     # ------------------------------------------------------------------ collectives
     def all_gather_into(self, output, input, group, async_op=False, dim=""):
-        self._record("all_gather", "all_gather", output.numel() * output.element_size(), dim)
+        self._record("all_gather", "all_gather", output.numel() * output.element_size(), dim,
+                     group, input)
         work = _all_gather_flat(output, input, group=group, async_op=async_op)
         return Handle(work)
 
@@ -179,7 +180,8 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
         if _uses_list_reduce_scatter(group, input.numel() * input.element_size()):
             return self._reduce_scatter_list(output, list(input.chunk(self.group_size(group))),
                                              group, async_op, dim)
-        self._record("reduce_scatter", "reduce_scatter", input.numel() * input.element_size(), dim)
+        self._record("reduce_scatter", "reduce_scatter", input.numel() * input.element_size(), dim,
+                     group, input)
         work = _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group,
                                     async_op=async_op)
         return Handle(work)
@@ -196,7 +198,7 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
 
     def _reduce_scatter_list(self, output, pieces, group, async_op, dim) -> Handle:
         self._record("reduce_scatter", "reduce_scatter",
-                     sum(t.numel() for t in pieces) * output.element_size(), dim)
+                     sum(t.numel() for t in pieces) * output.element_size(), dim, group, output)
         return Handle(dist.reduce_scatter(output, pieces, op=dist.ReduceOp.SUM, group=group,
                                           async_op=async_op))
 
@@ -215,7 +217,8 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
         return handle
 
     def all_reduce(self, tensor, group, op="sum", async_op=False, dim=""):
-        self._record("all_reduce", "all_reduce", tensor.numel() * tensor.element_size(), dim)
+        self._record("all_reduce", "all_reduce", tensor.numel() * tensor.element_size(), dim,
+                     group, tensor)
         work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
         return Handle(work)
 
