@@ -19,10 +19,9 @@ SLOW_STEPS, SLOW_EVERY = 1000, 100
 MB = 1 << 20
 FAST_RSS_BOUND = 4 * MB   # over 20 steps after the first sample
 SLOW_RSS_BOUND = 8 * MB   # over 900 steps after the first sample: under 10 KB per step
-LEAK = ("resident memory grows linearly: torch ~25 KB per step (every step leaves its units' "
-        "FullParams alive: FullParams.tensors -> their autograd node -> ctx.backward_fn -> the "
-        "closure over the FullParams, a cycle through C++ that gc cannot collect); MindSpore "
-        "~34 KB per step")
+MINDSPORE_GROWTH = ("MindSpore: resident memory grows more than the bound over the 1000 steps; "
+                    "a MindSpore training loop without hyper_parallel grows ~17 KB per step by "
+                    "itself (docs/faults.md, 'Long runs')")
 
 
 def _check(backend: str, tmp_path, steps: int, every: int, rss_bound: int) -> None:
@@ -50,7 +49,7 @@ def test_short_run_stays_flat_and_resumes_exactly(tmp_path, backend):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.xfail(strict=True, reason=LEAK)
-@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("mindspore", marks=pytest.mark.xfail(strict=True, reason=MINDSPORE_GROWTH))])
 def test_long_run_stays_flat_and_resumes_exactly(tmp_path, backend):
     _check(backend, tmp_path, SLOW_STEPS, SLOW_EVERY, SLOW_RSS_BOUND)
