@@ -121,7 +121,11 @@ def test_mindspore_checkpoint_resumes_on_torch():
 
 @pytest.mark.timeout(600)
 def test_crash_mid_save_leaves_previous_checkpoint():
-    assert "rank 1 failed with exit code 17" in _crashed()
+    message = _crashed()
+    # rank 1 dies after writing its file; rank 0, waiting for it in the save's agreement,
+    # may see the dead peer and fail first: then no rank was left to end
+    assert ("rank 1 failed with exit code 17" in message
+            or ("rank 0 failed" in message and "ended ranks []" in message)), message
     assert _resumed_on_one()["crashed"] == {"extra": {"checkpoint": "C"}, "initial": True}
 
 
