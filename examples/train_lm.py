@@ -113,6 +113,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from examples.lm.data import ByteCorpus, rank_rows
     from examples.lm.progress import plot_losses, progress_line
 
+    os.environ.setdefault("HP_BACKEND", args.backend)  # started by torchrun or msrun
     hp.init_distributed()
     platform = hp.get_platform()
     rank, world = platform.rank(), platform.world_size()
