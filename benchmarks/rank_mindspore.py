@@ -33,7 +33,6 @@ import measure
 import raw_collectives
 import workload
 
-SEED, DATA_SEED, N_BATCHES = 1234, 4321, 4
 LR = 1e-3
 
 
@@ -59,7 +58,7 @@ def _mlp(ms, dims: list):
             return x
 
     model = Stack()
-    for block, (weight, bias) in zip(model.blocks, workload.init_arrays(dims, SEED)):
+    for block, (weight, bias) in zip(model.blocks, workload.init_arrays(dims, workload.SEED)):
         block.linear.weight.set_data(ms.Tensor(weight))
         block.linear.bias.set_data(ms.Tensor(bias))
     return model
@@ -83,10 +82,8 @@ def _workload(ms, hp, cfg: dict, rank: int, world: int):
 
     if cfg["lm_size"] is None:
         dims = cfg["dims"]
-        data = [(ms.Tensor(workload.local_rows(x, rank, world)),
-                 ms.Tensor(workload.local_rows(y, rank, world)))
-                for x, y in workload.batches(N_BATCHES, cfg["local_batch"] * world, dims[0],
-                                             dims[-1], DATA_SEED)]
+        data = [(ms.Tensor(x), ms.Tensor(y))
+                for x, y in workload.local_mlp_batches(dims, cfg["local_batch"], rank, world)]
         return (lambda: _mlp(ms, dims), lambda m: list(m.blocks), data,
                 lambda out, y: ((out.astype(ms.float32) - y) ** 2).mean())
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ at the repo root
@@ -94,11 +91,9 @@ def _workload(ms, hp, cfg: dict, rank: int, world: int):
     from examples.lm.model_mindspore import build
 
     size = cfg["lm_size"]
-    data = []
-    for ids in workload.token_batches(N_BATCHES, cfg["local_batch"] * world, SIZES[size]["seq"],
-                                      VOCAB, DATA_SEED):
-        local = workload.local_rows(ids, rank, world).astype("int32")
-        data.append((ms.Tensor(local[:, :-1].copy()), ms.Tensor(local[:, 1:].copy())))
+    data = [(ms.Tensor(x.astype("int32")), ms.Tensor(y.astype("int32")))
+            for x, y in workload.local_token_batches(SIZES[size]["seq"], VOCAB,
+                                                     cfg["local_batch"], rank, world)]
 
     def loss(logits, target):
         return ops.cross_entropy(logits.astype(ms.float32).reshape(-1, VOCAB), target.reshape(-1))

@@ -39,7 +39,6 @@ import measure
 import raw_collectives
 import workload
 
-SEED, DATA_SEED, N_BATCHES = 1234, 4321, 4
 LR = 1e-3
 
 
@@ -66,7 +65,7 @@ def _mlp(torch, dims: list):
 
     model = Stack()
     with torch.no_grad():
-        for block, (weight, bias) in zip(model.blocks, workload.init_arrays(dims, SEED)):
+        for block, (weight, bias) in zip(model.blocks, workload.init_arrays(dims, workload.SEED)):
             block.linear.weight.copy_(torch.from_numpy(weight))
             block.linear.bias.copy_(torch.from_numpy(bias))
     return model
@@ -76,10 +75,8 @@ def _workload(torch, cfg: dict, rank: int, world: int):
     """(build() -> model, units(model) -> the blocks to shard, data, loss(out, target))."""
     if cfg["lm_size"] is None:
         dims = cfg["dims"]
-        data = [(torch.from_numpy(workload.local_rows(x, rank, world)),
-                 torch.from_numpy(workload.local_rows(y, rank, world)))
-                for x, y in workload.batches(N_BATCHES, cfg["local_batch"] * world, dims[0],
-                                             dims[-1], DATA_SEED)]
+        data = [(torch.from_numpy(x), torch.from_numpy(y))
+                for x, y in workload.local_mlp_batches(dims, cfg["local_batch"], rank, world)]
         return (lambda: _mlp(torch, dims), lambda m: list(m.blocks), data,
                 lambda out, y: ((out.float() - y) ** 2).mean())
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ at the repo root
@@ -87,11 +84,8 @@ def _workload(torch, cfg: dict, rank: int, world: int):
     from examples.lm.model_torch import build
 
     size = cfg["lm_size"]
-    data = []
-    for ids in workload.token_batches(N_BATCHES, cfg["local_batch"] * world, SIZES[size]["seq"],
-                                      VOCAB, DATA_SEED):
-        local = torch.from_numpy(workload.local_rows(ids, rank, world))
-        data.append((local[:, :-1].contiguous(), local[:, 1:].contiguous()))
+    data = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in workload.local_token_batches(
+        SIZES[size]["seq"], VOCAB, cfg["local_batch"], rank, world)]
 
     def loss(logits, target):
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), target.reshape(-1))

@@ -58,6 +58,25 @@ def init_arrays(dims: list[int], seed: int) -> list[list[np.ndarray]]:
     return out
 
 
+SEED, DATA_SEED, N_BATCHES = 1234, 4321, 4  # weights, batches, distinct batches per run
+
+
+def local_mlp_batches(dims: list, local_batch: int, rank: int, world: int) -> list[tuple]:
+    """This rank's rows of each of the ``N_BATCHES`` global MLP batches, as numpy arrays."""
+    return [(local_rows(x, rank, world), local_rows(y, rank, world))
+            for x, y in batches(N_BATCHES, local_batch * world, dims[0], dims[-1], DATA_SEED)]
+
+
+def local_token_batches(seq: int, vocab: int, local_batch: int, rank: int, world: int) -> list:
+    """This rank's rows of each of the ``N_BATCHES`` global token batches, as contiguous
+    ``(inputs, targets)`` int64 numpy pairs (targets shifted by one token)."""
+    pairs = []
+    for ids in token_batches(N_BATCHES, local_batch * world, seq, vocab, DATA_SEED):
+        local = local_rows(ids, rank, world)
+        pairs.append((np.ascontiguousarray(local[:, :-1]), np.ascontiguousarray(local[:, 1:])))
+    return pairs
+
+
 def batches(count: int, global_batch: int, d_in: int, d_out: int, seed: int) -> list[tuple]:
     """``count`` distinct global (x, y) batches; steps cycle through them."""
     rng = np.random.default_rng(seed)
