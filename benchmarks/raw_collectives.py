@@ -3,7 +3,7 @@
 [Note: raw collectives]
 ``round_fn`` takes a schedule from workload.py (the minimal collectives of one step, in
 issue order and at their real sizes) and issues it through the hyper_parallel platform
-primitives (``all_gather_into``, ``reduce_scatter``, ``all_reduce``) on zero-filled flat
+primitives (``all_gather`` into a given buffer, ``reduce_scatter``, ``all_reduce``) on zero-filled flat
 buffers made with ``platform.zeros``, each call synchronous, nothing else in between. One
 round is one step's worth: what the step's communication costs when nothing overlaps it and
 no library code runs around it. On MindSpore CPU the primitives are the platform's composed
@@ -66,8 +66,9 @@ def _issuer(p, schedule: list[dict], groups: dict, buffers: dict):
             dtype = p.dtype(entry["dtype"])
             if op == "all_gather":
                 buffers[key] = (p.zeros((numel,), dtype), p.zeros((numel // size,), dtype))
-            elif op == "reduce_scatter":
-                buffers[key] = (p.zeros((numel // size,), dtype), p.zeros((numel,), dtype))
+            elif op == "reduce_scatter":  # one part per rank: the input read where it is
+                flat, chunk = p.zeros((numel,), dtype), numel // size
+                buffers[key] = ([[p.narrow(flat, 0, r * chunk, chunk)] for r in range(size)],)
             else:
                 buffers[key] = (p.zeros((numel,), dtype),)
         calls.append((op, group, dim, buffers[key]))
@@ -75,9 +76,9 @@ def _issuer(p, schedule: list[dict], groups: dict, buffers: dict):
     def issue():
         for op, group, dim, bufs in calls:
             if op == "all_gather":
-                p.all_gather_into(bufs[0], bufs[1], group, dim=dim)
+                p.all_gather(bufs[1], group, dim=dim, out=bufs[0])
             elif op == "reduce_scatter":
-                p.reduce_scatter(bufs[0], bufs[1], group, dim=dim)
+                p.reduce_scatter(bufs[0], group, dim=dim).wait()
             else:
                 p.all_reduce(bufs[0], group, op="sum", dim=dim)
 

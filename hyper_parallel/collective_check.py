@@ -56,7 +56,6 @@ class Issued:
     """What one rank is about to issue, as its peers compare it."""
 
     op: str
-    wire: str = ""
     dim: str = ""
     unit: str = ""          # module path of the unit, "" outside any
     phase: str = ""         # "forward", "backward", or "" outside any unit
@@ -82,7 +81,7 @@ class Issued:
         return self.op + where + (f" in {self.phase}" if self.phase else "")
 
     def __str__(self) -> str:
-        sends = f" ({self.sends}, on the wire {self.wire})" if self.sends else ""
+        sends = f" (sends {self.sends})" if self.sends else ""
         ran = (f"after {self.forwards} unit forward(s) this iteration, the last "
                f"{self.last_forward!r}" if self.forwards else "before any unit's forward this "
                "iteration")
@@ -97,7 +96,7 @@ class CollectiveCheck:
         self.checked = 0  # collectives cross-checked so far
         self._exchanging = False
 
-    def intercept(self, op: str, wire: str, dim: str, group, tensor) -> bool:
+    def intercept(self, op: str, dim: str, group, tensor) -> bool:
         """Cross-check a collective about to be issued; True for this check's own exchange,
         which the platform then neither counts nor reports to the watchdog."""
         if self._exchanging:
@@ -107,7 +106,7 @@ class CollectiveCheck:
         order = [s.path for s in iteration.forwards_run] if iteration is not None else []
         phase = "backward" if p.in_backward() else ("forward" if unit else "")
         sends = f"{p.dtype_of(tensor)} {list(p.shape(tensor))}" if tensor is not None else ""
-        self.check(Issued(op, wire, dim, unit or "", phase, sends, len(order),
+        self.check(Issued(op, dim, unit or "", phase, sends, len(order),
                           order[-1] if order else "", zlib.crc32("\n".join(order).encode())),
                    group)
         return False
@@ -149,9 +148,8 @@ class CollectiveCheck:
         p = self.platform
         self._exchanging = True
         try:
-            pieces, _, handle = p.all_gather_pieces(p.from_numpy(payload), group, size)
-            handle.wait()
-            return [p.to_numpy(piece) for piece in pieces]
+            gathered = p.all_gather(p.from_numpy(payload), group).wait()
+            return [p.to_numpy(piece) for piece in gathered.pieces]
         finally:
             self._exchanging = False
 

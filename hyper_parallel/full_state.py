@@ -65,9 +65,7 @@ def _full_value(platform: Platform, entry: Entry) -> Any:
     flat = platform.reshape(platform.contiguous(moved), (fp.padded_numel,))
     pieces = [flat]
     if fp.shard_size > 1:
-        pieces, _, handle = platform.all_gather_pieces(flat, fp.mesh_info.shard_group,
-                                                       fp.shard_size, dim="shard")
-        handle.wait()
+        pieces = platform.all_gather(flat, fp.mesh_info.shard_group, dim="shard").wait().pieces
     # new memory, never a view of a shard
     return platform.full_over_tensor_parallel(fp.sharded_param,
                                               fp.full_from_pieces(pieces, [0] * len(pieces)))

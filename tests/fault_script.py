@@ -48,14 +48,14 @@ def fail() -> None:
 if rank == world - 1:
     op = {"forward": "all_gather", "backward": "reduce_scatter"}.get(where)
     if op is not None:
-        record = platform._record
+        issuing = platform._issuing
 
-        def record_or_fail(name, *args):
+        def issuing_or_fail(name, *args):
             if name == op and step_now[0] == FAULT_STEP:
                 fail()
-            record(name, *args)
+            return issuing(name, *args)
 
-        platform._record = record_or_fail
+        platform._issuing = issuing_or_fail
     else:  # the optimizer step: torch's step(), MindSpore's optimizer Cell construct()
         attr = "step" if kit.name == "torch" else "construct"
         update = getattr(opt, attr)

@@ -56,8 +56,7 @@ def _group_ranks(platform, group, size: int) -> list:
     if size == 1:
         return [platform.rank()]
     mine = platform.from_numpy(np.array([platform.rank()], np.float32))
-    pieces, _, handle = platform.all_gather_pieces(mine, group, size)
-    handle.wait()
+    pieces = platform.all_gather(mine, group).wait().pieces
     return [int(platform.to_numpy(p)[0]) for p in pieces]
 
 

@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 import hyper_parallel as hp
+from hyper_parallel.fully_shard.param import FSDPParam
 from hyper_parallel.fully_shard.state import STATE_ATTR
 from tests.kit import get_kit, make_batches
 
@@ -109,7 +110,7 @@ def run_scenario(name: str, seed: int = 0) -> dict:
     for step, (x, y) in enumerate(make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=seed + 7)):
         local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
         with hp.track_comms() as comms, _counting(platform, "copy_into_slice") as refill_copies, \
-                _counting(platform, "grad_placeholder") as placeholders:
+                _counting(FSDPParam, "grad_placeholder") as placeholders:
             losses.append(kit.train_step(model, opt, x[local], y[local]))
         ref_losses.append(kit.train_step(ref, ref_opt, x, y))
     full = hp.gather_full_state_dict(model)
@@ -146,19 +147,24 @@ def _states(platform, model) -> list:
 
 
 @contextlib.contextmanager
-def _counting(platform, method: str):
-    """Count calls of one platform method (it still runs) in a one-element list."""
-    calls, original = [0], getattr(platform, method)
+def _counting(owner, method: str):
+    """Count calls of one method of ``owner`` (the platform, or a class; the method still
+    runs) in a one-element list."""
+    calls, original = [0], owner.__dict__.get(method)
+    bound = getattr(owner, method)
 
     def counted(*args, **kwargs):
         calls[0] += 1
-        return original(*args, **kwargs)
+        return bound(*args, **kwargs)
 
-    setattr(platform, method, counted)
+    setattr(owner, method, counted)
     try:
         yield calls
     finally:
-        delattr(platform, method)
+        if original is None:
+            delattr(owner, method)
+        else:
+            setattr(owner, method, original)
 
 
 def _named(kit, model):

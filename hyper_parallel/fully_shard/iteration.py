@@ -109,7 +109,8 @@ class IterationContext:
                 kept += state.group.gathered_bytes
             else:
                 resharded.append(state.group.gathered_bytes)
-        self.platform.keep_released_memory(kept + sum(sorted(resharded)[-2:]))
+        if self.platform.capabilities.can_release_storage:
+            self.platform.keep_released_memory(kept + sum(sorted(resharded)[-2:]))
 
     @property
     def forwards_run(self) -> list:

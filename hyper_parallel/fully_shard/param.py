@@ -323,6 +323,16 @@ class FSDPParam:
             local = p.contiguous(p.movedim(local, 0, self.shard_dim))
         return p.cast(local, self.orig_dtype)
 
+    def grad_placeholder(self) -> Any:
+        """What backward returns for the sharded parameter while its reduced gradient is
+        still on the wire: zeros that ``Platform.write_grad`` fills later where backward's
+        return value is the user's gradient (``returns_grads_from_backward``), else None."""
+        p = self.platform
+        if not p.capabilities.returns_grads_from_backward:
+            return None
+        local = p.local_tensor(self.sharded_param)
+        return p.zeros(p.shape(local), p.dtype_of(local))
+
     # ---------------------------------------------------------------- module attributes
     def attach(self, full: Any) -> None:
         for module, name in self.slots:

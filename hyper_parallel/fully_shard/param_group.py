@@ -7,9 +7,9 @@ flat gradient buffer and one all-reduce bucket (all_reduce.py).
 - The fused leg: the all-gather input is the concatenation of every parameter's padded
   flat shard (``total`` elements per rank, in the rank's gather order, below); each full
   parameter is concatenated from its columns of the per-rank pieces of the output
-  (``Platform.all_gather_pieces``), except the one whose pieces abut. The
+  (``Platform.all_gather``'s ``Gathered``), except the one whose pieces abut. The
   reduce-scatter input is rank-major: rank r's padded pieces of every parameter's gradient
-  in order (``Platform.reduce_scatter_pieces``, one concatenation); the output is one flat
+  in order (``Platform.reduce_scatter``, one concatenation); the output is one flat
   buffer, the leg's bucket.
 - Own legs: a sharded parameter of at least ``own_collective_bytes`` (all-gather piece in
   the compute dtype) travels alone. Then nothing is concatenated: its shard is the
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from hyper_parallel.fully_shard.all_reduce import FusedAllReduce
 from hyper_parallel.fully_shard.mesh import MeshInfo
 from hyper_parallel.fully_shard.param import FSDPParam
-from hyper_parallel.platform import Platform
+from hyper_parallel.platform import Gathered, Handle, Platform
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.post_forward import PostForwardShards
@@ -127,7 +127,7 @@ class FSDPParamGroup:
             self.legs.append(Leg(small, FusedAllReduce(
                 platform, info.data_parallel_group, info.data_parallel_size, "data_parallel"),
                 sharded=False))
-        self._pending_gather = None  # [(leg, pieces, whole, handle, full)] in flight
+        self._pending_gather = None  # [(leg, handle, full)] in flight
         self._pending_into = None    # the released fulls it gathers into, or None
         self._pending_post_forward = None  # the post-forward shards it gathers, or None
 
@@ -163,35 +163,34 @@ class FSDPParamGroup:
             self._pending_into = released
             self._pending_post_forward = post_forward
             if post_forward is not None:
-                gathers = [post_forward.issue_gather(i, async_op)
-                           for i in range(len(self.sharded_legs))]
-                self._pending_gather = [(leg, pieces, None, handle, None) for leg, (pieces, handle)
-                                        in zip(self.sharded_legs, gathers)]
+                self._pending_gather = [(leg, post_forward.issue_gather(i, async_op), None)
+                                        for i, leg in enumerate(self.sharded_legs)]
                 return
             self._pending_gather = [self._issue_leg_gather(leg, async_op, into)
                                     for leg in self.sharded_legs]
 
     def _issue_leg_gather(self, leg: Leg, async_op: bool, into: dict) -> tuple:
-        """``(leg, pieces, whole, handle, full)``; ``full`` is the released full tensor the
-        gather writes into (``pieces`` and ``whole`` are then known once it is done), or
-        None when it gathers into new memory."""
+        """``(leg, handle, full)``: the handle's result is the leg's ``Gathered`` (None: no
+        collective, one rank); ``full`` is the released full tensor the gather writes into,
+        or None when it gathers into new memory."""
         p, size = self.platform, self.mesh_info.shard_size
         order = leg.gather_orders[self.mesh_info.shard_rank if size > 1 else 0]
         pieces = [fp.padded_flat_shard(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
                   for fp in order]
         if size == 1:
             whole = p.cat(pieces, 0)  # cat copies: the fulls must not alias the shards
-            return leg, [whole], whole, None, None
+            return leg, Handle(result=Gathered([whole], whole)), None
         flat = pieces[0] if len(pieces) == 1 else p.cat(pieces, 0)
         junction = leg.junction
         full = into.get(id(junction)) if junction is not None else None
+        out = None
         if full is not None and junction.gathers_in_place:
-            handle = p.all_gather_into_released(
-                full, flat, self.mesh_info.shard_group, size, async_op=async_op, dim="shard",
-                start=leg.gather_offsets_of(junction)[0])
-            return leg, None, None, handle, full
-        return (leg, *p.all_gather_pieces(flat, self.mesh_info.shard_group, size,
-                                          async_op=async_op, dim="shard"), None)
+            out = p.restored_flat(full, size * leg.total_numel, leg.gather_offsets_of(junction)[0])
+        else:
+            full = None
+        handle = p.all_gather(flat, self.mesh_info.shard_group, async_op=async_op, dim="shard",
+                              out=out)
+        return leg, handle, full
 
     def has_pending_gather(self) -> bool:
         return self._pending_gather is not None
@@ -201,9 +200,8 @@ class FSDPParamGroup:
         a full tensor one was writing into is released again."""
         pending, self._pending_gather, self._pending_into = self._pending_gather, None, None
         self._pending_post_forward = None
-        for *_, handle, full in pending or ():
-            if handle is not None:
-                handle.wait()
+        for _, handle, full in pending or ():
+            handle.wait()
             if full is not None:
                 self.platform.release_storage(full)
 
@@ -254,16 +252,11 @@ class FSDPParamGroup:
         pending, self._pending_gather, self._pending_into = self._pending_gather or [], None, None
         gathered_post_forward, self._pending_post_forward = self._pending_post_forward, None
         finished = []
-        for leg, pieces, whole, handle, into in pending:
-            if handle is not None:
-                handle.wait()
+        for leg, handle, into in pending:
+            gathered = handle.wait()
+            pieces, whole = gathered.pieces, gathered.flat
             if gathered_post_forward is not None:
-                pieces = gathered_post_forward.shard_rank_pieces(leg, pieces)
-            if into is not None and len(leg.params) > 1:
-                # gathered into the restored memory of ``into``: the others are copied out
-                whole, numel = handle.result, leg.total_numel
-                pieces = [self.platform.narrow(whole, 0, r * numel, numel)
-                          for r in range(self.mesh_info.shard_size)]
+                pieces, whole = gathered_post_forward.shard_rank_pieces(leg, pieces), None
             finished.append((leg, pieces, whole, into))
         return finished
 
@@ -272,7 +265,7 @@ class FSDPParamGroup:
         """The leg's gradients in ``dtype`` cut for its reduce-scatter: per rank of the
         shard group, the list of flat parts whose concatenation rank r receives (rank r's
         padded piece of every parameter in order: the input laid out rank-major). No copy
-        here; ``Platform.reduce_scatter_pieces`` concatenates only where it must."""
+        here; ``Platform.reduce_scatter`` concatenates only where it must."""
         per_param = [fp.gradient_pieces(grads_by_param[id(fp)], dtype) for fp in leg.params]
         return [[part for pieces in per_param for part in pieces[rank]]
                 for rank in range(leg.params[0].shard_size)]

@@ -19,7 +19,7 @@ parameters stay until backward (as with True) and nothing is kept.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.param_group import FSDPParamGroup, Leg
@@ -48,11 +48,10 @@ class PostForwardShards:
                                           for part in cut[id(fp)][rank]], 0))
 
     def issue_gather(self, leg_index: int, async_op: bool) -> tuple:
-        """``(pieces, handle)``: the all-gather of leg ``leg_index``'s post-forward shards
-        over the post-forward group (``pieces``: one per member, valid after the wait)."""
-        pieces, _, handle = self.platform.all_gather_pieces(
-            self.shards[leg_index], self.group, self.size, async_op=async_op, dim="post_forward")
-        return pieces, handle
+        """The all-gather of leg ``leg_index``'s post-forward shards over the post-forward
+        group (its result's pieces: one per member)."""
+        return self.platform.all_gather(self.shards[leg_index], self.group, async_op=async_op,
+                                        dim="post_forward")
 
     def shard_rank_pieces(self, leg: Leg, member_pieces: list) -> list:
         """The gathered members' pieces cut into the pieces of every shard rank, as a

@@ -66,8 +66,8 @@ class UnitReduction:
             if leg.sharded and group.mesh_info.shard_size > 1:
                 if plan.pre_scale != 1.0:
                     pieces = [[p.scale(part, plan.pre_scale) for part in parts] for parts in pieces]
-                handle = p.reduce_scatter_pieces(pieces, group.mesh_info.shard_group,
-                                                 async_op=async_op, dim="shard")
+                handle = p.reduce_scatter(pieces, group.mesh_info.shard_group,
+                                          async_op=async_op, dim="shard")
                 flat = None  # handle.result (new memory, the core's own), once waited
             else:
                 # no reduce-scatter: the bucket's buffer, the core's own (all-reduced in place)
@@ -82,8 +82,7 @@ class UnitReduction:
         p = self.group.platform
         for leg in self.legs:
             if leg.handle is not None:
-                leg.handle.wait()
-                leg.buffer, leg.handle = leg.handle.result, None
+                leg.buffer, leg.handle = leg.handle.wait(), None
             if self.plan.post_scale != 1.0:  # the one place a gradient is post-scaled
                 leg.buffer = p.scale(leg.buffer, self.plan.post_scale, may_overwrite=True)
 
@@ -142,7 +141,7 @@ class UnitReduction:
         if delivered:
             logger.debug("%s: %d gradient shards delivered", self.name, len(delivered))
         if self.placeholders is None:
-            returned = [delivered[id(fp)] if id(fp) in delivered else p.grad_placeholder(fp.sharded_param)
+            returned = [delivered[id(fp)] if id(fp) in delivered else fp.grad_placeholder()
                         for fp in self.group.params]
             # a joined leg's entries are placeholders: deliver_joined fills them
             self.placeholders = returned

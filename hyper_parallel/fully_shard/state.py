@@ -355,8 +355,7 @@ class FSDPState:
             sync = self.iteration.sync_collectives
             returned = (sync and p.capabilities.returns_grads_from_backward
                         and not self.to_main_grad)
-            placeholders = None if returned else [p.grad_placeholder(fp.sharded_param)
-                                                  for fp in group.params]
+            placeholders = None if returned else [fp.grad_placeholder() for fp in group.params]
             reduction = UnitReduction(self.name, self.path, group, full_grads, dtype, plan,
                                       placeholders, self.to_main_grad, async_op=not sync,
                                       joined=self.iteration.joined)

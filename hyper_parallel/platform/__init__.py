@@ -12,7 +12,8 @@ import functools
 import importlib.util
 import os
 
-from hyper_parallel.platform.base import Handle, MeshDescription, Platform
+from hyper_parallel.platform.base import MeshDescription, Platform
+from hyper_parallel.platform.collectives import Gathered, Handle
 
 BACKENDS = ("torch", "mindspore")
 _INSTALL_HINT = {
@@ -56,5 +57,5 @@ def get_platform() -> Platform:
     return _platform_for(resolve_backend_name())
 
 
-__all__ = ["BACKENDS", "Handle", "MeshDescription", "Platform", "get_platform",
+__all__ = ["BACKENDS", "Gathered", "Handle", "MeshDescription", "Platform", "get_platform",
            "resolve_backend_name"]

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 class Capabilities:
     """One platform's answers; every field is documented where the core reads it."""
 
+    #: the device this process computes on: "cpu", "cuda" or "npu"
+    device_type: str = "cpu"
     #: ``release_storage`` really frees memory that autograd still references, and
     #: ``restore_storage`` gives it back: full parameters are freed between forward and
     #: backward and gathered again before backward.

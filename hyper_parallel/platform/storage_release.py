@@ -14,11 +14,9 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from hyper_parallel.platform.base import Handle
-
 
 class StorageRelease(abc.ABC):
-    """Release and restore a tensor's memory, and gather straight into restored memory."""
+    """Release and restore a tensor's memory, and write into restored memory."""
 
     @abc.abstractmethod
     def release_storage(self, tensor: Any) -> None:
@@ -29,15 +27,23 @@ class StorageRelease(abc.ABC):
         """Re-allocate the memory ``release_storage`` freed (contents undefined)."""
 
     @abc.abstractmethod
-    def all_gather_into_released(self, full: Any, input: Any, group: Any, group_size: int,
-                                 async_op: bool = False, dim: str = "", start: int = 0) -> Handle:
-        """Gather every rank's 1-D ``input`` straight into the memory behind ``full``, a
-        tensor whose memory ``release_storage`` freed: that memory is restored to hold the
-        ``group_size * numel(input)`` gathered elements (rank-major) from ``start``
-        elements before ``full``'s first element on, so ``full`` reads the gathered
-        elements ``start`` to ``start + numel(full)``; the rest (other parameters of the
-        same gather, padding) lies in memory no tensor reads but the ones ``full`` was cut
-        from. Once ``handle.wait()`` returned, ``handle.result`` is the whole gathered
-        buffer (1-D, on that memory), for copying those other parts out. Like
-        ``copy_into``, autograd's bookkeeping of ``full`` is not disturbed. Re-gathering a
-        parameter before backward this way costs no copy out of a gather buffer."""
+    def copy_into_slice(self, dst: Any, dim: int, start: int, src: Any) -> None:
+        """Write ``src`` into ``dst``'s slice ``[start, start + src.shape[dim])`` along
+        ``dim`` in place, like ``copy_into``: refilling a restored full parameter straight
+        from the all-gather output, one rank's rows at a time, costs one copy."""
+
+    @abc.abstractmethod
+    def restored_flat(self, full: Any, numel: int, start: int) -> Any:
+        """Restore the memory behind ``full`` (released) to hold ``numel`` elements from
+        ``start`` elements before ``full``'s first one, and return a 1-D tensor over them,
+        for an all-gather to write into (``all_gather(out=...)``): ``full`` then reads
+        elements ``start`` to ``start + numel(full)`` of it with no copy. Writing it leaves
+        autograd's bookkeeping of ``full`` alone, as ``copy_into`` does."""
+
+    def keep_released_memory(self, nbytes: int) -> None:
+        """Allow up to ``nbytes`` (the largest asked for wins) of the memory
+        ``release_storage`` frees to be kept for the next ``restore_storage`` or ``empty``
+        of the same size, where the allocator would otherwise return it to the system and
+        fault it in again page by page (CPU torch, see torch/released_memory.py). The core
+        asks for what one step gathers again (iteration.py, ``keep_working_set``). The
+        default keeps nothing: a caching allocator (CUDA) needs no help."""

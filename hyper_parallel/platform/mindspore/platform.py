@@ -21,31 +21,32 @@
 - Tensor memory cannot be released while autograd holds it: ``can_release_storage`` is
   False in its ``capabilities``, it does not implement ``StorageRelease``, and the core
   keeps full parameters alive between forward and backward (docs/platforms.md, "Memory").
-- No ``autograd.Function``: ``differentiable_call`` is a Cell with a custom ``bprop``.
+- No ``autograd.Function``: ``differentiable_call`` is a Cell with a custom ``bprop``
+  (unshard_cell.py).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
-import math
 import os
 import time
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, mint, nn, ops
+from mindspore import Parameter, Tensor, mint, ops
 from mindspore.common.tensor import swap_tensors
 from mindspore.communication import GlobalComm
 from mindspore.common.initializer import initializer
-from mindspore.graph.api import _disable_saved_tensors_hooks
 from mindspore.mint import distributed as msdist
 
-from hyper_parallel.platform.base import Handle, Platform
+from hyper_parallel.platform.base import Platform
+from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.mindspore import adam_state
 from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
 from hyper_parallel.platform.mindspore.jit_guard import refuse_jitted_construct
+from hyper_parallel.platform.mindspore.unshard_cell import run_differentiable
 
 SUPPORTED_MINOR = "2.10"
 
@@ -55,7 +56,11 @@ _DTYPES = {
 }
 # what mccl's flat all-gather (ops.AllGather) accepts on CPU; the list all_gather takes more
 _FLAT_GATHER_DTYPES = (ms.float32, ms.float16, ms.int32)
-_ITEM_SIZE = {ms.float32: 4, ms.float16: 2, ms.bfloat16: 2, ms.float64: 8, ms.int32: 4, ms.int64: 8}
+
+
+def _pieces_of(flat, group_size: int, numel: int) -> list:
+    """Rank r's ``numel`` elements of a flat all-gather output, read in place."""
+    return [mint.narrow(flat, 0, r * numel, numel) for r in range(group_size)]
 
 
 def _check_version() -> None:
@@ -63,26 +68,6 @@ def _check_version() -> None:
         raise ImportError(
             f"hyper_parallel supports mindspore {SUPPORTED_MINOR}.x, found {ms.__version__}; "
             f"install it with: pip install 'mindspore=={SUPPORTED_MINOR}.*' 'numpy<2'")
-
-
-class _CoreDefinedCell(nn.Cell):
-    """A Cell whose construct and bprop are the core's forward_fn and backward_fn."""
-
-    def __init__(self, forward_fn, backward_fn):
-        super().__init__()
-        self._forward_fn = forward_fn
-        self._backward_fn = backward_fn
-
-    def construct(self, *inputs):
-        return tuple(self._forward_fn(list(inputs)))
-
-    def bprop(self, *args):
-        # args = (*inputs, out, dout); dout is a tuple for a tuple output.
-        inputs, dout = args[:-2], args[-1]
-        grads = dout if isinstance(dout, (tuple, list)) else (dout,)
-        # A bprop must return a tensor per input: "no gradient" is zeros here.
-        return tuple(mint.zeros(x.shape, dtype=x.dtype) if g is None else g
-                     for x, g in zip(inputs, self._backward_fn(list(grads))))
 
 
 class MindSporePlatform(MindSporeStateIO, Platform):
@@ -101,7 +86,8 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         # for every parameter. On CPU async_op changes nothing: sync and async collectives
         # are queued alike on the kernel pipeline, so a reduction pipeline would only add
         # the placeholder copies. On Ascend HCCL runs on its own stream.
-        return Capabilities(pads_local_shards=True, returns_grads_from_backward=True,
+        return Capabilities(device_type="cpu" if self._on_cpu else "npu",
+                            pads_local_shards=True, returns_grads_from_backward=True,
                             collectives_overlap_compute=not self._on_cpu,
                             adam_step_per_param=False)
 
@@ -163,156 +149,85 @@ class MindSporePlatform(MindSporeStateIO, Platform):
             while self._store.add(key + "_seen", 0) < world and time.monotonic() < deadline:
                 time.sleep(0.005)
 
-    def rank(self) -> int:
-        return msdist.get_rank() if self.is_initialized() else 0
-
-    def world_size(self) -> int:
-        return msdist.get_world_size() if self.is_initialized() else 1
-
-    def device_type(self) -> str:
-        return "cpu" if self._on_cpu else "npu"
-
-    def new_mesh_groups(self, device_type, mesh_shape, dim_names):
-        grid = np.arange(int(np.prod(mesh_shape))).reshape(mesh_shape)
-        me = self.rank()
-        groups = []
-        for dim in range(len(mesh_shape)):
-            lines = np.moveaxis(grid, dim, -1).reshape(-1, mesh_shape[dim])
-            mine = None
-            for line in lines:  # every rank creates every group, in the same order
-                ranks = [int(r) for r in line]
-                group = self.new_group(ranks)
-                if me in ranks:
-                    mine = group
-            groups.append(mine)
-        return groups, None
-
     def new_group(self, ranks):
         if len(ranks) == self.world_size():
             return GlobalComm.WORLD_COMM_GROUP
         return msdist.new_group(list(ranks), backend="mccl" if self._on_cpu else "hccl")
 
-    def mesh_from_native(self, native_mesh):
-        return None
-
     def group_rank(self, group) -> int:
-        return msdist.get_rank(group)
+        return msdist.get_rank(GlobalComm.WORLD_COMM_GROUP if group is None else group)
 
     def group_size(self, group) -> int:
-        return msdist.get_world_size(group)
+        return msdist.get_world_size(GlobalComm.WORLD_COMM_GROUP if group is None else group)
 
     # ------------------------------------------------------------------ collectives
-    def all_gather_into(self, output, input, group, async_op=False, dim=""):
-        nbytes = output.numel() * _ITEM_SIZE[output.dtype]
+    def _all_gather(self, input, group, group_size, async_op, out):
+        numel = input.shape[0]
         if not self._on_cpu:
-            self._record("all_gather", "all_gather", nbytes, dim, group, input)
-            return Handle(msdist.all_gather_into_tensor(output, input, group=group,
-                                                        async_op=async_op))
-        pieces, whole, native = self._cpu_all_gather(input, group, self.group_size(group),
-                                                      async_op, "all_gather", nbytes, dim)
-        handle = Handle(native, on_done=lambda: output.copy_(
-            whole if whole is not None else ops.cat(pieces, 0)))
-        if not async_op:
-            handle.wait()
-        return handle
-
-    def _cpu_all_gather(self, input, group, group_size, async_op, op, nbytes, dim):
-        """One CPU all-gather of ``input``, recorded as ``op``: ``(per-rank pieces along dim 0,
-        the flat output or None, the native handle or None)``. mccl's flat ``ops.AllGather``
-        where it serves (the world group; float32, float16, int32), else the list form."""
+            if out is None:
+                out = mint.empty((group_size * numel,), dtype=input.dtype)
+            native = msdist.all_gather_into_tensor(out, input, group=group, async_op=async_op)
+            return Handle(native, result=Gathered(_pieces_of(out, group_size, numel), out))
         if group in (None, GlobalComm.WORLD_COMM_GROUP) and input.dtype in _FLAT_GATHER_DTYPES:
             if self._world_gather is None:
                 self._world_gather = ops.AllGather()
-            self._record(op, "all_gather", nbytes, dim, group, input)
-            whole, rows = self._world_gather(input), input.shape[0]
-            return [mint.narrow(whole, 0, r * rows, rows) for r in range(group_size)], whole, None
-        self._record(op, "all_gather_list", nbytes, dim, group, input)
-        pieces = [mint.empty(input.shape, dtype=input.dtype) for _ in range(group_size)]
-        return pieces, None, msdist.all_gather(pieces, input, group=group, async_op=async_op)
+            whole = self._world_gather(input)
+            gathered, native, wire = Gathered(_pieces_of(whole, group_size, numel), whole), \
+                None, "all_gather"
+        else:
+            pieces = [mint.empty(input.shape, dtype=input.dtype) for _ in range(group_size)]
+            native = msdist.all_gather(pieces, input, group=group, async_op=async_op)
+            gathered, wire = Gathered(pieces), "all_gather_list"
+        if out is None:  # the pieces are read where the collective put them: no copy
+            return Handle(native, result=gathered, wire=wire)
 
-    def reduce_scatter(self, output, input, group, async_op=False, dim=""):
-        if not self._on_cpu:
-            self._record("reduce_scatter", "reduce_scatter", input.numel() * _ITEM_SIZE[input.dtype],
-                         dim, group, input)
-            return Handle(msdist.reduce_scatter_tensor(output, input, group=group,
-                                                       async_op=async_op))
-        # The composition of reduce_scatter_new (which leaves the caller's input as it was),
-        # its result copied into the caller's output.
-        composed = self.reduce_scatter_new(input, group, self.group_size(group), async_op=True,
-                                           dim=dim)
-        handle = Handle(composed, on_done=lambda: output.copy_(composed.result))
+        def copy_out():
+            out.copy_(gathered.flat if gathered.flat is not None else ops.cat(gathered.pieces, 0))
+            return Gathered(_pieces_of(out, group_size, numel), out)
+
+        handle = Handle(native, on_done=copy_out, wire=wire)
         if not async_op:
             handle.wait()
         return handle
 
-    def all_gather_pieces(self, input, group, group_size, async_op=False, dim=""):
+    def _reduce_scatter(self, pieces, group, async_op):
+        size = len(pieces)
+        if self._on_cpu and size == 2:
+            return self._exchange_reduce_scatter(pieces, group, async_op)
+        flat = self.cat([part for parts in pieces for part in parts])  # our own copy
+        chunk = flat.shape[0] // size
         if not self._on_cpu:
-            return super().all_gather_pieces(input, group, group_size, async_op, dim)
-        # The pieces are read where the collective put them: views of the flat output, or
-        # the list all-gather's own outputs. No concatenation, no copy.
-        nbytes = group_size * input.shape[0] * _ITEM_SIZE[input.dtype]
-        pieces, whole, native = self._cpu_all_gather(input, group, group_size, async_op,
-                                                      "all_gather", nbytes, dim)
-        return pieces, whole, Handle(native)
-
-    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim=""):
-        if self._on_cpu and len(pieces) == 2:
-            return self._exchange_reduce_scatter(pieces, group, async_op, dim)
-        return super().reduce_scatter_pieces(pieces, group, async_op, dim)
-
-    def reduce_scatter_new(self, input, group, group_size, async_op=False, dim="",
-                           may_overwrite_input=False):
-        if not self._on_cpu:
-            return super().reduce_scatter_new(input, group, group_size, async_op, dim,
-                                              may_overwrite_input)
-        total = input.shape[0]
-        if group_size == 2:
-            half = total // 2
-            pieces = [[mint.narrow(input, 0, 0, half)], [mint.narrow(input, 0, half, half)]]
-            return self._exchange_reduce_scatter(pieces, group, async_op, dim)
-        self._record("reduce_scatter", "all_reduce", total * _ITEM_SIZE[input.dtype], dim, group,
-                     input)
-        if not may_overwrite_input:
-            input = input + 0
-        native = msdist.all_reduce(input, op="sum", group=group, async_op=async_op)
-        chunk = total // group_size
+            output = mint.empty((chunk,), dtype=flat.dtype)
+            native = msdist.reduce_scatter_tensor(output, flat, group=group, async_op=async_op)
+            return Handle(native, result=output)
+        native = msdist.all_reduce(flat, op="sum", group=group, async_op=async_op)
         start = self.group_rank(group) * chunk
-
-        def keep_own_chunk():
-            handle.result = mint.narrow(input, 0, start, chunk) + 0  # its own memory
-
-        handle = Handle(native, on_done=keep_own_chunk)
+        handle = Handle(native, on_done=lambda: mint.narrow(flat, 0, start, chunk) + 0,
+                        wire="all_reduce")
         if not async_op:
             handle.wait()
         return handle
 
-    def _exchange_reduce_scatter(self, pieces, group, async_op, dim):
+    def _exchange_reduce_scatter(self, pieces, group, async_op):
         """The reduce-scatter of a two-rank group as one all-gather: each rank sends
         only the chunk its peer owns, so each sends half its input, as a native
         reduce-scatter does, where an all-reduce sends all of it. The received chunk plus
         the own one is the result (the sum of two terms, as exact as the all-reduce's)."""
         me = self.group_rank(group)
         outgoing = self.cat(pieces[1 - me])  # a private contiguous copy of the peer's parts
-        chunk = outgoing.shape[0]
-        both, _, native = self._cpu_all_gather(outgoing, group, 2, async_op, "reduce_scatter",
-                                               2 * chunk * _ITEM_SIZE[outgoing.dtype], dim)
-        received = both[1 - me]
+        gather = self._all_gather(outgoing, group, 2, async_op, None)
         own = pieces[me][0] if len(pieces[me]) == 1 else ops.cat(pieces[me], 0)
-
-        def add_own_chunk():
-            handle.result = own + received
-
-        handle = Handle(native, on_done=add_own_chunk)
+        handle = Handle(gather, on_done=lambda: own + gather.result.pieces[1 - me],
+                        wire=gather.wire)
         if not async_op:
             handle.wait()
         return handle
 
-    def all_reduce(self, tensor, group, op="sum", async_op=False, dim=""):
-        self._record("all_reduce", "all_reduce", tensor.numel() * _ITEM_SIZE[tensor.dtype], dim,
-                     group, tensor)
-        return Handle(msdist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+    def _all_reduce(self, tensor, group, op, async_op):
+        native = msdist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return Handle(native, result=tensor)
 
-    def barrier(self, group=None) -> None:
+    def _barrier(self, group) -> None:
         # msdist.barrier returns before the peers arrive on CPU; reading the result of an
         # all-reduce cannot happen before every rank of the group contributed.
         self._finish_collectives(group)
@@ -322,15 +237,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
 
     def is_tensor(self, obj) -> bool:
         return isinstance(obj, Tensor)
-
-    def shape(self, tensor) -> tuple:
-        return tuple(tensor.shape)
-
-    def dtype_of(self, tensor):
-        return tensor.dtype
-
-    def element_size(self, dtype) -> int:
-        return _ITEM_SIZE[dtype]
 
     def zeros(self, shape, dtype):
         return mint.zeros(tuple(shape), dtype=dtype)
@@ -347,9 +253,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
     def cast(self, tensor, dtype):
         return tensor if tensor.dtype == dtype else tensor.astype(dtype)
 
-    def reshape(self, tensor, shape):
-        return tensor.reshape(tuple(shape))
-
     def movedim(self, tensor, source, destination):
         return tensor if source == destination else ops.moveaxis(tensor, source, destination)
 
@@ -362,39 +265,12 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         tensors = list(tensors)
         return ops.cat(tensors, dim) if len(tensors) > 1 else tensors[0] + 0
 
-    def contiguous(self, tensor):
-        return tensor.contiguous()
-
     def alias(self, tensor):
         return tensor  # a Cell may output an existing tensor as its own output
-
-    def clone(self, tensor):
-        return tensor + 0  # Tensor.clone has no CPU kernel
-
-    def scale(self, tensor, factor, may_overwrite=False):
-        return tensor * factor  # in-place arithmetic does not write through (docs/platforms.md)
-
-    def vector_norm(self, tensor, norm_type):
-        values = tensor.astype(ms.float32)  # mint.linalg.vector_norm has no CPU kernel
-        if math.isinf(norm_type):
-            return values.abs().max()
-        if norm_type == 2.0:
-            return (values * values).sum().sqrt()
-        return (values.abs() ** norm_type).sum() ** (1.0 / norm_type)
-
-    def add(self, a, b):
-        return a + b
 
     def copy_into(self, dst, src) -> None:
         # copy_ from a view of a larger tensor launches a wrong kernel on CPU: snapshot first.
         dst.copy_(src + 0)
-
-    def copy_into_slice(self, dst, dim, start, src) -> None:
-        # A view of dst does not write through: rebuild the whole tensor around src.
-        length, size = src.shape[dim], dst.shape[dim]
-        pieces = [self.narrow(dst, dim, 0, start), src,
-                  self.narrow(dst, dim, start + length, size - start - length)]
-        dst.copy_(ops.cat([t for t in pieces if t.shape[dim] > 0], dim) + 0)
 
     def no_grad(self):
         from mindspore.common.api import _no_grad
@@ -457,32 +333,11 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         # the initializer at the shard's shape, as MindSpore's own sliced init does
         return initializer(init, tuple(shape), param.dtype).init_data()
 
-    def registered_param(self, module, attr_name):
-        return module._params.get(attr_name)
-
-    def is_shard_like(self, new, sharded) -> bool:
-        return tuple(new.shape) == tuple(sharded.shape)
-
-    def replace_local(self, param, local) -> bool:
-        # set_data would shrink it, but an optimizer made from it already holds buffers of
-        # its full shape (mindspore.experimental.optim clones them at construction)
-        return False
-
-    def starts_with(self, whole, part) -> bool:
-        return False  # a view never writes through to its base (docs/platforms.md)
-
     def param_requires_grad(self, param) -> bool:
         # The Parameter.requires_grad getter waits for the whole async pipeline first; its
         # setter waits too, so _param_info is always current.
         info = getattr(param, "_param_info", None)
         return param.requires_grad if info is None else info.requires_grad
-
-    def param_grad(self, param):
-        raise NotImplementedError("MindSpore gradients are what value_and_grad returns; "
-                                  "they are not attached to the parameters")
-
-    def grad_placeholder(self, param):
-        return mint.zeros(param.shape, dtype=param.dtype)
 
     def write_grad(self, param, placeholder, local_grad, to_main_grad) -> None:
         if to_main_grad:
@@ -496,15 +351,7 @@ class MindSporePlatform(MindSporeStateIO, Platform):
 
     # ------------------------------------------------------------------ autograd and hooks
     def differentiable_call(self, inputs, forward_fn, backward_fn, grads_to_inputs=True):
-        # A custom-bprop Cell saves its inputs and outputs for backward. Kept out of the
-        # user's saved-tensor hooks: non-reentrant mindspore.recompute matches saved tensors
-        # by position, and the recomputed forward finds the parameters there and makes no node.
-        if not grads_to_inputs:  # the bprop's None becomes zeros (see _CoreDefinedCell)
-            backward = backward_fn
-            backward_fn = lambda grads: [None for _ in backward(grads)]  # noqa: E731
-        with _disable_saved_tensors_hooks("hyper_parallel: unshard node",
-                                          is_error_on_outer_hook=False):
-            return list(_CoreDefinedCell(forward_fn, backward_fn)(*inputs))
+        return run_differentiable(inputs, forward_fn, backward_fn, grads_to_inputs)
 
     def register_forward_hooks(self, module, pre_hook, post_hook):
         self._ensure_pynative()  # hooks and custom bprop Cells need PyNative

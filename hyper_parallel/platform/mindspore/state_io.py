@@ -8,12 +8,14 @@ parameters it steps, named ``<state>.<parameter name>`` (``exp_avg.0.weight``,
 
 from __future__ import annotations
 
+from hyper_parallel.platform.state_io import StateIO
+
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
 
-class MindSporeStateIO:
+class MindSporeStateIO(StateIO):
     """Mixed into MindSporePlatform."""
 
     checkpoint_extension = "ckpt"

@@ -17,13 +17,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Partial
 
-from hyper_parallel.platform.base import Handle, MeshDescription, Platform
+from hyper_parallel.platform.base import MeshDescription, Platform
+from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.storage_release import StorageRelease
 from hyper_parallel.platform.torch import adam_state
 from hyper_parallel.platform.torch.state_io import TorchStateIO
+from hyper_parallel.platform.torch.tensor_parallel import (
+    TP_SPEC, TorchTensorParallel, as_tensor_parallel)
 from hyper_parallel.platform.torch.eager_hooks import call_eagerly, eager
 from hyper_parallel.platform.torch.released_memory import ReleasedMemory
 from hyper_parallel.platform.torch.unshard_function import run_differentiable
@@ -57,19 +59,6 @@ def _register_sharded(module) -> None:
             module._parameters[name] = param
 
 
-# on a sharded parameter made from a tensor-parallel DTensor: (its tensor-parallel mesh,
-# placements, global shape, global stride), to present the full tensors as such DTensors
-_TP_SPEC = "_hp_tp_spec"
-
-
-def _strided_shard(dim: int, split_factor: int):
-    """FSDP2's placement for sharding a dim over data parallel that tensor parallelism,
-    on a mesh dim to its right, already splits ``split_factor`` ways."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return _StridedShard(dim, split_factor=split_factor)
-
-
 def _check_version() -> None:
     found = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     if found < MIN_TORCH:
@@ -89,7 +78,7 @@ def _uses_list_reduce_scatter(group, input_bytes: int) -> bool:
     return dist.get_backend(group) == "gloo" and input_bytes >= _GLOO_LIST_REDUCE_SCATTER_BYTES
 
 
-class TorchPlatform(TorchStateIO, StorageRelease, Platform):
+class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform):
     name = "torch"
 
     def __init__(self) -> None:
@@ -98,14 +87,15 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
         self._last_barrier = None  # see barrier
         # CUDA's caching allocator already keeps freed blocks; CPU's malloc does not. The
         # pool moves memory with a private storage method: a torch without it frees.
-        self._released = ReleasedMemory() if self.device_type() == "cpu" and hasattr(
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._released = ReleasedMemory() if device == "cpu" and hasattr(
             torch.UntypedStorage, "_swap_data_ptr_") else None
         self._spmd_meshes = {}  # see _spmd_mesh
         # own collectives: on CPU (gloo) a call costs tens of microseconds, copying 1 MiB in
         # and out about as much (make bench); CUDA keeps FSDP2's fused layout
         self._capabilities = Capabilities(
-            can_release_storage=True, registers_full_tensors=True,
-            default_own_collective_bytes=1 << 20 if self.device_type() == "cpu" else None)
+            device_type=device, can_release_storage=True, registers_full_tensors=True,
+            default_own_collective_bytes=1 << 20 if device == "cpu" else None)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -127,20 +117,8 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
             backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
-    def join_from_launcher_env(self) -> bool:
-        return False  # torchrun sets RANK/WORLD_SIZE/MASTER_*: the generic path joins
-
     def destroy_process_group(self) -> None:
         dist.destroy_process_group()
-
-    def rank(self) -> int:
-        return dist.get_rank() if self.is_initialized() else 0
-
-    def world_size(self) -> int:
-        return dist.get_world_size() if self.is_initialized() else 1
-
-    def device_type(self) -> str:
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def new_mesh_groups(self, device_type, mesh_shape, dim_names):
         native = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(dim_names))
@@ -170,59 +148,34 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
         return dist.get_world_size(group)
 
     # ------------------------------------------------------------------ collectives
-    def all_gather_into(self, output, input, group, async_op=False, dim=""):
-        self._record("all_gather", "all_gather", output.numel() * output.element_size(), dim,
-                     group, input)
-        work = _all_gather_flat(output, input, group=group, async_op=async_op)
-        return Handle(work)
+    def _all_gather(self, input, group, group_size, async_op, out):
+        numel = input.numel()
+        if out is None:
+            out = self.empty((group_size * numel,), input.dtype)
+        work = _all_gather_flat(out, input, group=group, async_op=async_op)
+        pieces = [out.narrow(0, r * numel, numel) for r in range(group_size)]
+        return Handle(work, result=Gathered(pieces, out))
 
-    def reduce_scatter(self, output, input, group, async_op=False, dim=""):
-        if _uses_list_reduce_scatter(group, input.numel() * input.element_size()):
-            return self._reduce_scatter_list(output, list(input.chunk(self.group_size(group))),
-                                             group, async_op, dim)
-        self._record("reduce_scatter", "reduce_scatter", input.numel() * input.element_size(), dim,
-                     group, input)
-        work = _reduce_scatter_flat(output, input, op=dist.ReduceOp.SUM, group=group,
-                                    async_op=async_op)
-        return Handle(work)
-
-    def reduce_scatter_pieces(self, pieces, group, async_op=False, dim=""):
+    def _reduce_scatter(self, pieces, group, async_op):
         nbytes = sum(part.numel() * part.element_size() for parts in pieces for part in parts)
-        if not _uses_list_reduce_scatter(group, nbytes):
-            return super().reduce_scatter_pieces(pieces, group, async_op, dim)
-        inputs = [parts[0] if len(parts) == 1 else torch.cat(list(parts)) for parts in pieces]
-        output = torch.empty_like(inputs[0])
-        handle = self._reduce_scatter_list(output, inputs, group, async_op, dim)
-        handle.result = output
-        return handle
+        if _uses_list_reduce_scatter(group, nbytes):
+            # a rank's single part (a view of the gradient) is read where it is
+            inputs = [parts[0] if len(parts) == 1 else torch.cat(list(parts)) for parts in pieces]
+            output = torch.empty_like(inputs[0])
+            work = dist.reduce_scatter(output, inputs, op=dist.ReduceOp.SUM, group=group,
+                                       async_op=async_op)
+            return Handle(work, result=output)
+        flat = torch.cat([part for parts in pieces for part in parts])
+        output = self.empty((flat.numel() // len(pieces),), flat.dtype)
+        work = _reduce_scatter_flat(output, flat, op=dist.ReduceOp.SUM, group=group,
+                                    async_op=async_op)
+        return Handle(work, result=output)
 
-    def _reduce_scatter_list(self, output, pieces, group, async_op, dim) -> Handle:
-        self._record("reduce_scatter", "reduce_scatter",
-                     sum(t.numel() for t in pieces) * output.element_size(), dim, group, output)
-        return Handle(dist.reduce_scatter(output, pieces, op=dist.ReduceOp.SUM, group=group,
-                                          async_op=async_op))
-
-    def all_gather_into_released(self, full, input, group, group_size, async_op=False, dim="",
-                                 start=0):
-        total = group_size * input.numel()
-        offset = full.storage_offset() - start
-        storage = self._grow_storage(full, total, offset)
-        # A new tensor on the same memory, not a view of ``full``: the collective's write
-        # then leaves the version counter autograd checks for ``full`` alone (it was saved
-        # by the forward, and refilling the values it had is no modification).
-        with torch.no_grad():
-            flat = full.new_empty(0).set_(storage, offset, (total,))
-        handle = self.all_gather_into(flat, input, group, async_op=async_op, dim=dim)
-        handle.result = flat
-        return handle
-
-    def all_reduce(self, tensor, group, op="sum", async_op=False, dim=""):
-        self._record("all_reduce", "all_reduce", tensor.numel() * tensor.element_size(), dim,
-                     group, tensor)
+    def _all_reduce(self, tensor, group, op, async_op):
         work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
-        return Handle(work)
+        return Handle(work, result=tensor)
 
-    def barrier(self, group=None) -> None:
+    def _barrier(self, group) -> None:
         # A gloo worker thread releases a finished collective a moment after wait() returns
         # in the caller. If that release frees a tensor Python made, it needs the GIL, and
         # once the interpreter is finalizing, taking the GIL ends the thread inside C++ code
@@ -241,53 +194,29 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
     def is_tensor(self, obj) -> bool:
         return isinstance(obj, torch.Tensor)
 
-    def shape(self, tensor) -> tuple:
-        return tuple(tensor.shape)
-
-    def dtype_of(self, tensor):
-        return tensor.dtype
-
     def element_size(self, dtype) -> int:
-        return torch.empty((), dtype=dtype).element_size()
+        return dtype.itemsize
 
     def zeros(self, shape, dtype):
-        return torch.zeros(tuple(shape), dtype=dtype, device=self.device_type())
+        return torch.zeros(tuple(shape), dtype=dtype, device=self._capabilities.device_type)
 
     def empty(self, shape, dtype):
         shape = tuple(shape)
         kept = self._released and self._released.take(math.prod(shape) * dtype.itemsize)
         if kept is not None:
             return torch.empty(0, dtype=dtype).set_(kept, 0, shape)
-        return torch.empty(shape, dtype=dtype, device=self.device_type())
+        return torch.empty(shape, dtype=dtype, device=self._capabilities.device_type)
 
     def from_numpy(self, array):
-        return torch.tensor(array, device=self.device_type())
+        return torch.tensor(array, device=self._capabilities.device_type)
 
     def to_numpy(self, tensor):
         if isinstance(tensor, DTensor):
             tensor = tensor.to_local()
         return tensor.detach().cpu().numpy().copy()
 
-    def cast(self, tensor, dtype):
-        return tensor if tensor.dtype == dtype else tensor.to(dtype)
-
-    def reshape(self, tensor, shape):
-        return tensor.reshape(tuple(shape))
-
-    def movedim(self, tensor, source, destination):
-        return tensor if source == destination else tensor.movedim(source, destination)
-
-    def narrow(self, tensor, dim, start, length):
-        return tensor.narrow(dim, start, length)
-
     def cat(self, tensors, dim=0):
         return torch.cat(list(tensors), dim=dim)
-
-    def contiguous(self, tensor):
-        return tensor.contiguous()
-
-    def alias(self, tensor):
-        return tensor.view_as(tensor)
 
     def clone(self, tensor):
         return tensor.clone()
@@ -301,9 +230,6 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
     def vector_norm(self, tensor, norm_type):
         with torch.no_grad():
             return torch.linalg.vector_norm(tensor, norm_type, dtype=torch.float32)
-
-    def add(self, a, b):
-        return a + b
 
     def copy_into(self, dst, src) -> None:
         # autograd saved ``dst`` for backward; refilling it with the same values is not
@@ -321,6 +247,15 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
             self._released.release(storage)
         elif storage.size() != 0:
             storage.resize_(0)
+
+    def restored_flat(self, full, numel, start):
+        offset = full.storage_offset() - start
+        storage = self._grow_storage(full, numel, offset)
+        # A new tensor on the same memory, not a view of ``full``: a collective's write then
+        # leaves the version counter autograd checks for ``full`` alone (it was saved by
+        # the forward, and refilling the values it had is no modification).
+        with torch.no_grad():
+            return full.new_empty(0).set_(storage, offset, (numel,))
 
     def restore_storage(self, tensor) -> None:
         # Several full parameters may be views of one buffer: size it for the furthest.
@@ -365,81 +300,20 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
     def attach_tensor(self, module, attr_name, tensor) -> None:
         # As FSDP2: while the unit is unsharded, parameters() and named_parameters() yield
         # the full tensors; module.<attr_name> reads them from there.
-        tp = getattr(module.__dict__.get(_SHARDED_PARAMS, {}).get(attr_name), _TP_SPEC, None)
-        if tp is not None:
-            # this rank's tensor-parallel part, as the tensor-parallel DTensor the layers
-            # compute with; its gradient comes back to ``tensor`` as a local tensor
-            mesh, placements, shape, stride = tp
-            tensor = DTensor.from_local(tensor, mesh, placements, run_check=False,
-                                        shape=shape, stride=stride)
-        module._parameters[attr_name] = tensor
+        module._parameters[attr_name] = as_tensor_parallel(
+            module.__dict__.get(_SHARDED_PARAMS, {}).get(attr_name), tensor)
 
     def detach_tensor(self, module, attr_name) -> None:
         module._parameters[attr_name] = module.__dict__[_SHARDED_PARAMS][attr_name]
-
-    def param_local_values(self, param):
-        if not isinstance(param, DTensor):
-            return param
-        if any(isinstance(pl, Partial) for pl in param.placements):
-            raise ValueError(f"fully_shard takes DTensor parameters that are sharded or "
-                             f"replicated over their mesh (tensor parallelism); this one has "
-                             f"placements {param.placements}: redistribute it first")
-        return param.to_local().detach()
-
-    def _spmd_mesh(self, dp_mesh, tp_mesh):
-        """The mesh (data-parallel dims, then tensor-parallel dims) a tensor-parallel
-        parameter's shard lives on: the two concatenated where they come from one torch
-        mesh (FSDP2's), else one made from their groups, with the rank grid gathered once
-        from every rank (all ranks shard the same parameters in the same order)."""
-        key = (id(dp_mesh), id(tp_mesh))
-        if key in self._spmd_meshes:
-            return self._spmd_meshes[key][2]
-        dp_ranks, tp_ranks = dp_mesh.mesh.flatten().tolist(), tp_mesh.mesh.flatten().tolist()
-        if set(dp_ranks) & set(tp_ranks) != {self.rank()}:
-            raise ValueError(f"a tensor-parallel parameter's mesh {tp_mesh} shares ranks other "
-                             f"than this one with the data-parallel mesh {dp_mesh}; tensor "
-                             f"parallelism must use the mesh dims that fully_shard does not")
-        names = tuple(dp_mesh.mesh_dim_names or ()) + tuple(tp_mesh.mesh_dim_names or ())
-        mesh = None
-        concatenate = getattr(TorchDeviceMesh, "_concatenate", None)
-        if concatenate is not None and len(set(names)) == dp_mesh.ndim + tp_mesh.ndim:
-            try:
-                mesh = concatenate([dp_mesh, tp_mesh])
-            except (RuntimeError, AttributeError):
-                mesh = None  # not slices of one torch mesh
-        if mesh is None:
-            everyone = [None] * self.world_size()
-            dist.all_gather_object(everyone, (self.rank(), tp_ranks))
-            tp_of = dict(everyone)
-            grid = torch.tensor([tp_of[r] for r in dp_ranks]).reshape(
-                *dp_mesh.mesh.shape, *tp_mesh.mesh.shape)
-            groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)] + \
-                     [tp_mesh.get_group(i) for i in range(tp_mesh.ndim)]
-            if len(set(names)) != len(groups):
-                names = tuple(f"dp{i}" for i in range(dp_mesh.ndim)) + \
-                    tuple(f"tp{i}" for i in range(tp_mesh.ndim))
-            mesh = TorchDeviceMesh.from_group(groups, dp_mesh.device_type, mesh=grid,
-                                              mesh_dim_names=names)
-        self._spmd_meshes[key] = (dp_mesh, tp_mesh, mesh)  # keeps the ids valid
-        return mesh
 
     def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
                            shard_dim, full_shape, backing=None):
         placements = [Replicate()] * native_mesh.ndim
         tp = None
         if isinstance(orig_param, DTensor):
-            # already split by tensor parallelism: the shard spans both, as FSDP2's
-            spec = orig_param._spec
-            tp = (orig_param.device_mesh, tuple(orig_param.placements), orig_param.shape,
-                  orig_param.stride())
-            if shard_dim is not None:
-                split = spec.num_shards_map[shard_dim]
-                placements[shard_mesh_dim] = (_strided_shard(shard_dim, split) if split > 1
-                                              else Shard(shard_dim))
-            placements += list(orig_param.placements)
-            native_mesh = self._spmd_mesh(native_mesh, orig_param.device_mesh)
-            full_shape, shard_dim = tuple(orig_param.shape), None
-        if shard_dim is not None:
+            native_mesh, placements, full_shape, tp = self._tensor_parallel_layout(
+                orig_param, native_mesh, shard_mesh_dim, shard_dim)
+        elif shard_dim is not None:
             placements[shard_mesh_dim] = Shard(shard_dim)
         stride = torch.empty(full_shape, device="meta").stride()
         if backing is not None:
@@ -452,16 +326,8 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
                                      run_check=False, shape=torch.Size(full_shape), stride=stride)
         param = torch.nn.Parameter(dtensor, requires_grad=orig_param.requires_grad)
         if tp is not None:
-            setattr(param, _TP_SPEC, tp)
+            setattr(param, TP_SPEC, tp)
         return param
-
-    def full_over_tensor_parallel(self, sharded_param, local_full):
-        tp = getattr(sharded_param, _TP_SPEC, None)
-        if tp is None:
-            return local_full
-        mesh, placements, shape, stride = tp
-        return DTensor.from_local(local_full, mesh, placements, run_check=False, shape=shape,
-                                  stride=stride).full_tensor()
 
     def local_tensor(self, param):
         return param.to_local()
@@ -471,9 +337,6 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
 
     def deferred_part(self, param, dim, start, length):
         return param.narrow(dim, start, length)
-
-    def registered_param(self, module, attr_name):
-        return module._parameters.get(attr_name)
 
     def is_shard_like(self, new, sharded) -> bool:
         return isinstance(new, DTensor) and new.shape == sharded.shape and \
@@ -489,12 +352,6 @@ class TorchPlatform(TorchStateIO, StorageRelease, Platform):
     def starts_with(self, whole, part) -> bool:
         return part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() and \
             part.storage_offset() == whole.storage_offset() and part.is_contiguous()
-
-    def param_grad(self, param):
-        return param.grad
-
-    def grad_placeholder(self, param):
-        return None
 
     def write_grad(self, param, placeholder, local_grad, to_main_grad) -> None:
         if to_main_grad:

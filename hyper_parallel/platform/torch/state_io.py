@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from hyper_parallel.platform.state_io import StateIO
+
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
 
-class TorchStateIO:
+class TorchStateIO(StateIO):
     """Mixed into TorchPlatform."""
 
     checkpoint_extension = "pt"

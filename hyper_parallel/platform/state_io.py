@@ -1,0 +1,55 @@
+"""The optional part of the contract for state dicts and checkpoints: optimizer state and
+the framework's own tensor files.
+
+[Note: why a part of its own]
+``fully_shard`` never needs these: only ``hp.get_state_dict``/``hp.set_state_dict``, the
+sharded and portable checkpoints and the optimizer-state conversions do. A platform that
+implements ``StateIO`` gets them all; a new platform can train first and add this later.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable
+
+
+class StateIO(abc.ABC):
+    """Optimizer state and tensor files of one framework."""
+
+    #: the file extension ``save_tensors`` writes (the framework's own checkpoint format)
+    checkpoint_extension: str = "ckpt"
+
+    @abc.abstractmethod
+    def optimizer_state(self, optimizer: Any) -> list:
+        """Every state tensor of ``optimizer`` as ``(state name, parameter or None, local
+        tensor)``: per-parameter state (moments) with the parameter it belongs to, the
+        optimizer's own values (step counters) with None. The tensor is the live one a load
+        writes with ``copy_into`` (torch: a DTensor's local part). State an optimizer has
+        not created yet (torch before its first step) is not listed."""
+
+    def create_optimizer_state(self, optimizer: Any) -> Callable[[], None] | None:
+        """Make ``optimizer`` create its state (zeros) if it has none yet, so that a load can
+        write it; return what undoes that, or None where nothing was created (the default:
+        a framework whose optimizers create their state on construction)."""
+        return None
+
+    @abc.abstractmethod
+    def save_tensors(self, tensors: dict, path: str) -> None:
+        """Write ``{name: tensor or numpy array}`` to ``path`` in the framework's own format."""
+
+    @abc.abstractmethod
+    def load_tensors(self, path: str) -> dict:
+        """Read a file ``save_tensors`` wrote: ``{name: tensor}``."""
+
+    @abc.abstractmethod
+    def adam_params(self, optimizer: Any) -> list:
+        """The parameters an Adam/AdamW ``optimizer`` updates; TypeError for another kind."""
+
+    @abc.abstractmethod
+    def adam_state(self, optimizer: Any, param: Any) -> tuple | None:
+        """``(step, {"exp_avg": t, "exp_avg_sq": t[, "max_exp_avg_sq": t]})`` of ``param``,
+        each moment shaped like ``local_tensor(param)``; None before it has any."""
+
+    @abc.abstractmethod
+    def set_adam_state(self, optimizer: Any, param: Any, step: int, moments: dict) -> None:
+        """Replace ``param``'s state with ``step`` and ``moments`` (as ``adam_state`` gives)."""
