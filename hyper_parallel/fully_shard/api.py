@@ -106,7 +106,8 @@ class FSDPModule:
         """Off: the coming backward does not wait for its gradient reductions at its end;
         they finish at the next last backward or when the next forward starts. Call it on
         the root module (the one whose backward ends the pass)."""
-        if _state_of(self).is_root is False:
+        state = _state_of(self)
+        if state.iteration is not None and not state.is_root:
             raise ValueError("set_is_last_backward applies to the whole backward pass: call it on "
                              "the root module, not on a nested fully_shard unit")
         for state in _states_under(self, True):
@@ -144,7 +145,7 @@ class FSDPModule:
         next iteration runs normally. Call it on the root; on a nested unit it raises
         RuntimeError. Before the first forward there is nothing to reset."""
         state = _state_of(self)
-        if state.is_root is False:
+        if state.iteration is not None and not state.is_root:
             raise RuntimeError("reset_iter_state must be called on the root fully_shard module "
                                "(the one whose forward starts the iteration), not on a nested unit")
         if state.iteration is not None:

@@ -47,10 +47,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from hyper_parallel.fully_shard.joined_all_reduce import JoinedAllReduce
-
 if TYPE_CHECKING:
-    from hyper_parallel.fully_shard.reduction import UnitReduction
+    from hyper_parallel.fully_shard.gradients import UnitReduction
     from hyper_parallel.fully_shard.state import FSDPState
     from hyper_parallel.platform import Platform
 
@@ -76,7 +74,6 @@ class IterationContext:
         self.sync_collectives = _sync_collectives(platform)
         self.pending_reduce_scatter = None   # (UnitReduction, requires_all_reduce)
         self.pending_all_reduce: list = []
-        self.joined = JoinedAllReduce(platform)  # the units' small buckets, until the drain
         self._final_callback_queued = False
         self._forward_order: list = []       # units by first forward, this iteration
         self._seen: set = set()              # ids of _forward_order
@@ -167,19 +164,14 @@ class IterationContext:
         self.pending_all_reduce = [r for r in self.pending_all_reduce if r.in_flight]
 
     def drain(self) -> None:
-        """Wait every collective in flight and deliver every gradient. The joined
-        all-reduce is issued first (it overlaps the waits) and delivered last: a unit's
-        ``finish`` hands out the placeholders it fills."""
+        """Wait every collective in flight and deliver every gradient."""
         self._advance()
         pending, self.pending_all_reduce = self.pending_all_reduce, []
-        self.joined.issue(async_op=not self.sync_collectives)
         for reduction in pending:
             reduction.finish()
-        self.joined.finish()
 
     def has_pending(self) -> bool:
-        return (self.pending_reduce_scatter is not None or bool(self.pending_all_reduce)
-                or bool(self.joined))
+        return self.pending_reduce_scatter is not None or bool(self.pending_all_reduce)
 
     def finish_backward(self) -> None:
         """After the whole backward: drain (on a last backward) and reshard every unit
@@ -204,7 +196,6 @@ class IterationContext:
         self.pending_reduce_scatter, self.pending_all_reduce = None, []
         for reduction in in_flight:
             reduction.abandon()
-        self.joined.abandon()
         self._final_callback_queued = False
         self._forward_order, self._seen = [], set()
         for state in self.states:

@@ -2,7 +2,7 @@
 
 [Note: legs: which parameters share a collective]
 A unit's parameters travel in "legs"; each leg has one all-gather (sharded legs), one
-flat gradient buffer and one all-reduce bucket (all_reduce.py).
+flat gradient buffer and one all-reduce bucket (``ReplicateBucket``, gradients.py).
 
 - The fused leg: the all-gather input is the concatenation of every parameter's padded
   flat shard (``total`` elements per rank, in the rank's gather order, below); each full
@@ -21,7 +21,7 @@ flat gradient buffer and one all-reduce bucket (all_reduce.py).
   collective, and the full tensors are private copies (they must never alias the shards).
 - The small leg: unsharded (below ``shard_threshold_bytes``) parameters skip the gather and
   reduce-scatter: each rank holds them whole and their gradients form one bucket
-  all-reduced over the whole data-parallel group.
+  all-reduced over the whole data-parallel group, one all-reduce per unit.
 
 [Note: gather layout: which parameter is read in place]
 A parameter whose pieces abut in the all-gather output is one contiguous stretch of it,
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hyper_parallel.fully_shard.all_reduce import FusedAllReduce
+from hyper_parallel.fully_shard.gradients import ReplicateBucket
 from hyper_parallel.fully_shard.mesh import MeshInfo
 from hyper_parallel.fully_shard.param import FSDPParam
 from hyper_parallel.platform import Gathered, Handle, Platform
@@ -61,7 +61,7 @@ JUNCTION_MAX_REST = 8
 class Leg:
     """Parameters that share a collective and a flat gradient buffer, with their offsets."""
 
-    def __init__(self, params: list, bucket: FusedAllReduce, sharded: bool):
+    def __init__(self, params: list, bucket: ReplicateBucket, sharded: bool):
         self.params = params
         self.bucket = bucket
         self.sharded = sharded  # gathered and reduce-scattered over the shard group
@@ -113,7 +113,7 @@ class FSDPParamGroup:
         info = mesh_info
 
         def replicate_bucket():
-            return FusedAllReduce(platform, info.replicate_group, info.replicate_size, "replicate")
+            return ReplicateBucket(platform, info.replicate_group, info.replicate_size, "replicate")
 
         sharded = [p for p in params if p.is_sharded]
         alone = [p for p in sharded if own_collective_bytes is not None and
@@ -124,7 +124,7 @@ class FSDPParamGroup:
         small = [p for p in params if not p.is_sharded]
         self.legs = list(self.sharded_legs)
         if small:
-            self.legs.append(Leg(small, FusedAllReduce(
+            self.legs.append(Leg(small, ReplicateBucket(
                 platform, info.data_parallel_group, info.data_parallel_size, "data_parallel"),
                 sharded=False))
         self._pending_gather = None  # [(leg, handle, full)] in flight
@@ -259,17 +259,3 @@ class FSDPParamGroup:
                 pieces, whole = gathered_post_forward.shard_rank_pieces(leg, pieces), None
             finished.append((leg, pieces, whole, into))
         return finished
-
-    # ---------------------------------------------------------------- gradient layout
-    def gradient_pieces(self, leg: Leg, grads_by_param: dict, dtype: Any) -> list:
-        """The leg's gradients in ``dtype`` cut for its reduce-scatter: per rank of the
-        shard group, the list of flat parts whose concatenation rank r receives (rank r's
-        padded piece of every parameter in order: the input laid out rank-major). No copy
-        here; ``Platform.reduce_scatter`` concatenates only where it must."""
-        per_param = [fp.gradient_pieces(grads_by_param[id(fp)], dtype) for fp in leg.params]
-        return [[part for pieces in per_param for part in pieces[rank]]
-                for rank in range(leg.params[0].shard_size)]
-
-    def sharded_gradients(self, leg: Leg, reduced: Any) -> list:
-        """Per-parameter gradient shards (each parameter's dtype) out of a reduced buffer."""
-        return [fp.sharded_grad_from(reduced, off) for fp, off in zip(leg.params, leg.offsets)]

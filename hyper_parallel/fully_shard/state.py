@@ -25,16 +25,6 @@ of an earlier backward over a retained graph): autograd never reads freed memory
 platform cannot release memory (MindSpore), the full parameters stay alive until the unit's
 backward and no second all-gather is issued (docs/platforms.md).
 
-[Note: FullParams: one all-gather's full parameters]
-Each unshard node's outputs are one ``FullParams``: the tensors, whether their memory is
-allocated (``live``, shared by every FullParams over the same memory) and whether the
-node's backward ran (``spent``). The unit holds its current one; earlier ones live as long
-as the pre-backward hooks of the graphs that used them. The node holds its FullParams
-weakly: its outputs are the FullParams' tensors, and a strong reference would be a cycle
-through autograd's native node that Python's collector cannot see (every iteration's node
-would leak). A node's backward releases its own FullParams if it is still referenced,
-never the unit's current one, and reduces the gradients either way.
-
 [Note: roots]
 The first unit whose forward runs becomes the root: it creates the IterationContext shared
 by every unit in its module tree, starts each iteration, and its final callback reshards
@@ -49,10 +39,12 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from hyper_parallel.fully_shard.full_params import FullParams, Memory
 from hyper_parallel.fully_shard.iteration import IterationContext
 from hyper_parallel.fully_shard.post_forward import PostForwardShards
-from hyper_parallel.fully_shard.reduce_op import plan_reduction, resolve_reduce_dtype
-from hyper_parallel.fully_shard.reduction import UnitReduction
+from hyper_parallel.fully_shard.pytree import cast_floating, tensors_in
+from hyper_parallel.fully_shard.unit_state import UnitState, check_transition
+from hyper_parallel.fully_shard.gradients import reduce_gradients
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.param_group import FSDPParamGroup
@@ -62,29 +54,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hyper_parallel.fully_shard")
 
 STATE_ATTR = "_hp_state"
-_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
-
-
-class _Memory:
-    """Whether some full parameters' memory is allocated; shared by the FullParams that
-    alias the same memory (a kept unit's next node), so releasing one shows on all."""
-
-    def __init__(self) -> None:
-        self.live = True
-        self.post_forward: PostForwardShards | None = None  # kept while released
-
-
-class FullParams:
-    """The full parameters one unshard node produced (see the note "FullParams")."""
-
-    def __init__(self, memory: _Memory | None = None):
-        self.tensors: list = []
-        self.memory = memory if memory is not None else _Memory()
-        self.spent = False  # the node's backward ran
-
-    @property
-    def live(self) -> bool:
-        return self.memory.live
 
 
 class FSDPState:
@@ -113,13 +82,13 @@ class FSDPState:
         self.cast_forward_inputs = mp_policy.cast_forward_inputs
         self.forward_prefetch: list | None = None   # explicit lists; None = implicit
         self.backward_prefetch: list | None = None
-        self.is_root: bool | None = None
+        self.is_root = False  # set at the root's lazy init (``iteration`` set then too)
         self.iteration: IterationContext | None = None
-        self._full: FullParams | None = None  # what the modules compute with now
+        self.state = UnitState.SHARDED       # see unit_state.py
+        self._full: FullParams | None = None  # the current full parameters (not SHARDED)
         self._keep_full = False              # survive the next iteration start
         self._forwards_done = 0              # modules of a list unit done this round
-        self._unsharded_grads: list | None = None  # accumulated while sync is off
-        self._floating = tuple(platform.dtype(n) for n in _FLOAT_NAMES)
+        self.unsharded_grads: list | None = None  # accumulated while sync is off (gradients.py)
 
     # ---------------------------------------------------------------- lazy root init
     def _lazy_init(self, root_module: Any) -> None:
@@ -144,8 +113,12 @@ class FSDPState:
             state.iteration = context
 
     # ---------------------------------------------------------------- forward hooks
+    def _enter(self, new: UnitState) -> None:
+        check_transition(self.path, self.state, new)
+        self.state = new
+
     def pre_forward(self, module: Any, args: tuple, kwargs: dict):
-        if self.is_root is None:
+        if self.iteration is None:
             self._lazy_init(module)
         if self.platform.in_backward():
             # Activation checkpointing recomputes this forward inside backward: the full
@@ -165,14 +138,14 @@ class FSDPState:
 
     def _cast_inputs(self, args: tuple, kwargs: dict):
         if self.cast_forward_inputs and self.param_dtype is not None:
-            args, kwargs = self._cast_tree((args, kwargs), self.param_dtype)
+            args, kwargs = cast_floating(self.platform, (args, kwargs), self.param_dtype)
         return args, kwargs
 
     def post_forward(self, module: Any, args: tuple, kwargs: dict, output: Any):
         if not self.platform.in_backward():  # else a recomputation: backward reshards
             self._after_forward(output)
         if self.output_dtype is not None:
-            output = self._cast_tree(output, self.output_dtype)
+            output = cast_floating(self.platform, output, self.output_dtype)
         return output
 
     @property
@@ -190,7 +163,7 @@ class FSDPState:
             # unit inside a nested backward (reentrant activation checkpointing), it would
             # reshard every unit when that nested backward ends.
             full = self._full
-            for tensor in self._tensors_in(output):
+            for tensor in tensors_in(self.platform, output):
                 self.platform.register_grad_hook(tensor, lambda: self._pre_backward(full))
         self._forwards_done += 1
         if self._forwards_done >= len(self.modules):
@@ -200,6 +173,7 @@ class FSDPState:
             elif self.reshards_after_forward and self._full is not None:
                 self._detach()
                 self._release(self._full, after_forward=True)
+                self._enter(UnitState.FREED)
 
     def begin_iteration(self) -> None:
         self._forwards_done = 0
@@ -233,8 +207,9 @@ class FSDPState:
         self._full = full
         for fsdp_param, tensor in zip(self.group.params, full.tensors):
             fsdp_param.attach(tensor)
+        self._enter(UnitState.UNSHARDED)
 
-    def _new_full(self, forward_fn, memory: _Memory | None = None) -> FullParams:
+    def _new_full(self, forward_fn, memory: Memory | None = None) -> FullParams:
         """One unshard node: the local shards in, ``forward_fn``'s full parameters out."""
         full = FullParams(memory)
         held = weakref.ref(full)  # weakly: see the note "FullParams"
@@ -260,6 +235,7 @@ class FSDPState:
         self._detach()
         self._release(self._full)
         self._full = None
+        self._enter(UnitState.SHARDED)
 
     def reset(self) -> None:
         """``reset_iter_state``: reshard and drop what an aborted iteration left behind:
@@ -267,7 +243,7 @@ class FSDPState:
         all-reduce sums deferred by ``set_requires_all_reduce(False)`` (as FSDP2 drops them)."""
         self.reshard()
         self._forwards_done = 0
-        self._unsharded_grads = None
+        self.unsharded_grads = None
         for leg in self.group.legs if self.group is not None else ():
             leg.bucket.discard_deferred()
 
@@ -312,6 +288,7 @@ class FSDPState:
             if full is self._full:
                 for fsdp_param, tensor in zip(self.group.params, full.tensors):
                     fsdp_param.attach(tensor)
+                self._enter(UnitState.UNSHARDED)
         targets = self.backward_prefetch
         if targets is None:
             targets = self.iteration.neighbours(self, step=-1)
@@ -336,32 +313,9 @@ class FSDPState:
             if self.reshard_after_backward:  # before the reduction allocates its buffers,
                 # so those can take the memory (FSDP2 reshards first too)
                 self.reshard() if full is self._full else self._release(full)
-        p, group = self.platform, self.group
-        dtype = resolve_reduce_dtype(group.reduce_dtype, group.param_dtype, p.dtype_of(full_grads[0]))
-        full_grads = [p.cast(g, dtype) for g in full_grads]
-        if self._unsharded_grads is not None:
-            full_grads = [p.add(acc, g) for acc, g in zip(self._unsharded_grads, full_grads)]
-            self._unsharded_grads = None
-        if not self.requires_gradient_sync:
-            logger.debug("%s: gradient sync off, accumulating unsharded gradients", self.name)
-            self._unsharded_grads = full_grads
-            result = [None] * len(full_grads)
-        else:
-            plan = plan_reduction(group.mesh_info.data_parallel_size, reduce_op=self.reduce_op,
-                                  custom_divide_factor=self.divide_factor,
-                                  scaling_factor=self.scaling_factor,
-                                  reduce_in_fp16=dtype == p.dtype("float16"),
-                                  force_sum=self.force_sum_reduction)
-            sync = self.iteration.sync_collectives
-            returned = (sync and p.capabilities.returns_grads_from_backward
-                        and not self.to_main_grad)
-            placeholders = None if returned else [fp.grad_placeholder() for fp in group.params]
-            reduction = UnitReduction(self.name, self.path, group, full_grads, dtype, plan,
-                                      placeholders, self.to_main_grad, async_op=not sync,
-                                      joined=self.iteration.joined)
-            delivered = self.iteration.enqueue(reduction, self.requires_all_reduce)
-            result = delivered if returned else placeholders
-        return result
+            elif full is self._full:
+                self._enter(UnitState.KEPT)
+        return reduce_gradients(self, full_grads)
 
     def finish_backward(self) -> None:
         """Root's final callback, for every unit: reshard what backward left unsharded."""
@@ -373,27 +327,4 @@ class FSDPState:
         else:
             self.keep_until_next_forward()
             self._full.spent = True
-
-    # ---------------------------------------------------------------- pytrees
-    def _tensors_in(self, tree: Any):
-        if self.platform.is_tensor(tree):
-            yield tree
-        elif isinstance(tree, (tuple, list)):
-            for item in tree:
-                yield from self._tensors_in(item)
-        elif isinstance(tree, dict):
-            for item in tree.values():
-                yield from self._tensors_in(item)
-
-    def _cast_tree(self, tree: Any, dtype: Any):
-        if self.platform.is_tensor(tree):
-            if self.platform.dtype_of(tree) in self._floating:
-                return self.platform.cast(tree, dtype)
-            return tree
-        if isinstance(tree, tuple):
-            return tuple(self._cast_tree(item, dtype) for item in tree)
-        if isinstance(tree, list):
-            return [self._cast_tree(item, dtype) for item in tree]
-        if isinstance(tree, dict):
-            return {key: self._cast_tree(item, dtype) for key, item in tree.items()}
-        return tree
+            self._enter(UnitState.KEPT)

@@ -1,0 +1,41 @@
+"""The full parameters one unshard node produced, and whether their memory is allocated.
+
+[Note: FullParams: one all-gather's full parameters]
+Each unshard node's outputs are one ``FullParams``: the tensors, whether their memory is
+allocated (``live``, shared by every FullParams over the same memory) and whether the
+node's backward ran (``spent``). The unit holds its current one; earlier ones live as long
+as the pre-backward hooks of the graphs that used them. The node holds its FullParams
+weakly: its outputs are the FullParams' tensors, and a strong reference would be a cycle
+through autograd's native node that Python's collector cannot see (every iteration's node
+would leak). A node's backward releases its own FullParams if it is still referenced,
+never the unit's current one, and reduces the gradients either way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hyper_parallel.fully_shard.post_forward import PostForwardShards
+
+
+class Memory:
+    """Whether some full parameters' memory is allocated; shared by the FullParams that
+    alias the same memory (a kept unit's next node), so releasing one shows on all."""
+
+    def __init__(self) -> None:
+        self.live = True
+        self.post_forward: PostForwardShards | None = None  # kept while released
+
+
+class FullParams:
+    """The full parameters one unshard node produced (see the note "FullParams")."""
+
+    def __init__(self, memory: Memory | None = None):
+        self.tensors: list = []
+        self.memory = memory if memory is not None else Memory()
+        self.spent = False  # the node's backward ran
+
+    @property
+    def live(self) -> bool:
+        return self.memory.live

@@ -1,0 +1,228 @@
+"""One unit's gradients on their way from full to sharded, in the order they travel.
+
+[Note: the path of a gradient]
+``reduce_gradients`` (called by the unit's unshard node in backward) runs, per leg of the
+unit (param_group.py: the parameters that share a collective):
+
+1. layout: each full gradient in the reduce dtype, cut into one piece per rank of the
+   shard group (``FSDPParam.gradient_pieces``: views, zeros for padding, no copy);
+2. reduce-scatter over the shard group, SUM, pre-scaled once (``ReducePlan.pre_scale``),
+   async; an unsharded (small) leg skips it: its gradients, concatenated, are its buffer;
+3. ``finish_reduce_scatter``: wait, then post-scale (``ReducePlan.post_scale``, here and
+   nowhere else), before any all-reduce, so a deferred sum stays linear;
+4. ``start_all_reduce``: fold in the gradients deferred by ``set_requires_all_reduce(False)``
+   and all-reduce (SUM) over the replicate group (HSDP; a small leg: over the whole
+   data-parallel group), async; or defer the buffer instead;
+5. deliver, leg by leg, as soon as its reduction is complete (``deliver_completed``, then
+   ``finish``): ``Platform.write_grad`` of each parameter's shard (torch: into ``.grad``
+   and the post-accumulate-grad hooks; MindSpore: into the zeros ``value_and_grad``
+   returned), or into ``main_grad``. A synchronous reduction without placeholders returns
+   the shards instead, for the unit's backward to return (iteration.py, "gradients
+   returned from backward").
+
+The IterationContext (iteration.py) drives steps 3 to 5 so that one reduce-scatter and one
+all-reduce stay in flight over the next unit's backward, and drains everything at the end
+of backward. Synchronous collectives go through the same steps, so both modes produce
+bitwise-identical gradients. Every collective SUMs and every division is an explicit
+multiplication (reduce_op.py explains why).
+
+[Note: deferred all-reduce]
+With ``set_requires_all_reduce(False)`` a micro-batch's buffer is not all-reduced: it is
+added to the leg's ``ReplicateBucket.deferred`` (kept across micro-batches). The next
+all-reduce folds it in first, so every micro-batch's gradient is all-reduced exactly once:
+never dropped, never counted twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hyper_parallel.fully_shard.reduce_op import ReducePlan, plan_reduction, resolve_reduce_dtype
+
+if TYPE_CHECKING:
+    from hyper_parallel.fully_shard.param_group import FSDPParamGroup, Leg
+    from hyper_parallel.fully_shard.state import FSDPState
+    from hyper_parallel.platform import Handle, Platform
+
+logger = logging.getLogger("hyper_parallel.fully_shard")
+
+
+class ReplicateBucket:
+    """A leg's all-reduce group, with the gradients deferred from earlier micro-batches."""
+
+    def __init__(self, platform: Platform, group: Any, group_size: int, dim: str):
+        self.platform = platform
+        self.group = group
+        self.group_size = group_size
+        self.dim = dim
+        self.deferred = None
+
+    def defer(self, buffer: Any) -> None:
+        self.deferred = buffer if self.deferred is None else self.platform.add(self.deferred, buffer)
+
+    def discard_deferred(self) -> None:
+        """Forget the deferred gradients (an aborted iteration's, see reset_iter_state)."""
+        self.deferred = None
+
+    def issue(self, buffer: Any, async_op: bool) -> tuple:
+        """Fold deferred gradients into ``buffer`` and start its all-reduce:
+        ``(buffer, handle or None)``."""
+        if self.deferred is not None:
+            buffer, self.deferred = self.platform.add(buffer, self.deferred), None
+        if self.group_size == 1:
+            return buffer, None
+        handle = self.platform.all_reduce(buffer, self.group, op="sum", async_op=async_op,
+                                          dim=self.dim)
+        return buffer, handle
+
+
+@dataclass
+class _LegReduction:
+    """One leg's gradients in flight."""
+
+    leg: Leg
+    buffer: Any              # the core's own memory: scaling may overwrite it
+    handle: Handle | None    # the collective in flight, if any
+    deferred: bool = False   # parked in the bucket: nothing to deliver this time
+    settled: bool = False    # delivered or deferred: nothing left to do
+
+
+def reduce_gradients(state: FSDPState, full_grads: list) -> list:
+    """Start reducing one unit's full gradients (its unshard node's backward); return what
+    autograd receives for the local shards: placeholders, the reduced shards themselves
+    (see the note), or Nones while gradient sync is off (accumulated unsharded here)."""
+    p, group = state.platform, state.group
+    dtype = resolve_reduce_dtype(group.reduce_dtype, group.param_dtype, p.dtype_of(full_grads[0]))
+    full_grads = [p.cast(g, dtype) for g in full_grads]
+    if state.unsharded_grads is not None:
+        full_grads = [p.add(acc, g) for acc, g in zip(state.unsharded_grads, full_grads)]
+        state.unsharded_grads = None
+    if not state.requires_gradient_sync:
+        logger.debug("%s: gradient sync off, accumulating unsharded gradients", state.name)
+        state.unsharded_grads = full_grads
+        return [None] * len(full_grads)
+    plan = plan_reduction(group.mesh_info.data_parallel_size, reduce_op=state.reduce_op,
+                          custom_divide_factor=state.divide_factor,
+                          scaling_factor=state.scaling_factor,
+                          reduce_in_fp16=dtype == p.dtype("float16"),
+                          force_sum=state.force_sum_reduction)
+    sync = state.iteration.sync_collectives
+    returned = sync and p.capabilities.returns_grads_from_backward and not state.to_main_grad
+    placeholders = None if returned else [fp.grad_placeholder() for fp in group.params]
+    reduction = UnitReduction(state.name, state.path, group, full_grads, dtype, plan,
+                              placeholders, state.to_main_grad, async_op=not sync)
+    delivered = state.iteration.enqueue(reduction, state.requires_all_reduce)
+    return delivered if returned else placeholders
+
+
+class UnitReduction:
+    """Reduce one unit's full gradients for one backward (steps 1 and 2 on creation)."""
+
+    def __init__(self, name: str, path: str, group: FSDPParamGroup, full_grads: list, dtype: Any,
+                 plan: ReducePlan, placeholders: list | None, to_main_grad: bool, async_op: bool):
+        self.name = name
+        self.path = path  # the unit's module path, which errors name (watchdog.py)
+        self.group = group
+        self.plan = plan
+        self.placeholders = placeholders
+        self.to_main_grad = to_main_grad
+        self.async_op = async_op
+        p, info = group.platform, group.mesh_info
+        by_param = {id(fp): g for fp, g in zip(group.params, full_grads)}
+        self.legs = []
+        for leg in group.legs:
+            per_param = [fp.gradient_pieces(by_param[id(fp)], dtype) for fp in leg.params]
+            # rank-major: rank r's padded piece of every parameter, in order
+            pieces = [[part for param_pieces in per_param for part in param_pieces[rank]]
+                      for rank in range(leg.params[0].shard_size)]
+            if leg.sharded and info.shard_size > 1:
+                if plan.pre_scale != 1.0:
+                    pieces = [[p.scale(part, plan.pre_scale) for part in parts] for parts in pieces]
+                handle = p.reduce_scatter(pieces, info.shard_group, async_op=async_op, dim="shard")
+                self.legs.append(_LegReduction(leg, None, handle))
+                continue
+            # no reduce-scatter: a buffer of the core's own, all-reduced in place
+            flat = p.cat([part for parts in pieces for part in parts], 0)
+            if plan.pre_scale != 1.0:
+                flat = p.scale(flat, plan.pre_scale, may_overwrite=True)
+            self.legs.append(_LegReduction(leg, flat, None))
+        if group.sharded_legs and info.shard_size > 1:
+            logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")
+
+    def finish_reduce_scatter(self) -> None:
+        """Step 3: wait the reduce-scatters and post-scale every leg's buffer."""
+        p = self.group.platform
+        for leg in self.legs:
+            if leg.handle is not None:
+                leg.buffer, leg.handle = leg.handle.wait(), None
+            if self.plan.post_scale != 1.0:  # the one place a gradient is post-scaled
+                leg.buffer = p.scale(leg.buffer, self.plan.post_scale, may_overwrite=True)
+
+    def start_all_reduce(self, requires_all_reduce: bool) -> None:
+        """Step 4: all-reduce each leg's buffer over its bucket's group, or defer it."""
+        replicated = self.group.mesh_info.replicate_size > 1
+        for leg in self.legs:
+            bucket = leg.leg.bucket
+            if replicated and not requires_all_reduce:
+                bucket.defer(leg.buffer)
+                leg.deferred = True
+                logger.debug("%s: %s all-reduce deferred", self.name, bucket.dim)
+                continue
+            leg.buffer, leg.handle = bucket.issue(leg.buffer, self.async_op)
+            if leg.handle is not None:
+                logger.debug("%s: %s all-reduce issued", self.name, bucket.dim)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a leg still waits for its all-reduce (or has not been advanced yet)."""
+        return not all(leg.settled for leg in self.legs)
+
+    def deliver_completed(self) -> None:
+        """Step 5 for the legs whose reduction is complete without waiting for anything."""
+        self._deliver(wait=False)
+
+    def finish(self) -> list | None:
+        """Step 5 for the rest: wait the all-reduces still in flight and deliver, through
+        ``write_grad``, or, without placeholders, as the returned list (``params`` order)
+        that backward hands to the user, zeros where nothing is delivered now (a deferred
+        bucket, a frozen parameter)."""
+        return self._deliver(wait=True)
+
+    def _deliver(self, wait: bool) -> list | None:
+        p = self.group.platform
+        delivered = {}
+        for leg in self.legs:
+            if leg.settled or (leg.handle is not None and not wait):
+                continue
+            if leg.handle is not None:
+                leg.handle.wait()
+                leg.handle = None
+            leg.settled = True
+            if leg.deferred:
+                continue
+            for fp, offset in zip(leg.leg.params, leg.leg.offsets):
+                if p.param_requires_grad(fp.sharded_param):
+                    delivered[id(fp)] = fp.sharded_grad_from(leg.buffer, offset)
+        if delivered:
+            logger.debug("%s: %d gradient shards delivered", self.name, len(delivered))
+        if self.placeholders is None:
+            returned = [delivered.get(id(fp)) for fp in self.group.params]
+            returned = [g if g is not None else fp.grad_placeholder()
+                        for fp, g in zip(self.group.params, returned)]
+            self.placeholders = returned
+            return returned
+        for fp, placeholder in zip(self.group.params, self.placeholders):
+            if id(fp) in delivered:
+                p.write_grad(fp.sharded_param, placeholder, delivered[id(fp)], self.to_main_grad)
+        return None
+
+    def abandon(self) -> None:
+        """Wait the collectives still in flight and deliver nothing (an aborted
+        iteration's, see reset_iter_state)."""
+        for leg in self.legs:
+            if leg.handle is not None:
+                leg.handle.wait()
+                leg.handle = None
+            leg.settled = True
