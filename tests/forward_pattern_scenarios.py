@@ -30,6 +30,7 @@ import gc
 import numpy as np
 
 import hyper_parallel as hp
+from hyper_parallel.fully_shard.state import STATE_ATTR
 from tests.kit import get_kit
 from tests.scenarios import _named
 
@@ -159,7 +160,7 @@ def _diff(full: dict, reference: dict) -> float:
 def _train(kit, model, pattern, slice_, record_root=False) -> tuple:
     opt = kit.optimizer([p for p in kit.params(model) if p.requires_grad], lr=0.1)
     rng = np.random.default_rng(11)
-    losses, root_resharded, live = [], [], []
+    losses, root_resharded, live, states = [], [], [], []
     # the root's embedding reads its sharded parameter after forward only if it resharded
     attr, sharded = hp.get_platform().direct_params(model.embed)[0]
     for _ in range(STEPS[kit.name]):
@@ -169,6 +170,7 @@ def _train(kit, model, pattern, slice_, record_root=False) -> tuple:
         if pattern.get("step") == "accumulate":
             losses.append(_accumulate_step(kit, model, opt, ids, targets))
             live.append(_live_full_params() if record_root else 0)
+            states.append(_unit_states(model) if record_root else [])
             continue
         loss_fn = _loss_fn(kit, model, pattern, ids, targets)
         if record_root:
@@ -177,10 +179,16 @@ def _train(kit, model, pattern, slice_, record_root=False) -> tuple:
                 root_resharded.append(getattr(model.embed, attr) is sharded)
                 return value
         losses.append(kit.grad_step(model, opt, loss_fn))
+        states.append(_unit_states(model) if record_root else [])
         if pattern.get("step") == "eval_after_step":
             model.head(model(kit.ids(targets)))
         live.append(_live_full_params() if record_root else 0)
-    return losses, root_resharded, live
+    return losses, root_resharded, live, states
+
+
+def _unit_states(model) -> list:
+    """Each unit's UnitState (unit_state.py) after a training step."""
+    return [m.__dict__[STATE_ATTR].state.value for m in _units(model)]
 
 
 def _reference(kit, pattern, cache: dict) -> tuple:
@@ -194,7 +202,7 @@ def _reference(kit, pattern, cache: dict) -> tuple:
     key = (math, pattern.get("tie", False), pattern.get("freeze", False))
     if key not in cache:
         ref = _build(kit, pattern)
-        losses, _, _ = _train(kit, ref, pattern, slice(None))
+        losses, *_ = _train(kit, ref, pattern, slice(None))
         cache[key] = losses, {k: kit.to_numpy(v) for k, v in _named(kit, ref).items()}
     return cache[key]
 
@@ -209,11 +217,11 @@ def run_pattern(name: str, references: dict) -> dict:
     model = _build(kit, pattern)
     low = "bfloat16" if kit.name == "torch" else "float16"  # bf16 matmul: none on MindSpore CPU
     _wrap(kit, model, pattern, hp.fully_shard, hp.MixedPrecisionPolicy, low, "float32")
-    losses, root_resharded, live = _train(kit, model, pattern, mine, record_root=True)
+    losses, root_resharded, live, states = _train(kit, model, pattern, mine, record_root=True)
     full = hp.gather_full_state_dict(model)
     result = {"losses": losses, "ref_losses": ref_losses, "ref_diff": _diff(full, ref_full),
               "root_resharded": root_resharded, "world": world,
-              "live_full_params": live, "units": len(_units(model))}
+              "live_full_params": live, "units": len(_units(model)), "states": states}
     if kit.name == "torch" and not pattern.get("fsdp2_fails"):
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -221,7 +229,7 @@ def run_pattern(name: str, references: dict) -> dict:
         theirs = _build(kit, pattern)
         _wrap(kit, theirs, pattern, fully_shard, MixedPrecisionPolicy, torch.bfloat16,
               torch.float32)
-        result["fsdp2_losses"], _, _ = _train(kit, theirs, pattern, mine)
+        result["fsdp2_losses"], *_ = _train(kit, theirs, pattern, mine)
         their_full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().numpy()
                       for n, p in theirs.named_parameters()}
         result["fsdp2_diff"] = _diff(full, their_full)

@@ -50,6 +50,9 @@ def test_pattern_matches_reference(backend, pattern):
         # may wait for its collection; a leak adds a set per unit every step
         live = r["live_full_params"]
         assert max(live) - live[0] <= r["units"], f"full parameters alive per step: {live}"
+        # after every step (backward and optimizer) each unit holds only its shards, as
+        # FSDP2's after its final callback (reshard_after_backward is never turned off here)
+        assert all(s == "sharded" for step in r["states"] for s in step), r["states"]
         if "fsdp2_losses" in r:
             np.testing.assert_allclose(r["losses"], r["fsdp2_losses"], atol=ATOL, rtol=0)
             assert r["fsdp2_diff"] <= ATOL, f"parameters differ from FSDP2's by {r['fsdp2_diff']}"

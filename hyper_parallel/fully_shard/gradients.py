@@ -79,8 +79,8 @@ class ReplicateBucket:
 
 
 @dataclass
-class _LegReduction:
-    """One leg's gradients in flight."""
+class LegGradients:
+    """One leg's gradients on their way (its buffer once reduce-scattered)."""
 
     leg: Leg
     buffer: Any              # the core's own memory: scaling may overwrite it
@@ -112,8 +112,9 @@ def reduce_gradients(state: FSDPState, full_grads: list) -> list:
     returned = sync and p.capabilities.returns_grads_from_backward and not state.to_main_grad
     placeholders = None if returned else [fp.grad_placeholder() for fp in group.params]
     reduction = UnitReduction(state.name, state.path, group, full_grads, dtype, plan,
-                              placeholders, state.to_main_grad, async_op=not sync)
-    delivered = state.iteration.enqueue(reduction, state.requires_all_reduce)
+                              placeholders, state.to_main_grad, async_op=not sync,
+                              requires_all_reduce=state.requires_all_reduce)
+    delivered = state.iteration.enqueue(reduction)
     return delivered if returned else placeholders
 
 
@@ -121,7 +122,8 @@ class UnitReduction:
     """Reduce one unit's full gradients for one backward (steps 1 and 2 on creation)."""
 
     def __init__(self, name: str, path: str, group: FSDPParamGroup, full_grads: list, dtype: Any,
-                 plan: ReducePlan, placeholders: list | None, to_main_grad: bool, async_op: bool):
+                 plan: ReducePlan, placeholders: list | None, to_main_grad: bool, async_op: bool,
+                 requires_all_reduce: bool = True):
         self.name = name
         self.path = path  # the unit's module path, which errors name (watchdog.py)
         self.group = group
@@ -129,9 +131,10 @@ class UnitReduction:
         self.placeholders = placeholders
         self.to_main_grad = to_main_grad
         self.async_op = async_op
+        self.requires_all_reduce = requires_all_reduce  # False: step 4 defers (HSDP)
         p, info = group.platform, group.mesh_info
         by_param = {id(fp): g for fp, g in zip(group.params, full_grads)}
-        self.legs = []
+        self.leg_grads = []
         for leg in group.legs:
             per_param = [fp.gradient_pieces(by_param[id(fp)], dtype) for fp in leg.params]
             # rank-major: rank r's padded piece of every parameter, in order
@@ -141,43 +144,43 @@ class UnitReduction:
                 if plan.pre_scale != 1.0:
                     pieces = [[p.scale(part, plan.pre_scale) for part in parts] for parts in pieces]
                 handle = p.reduce_scatter(pieces, info.shard_group, async_op=async_op, dim="shard")
-                self.legs.append(_LegReduction(leg, None, handle))
+                self.leg_grads.append(LegGradients(leg, None, handle))
                 continue
             # no reduce-scatter: a buffer of the core's own, all-reduced in place
             flat = p.cat([part for parts in pieces for part in parts], 0)
             if plan.pre_scale != 1.0:
                 flat = p.scale(flat, plan.pre_scale, may_overwrite=True)
-            self.legs.append(_LegReduction(leg, flat, None))
+            self.leg_grads.append(LegGradients(leg, flat, None))
         if group.sharded_legs and info.shard_size > 1:
             logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")
 
     def finish_reduce_scatter(self) -> None:
         """Step 3: wait the reduce-scatters and post-scale every leg's buffer."""
         p = self.group.platform
-        for leg in self.legs:
-            if leg.handle is not None:
-                leg.buffer, leg.handle = leg.handle.wait(), None
+        for lg in self.leg_grads:
+            if lg.handle is not None:
+                lg.buffer, lg.handle = lg.handle.wait(), None
             if self.plan.post_scale != 1.0:  # the one place a gradient is post-scaled
-                leg.buffer = p.scale(leg.buffer, self.plan.post_scale, may_overwrite=True)
+                lg.buffer = p.scale(lg.buffer, self.plan.post_scale, may_overwrite=True)
 
-    def start_all_reduce(self, requires_all_reduce: bool) -> None:
+    def start_all_reduce(self) -> None:
         """Step 4: all-reduce each leg's buffer over its bucket's group, or defer it."""
         replicated = self.group.mesh_info.replicate_size > 1
-        for leg in self.legs:
-            bucket = leg.leg.bucket
-            if replicated and not requires_all_reduce:
-                bucket.defer(leg.buffer)
-                leg.deferred = True
+        for lg in self.leg_grads:
+            bucket = lg.leg.bucket
+            if replicated and not self.requires_all_reduce:
+                bucket.defer(lg.buffer)
+                lg.deferred = True
                 logger.debug("%s: %s all-reduce deferred", self.name, bucket.dim)
                 continue
-            leg.buffer, leg.handle = bucket.issue(leg.buffer, self.async_op)
-            if leg.handle is not None:
+            lg.buffer, lg.handle = bucket.issue(lg.buffer, self.async_op)
+            if lg.handle is not None:
                 logger.debug("%s: %s all-reduce issued", self.name, bucket.dim)
 
     @property
     def in_flight(self) -> bool:
         """Whether a leg still waits for its all-reduce (or has not been advanced yet)."""
-        return not all(leg.settled for leg in self.legs)
+        return not all(lg.settled for lg in self.leg_grads)
 
     def deliver_completed(self) -> None:
         """Step 5 for the legs whose reduction is complete without waiting for anything."""
@@ -193,18 +196,18 @@ class UnitReduction:
     def _deliver(self, wait: bool) -> list | None:
         p = self.group.platform
         delivered = {}
-        for leg in self.legs:
-            if leg.settled or (leg.handle is not None and not wait):
+        for lg in self.leg_grads:
+            if lg.settled or (lg.handle is not None and not wait):
                 continue
-            if leg.handle is not None:
-                leg.handle.wait()
-                leg.handle = None
-            leg.settled = True
-            if leg.deferred:
+            if lg.handle is not None:
+                lg.handle.wait()
+                lg.handle = None
+            lg.settled = True
+            if lg.deferred:
                 continue
-            for fp, offset in zip(leg.leg.params, leg.leg.offsets):
+            for fp, offset in zip(lg.leg.params, lg.leg.offsets):
                 if p.param_requires_grad(fp.sharded_param):
-                    delivered[id(fp)] = fp.sharded_grad_from(leg.buffer, offset)
+                    delivered[id(fp)] = fp.sharded_grad_from(lg.buffer, offset)
         if delivered:
             logger.debug("%s: %d gradient shards delivered", self.name, len(delivered))
         if self.placeholders is None:
@@ -221,8 +224,8 @@ class UnitReduction:
     def abandon(self) -> None:
         """Wait the collectives still in flight and deliver nothing (an aborted
         iteration's, see reset_iter_state)."""
-        for leg in self.legs:
-            if leg.handle is not None:
-                leg.handle.wait()
-                leg.handle = None
-            leg.settled = True
+        for lg in self.leg_grads:
+            if lg.handle is not None:
+                lg.handle.wait()
+                lg.handle = None
+            lg.settled = True

@@ -72,7 +72,7 @@ class IterationContext:
         self.states = states
         self.root = states[0]
         self.sync_collectives = _sync_collectives(platform)
-        self.pending_reduce_scatter = None   # (UnitReduction, requires_all_reduce)
+        self.pending_reduce_scatter: UnitReduction | None = None
         self.pending_all_reduce: list = []
         self._final_callback_queued = False
         self._forward_order: list = []       # units by first forward, this iteration
@@ -132,16 +132,16 @@ class IterationContext:
             self._final_callback_queued = True
             self.platform.queue_backward_final_callback(self.finish_backward)
 
-    def enqueue(self, reduction: UnitReduction, requires_all_reduce: bool) -> list | None:
+    def enqueue(self, reduction: UnitReduction) -> list | None:
         """A unit's reduce-scatter was issued: advance the one issued before it. With
-        synchronous collectives run all the unit's stages now and return what
+        synchronous collectives run all the unit's steps now and return what
         ``UnitReduction.finish`` returns."""
         if self.sync_collectives:
             reduction.finish_reduce_scatter()
-            reduction.start_all_reduce(requires_all_reduce)
+            reduction.start_all_reduce()
             return reduction.finish()
         self._advance()
-        self.pending_reduce_scatter = (reduction, requires_all_reduce)
+        self.pending_reduce_scatter = reduction
         return None
 
     def _advance(self) -> None:
@@ -152,10 +152,9 @@ class IterationContext:
         was issued, with one collective of each kind still overlapping compute."""
         issued_before, self.pending_all_reduce = self.pending_all_reduce, []
         if self.pending_reduce_scatter is not None:
-            reduction, requires_all_reduce = self.pending_reduce_scatter
-            self.pending_reduce_scatter = None
+            reduction, self.pending_reduce_scatter = self.pending_reduce_scatter, None
             reduction.finish_reduce_scatter()
-            reduction.start_all_reduce(requires_all_reduce)
+            reduction.start_all_reduce()
             self.pending_all_reduce.append(reduction)
         for reduction in issued_before:
             reduction.finish()
@@ -191,7 +190,7 @@ class IterationContext:
         ``set_requires_gradient_sync(False)`` are lost, as in FSDP2), reshard every unit and
         forget the aborted iteration's forward order and queued final callback. The order
         of the last complete iteration stays known."""
-        in_flight = [self.pending_reduce_scatter[0]] if self.pending_reduce_scatter else []
+        in_flight = [self.pending_reduce_scatter] if self.pending_reduce_scatter else []
         in_flight += self.pending_all_reduce
         self.pending_reduce_scatter, self.pending_all_reduce = None, []
         for reduction in in_flight:
