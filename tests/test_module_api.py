@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 import pytest
 
-from hyper_parallel.fully_shard.api import _resolve_reshard_after_forward
+from hyper_parallel.fully_shard.fsdp_module import _resolve_reshard_after_forward
 from tests.multirank import run_ranks
 
 BACKENDS = ["torch", "mindspore"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from hyper_parallel.fully_shard.api import FSDPModule
+from hyper_parallel.fully_shard.fsdp_module import FSDPModule
 from hyper_parallel.fully_shard.state import STATE_ATTR
 
 _REGISTERED = "_hp_forward_method_of"  # on a wrapper: the module it was registered on

@@ -20,10 +20,8 @@ correct for any framework whose tensors have that method.
 MindSpore on CPU silently ignores in-place arithmetic and its views do not write through
 (docs/platforms.md). The core therefore only uses operations that return new tensors
 (``cat``, ``reshape``, ``narrow``, ``cast``, ``scale``, ``add``) plus explicit writes:
-``copy_into``, ``StorageRelease`` and the collectives' output buffers. Reading a narrowed
-or reshaped tensor is always allowed; writing through one never is.
-
-The collectives' entry points and their handles are in collectives.py.
+``copy_into``, ``StorageRelease`` and the collectives' output buffers (collectives.py).
+Reading a narrowed or reshaped tensor is always allowed; writing through one never is.
 """
 
 from __future__ import annotations
@@ -134,8 +132,7 @@ class Platform(Collectives):
         return groups, None
 
     def mesh_from_native(self, native_mesh: Any) -> MeshDescription | None:
-        """A framework mesh object described; None if ``native_mesh`` is not one (the
-        default: the framework has no mesh type)."""
+        """A framework mesh object described; None if ``native_mesh`` is not one."""
         return None
 
     def mesh_from_groups(self, device_type: str, groups: Sequence[Any], rank_grid: list,
@@ -186,7 +183,6 @@ class Platform(Collectives):
         raise ValueError(f"dtype {dtype} is not one of {sorted(self.dtype_names)}")
 
     def shape(self, tensor: Any) -> tuple:
-        """Shape as a tuple of ints."""
         return tuple(tensor.shape)
 
     def dtype_of(self, tensor: Any) -> Any:
@@ -227,7 +223,6 @@ class Platform(Collectives):
         return tensor + 0
 
     def add(self, a: Any, b: Any) -> Any:
-        """A new tensor ``a + b``."""
         return a + b
 
     def scale(self, tensor: Any, factor: float, may_overwrite: bool = False) -> Any:
@@ -395,8 +390,7 @@ class Platform(Collectives):
         return param
 
     def full_over_tensor_parallel(self, sharded_param: Any, local_full: Any) -> Any:
-        """``local_full`` (this rank's tensor-parallel part, gathered over data parallel)
-        gathered over tensor parallelism into the whole tensor."""
+        """``local_full`` (this rank's tensor-parallel part) gathered into the whole tensor."""
         return local_full
 
     def refresh_converted_param(self, param: Any) -> None:

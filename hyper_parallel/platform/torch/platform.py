@@ -67,10 +67,9 @@ def _check_version() -> None:
             f"{torch.__version__}; upgrade with: pip install 'torch>=2.4'")
 
 
-# gloo's list reduce-scatter reads one tensor per rank (no flat input to build) and
-# measured ~20% faster than its flat reduce_scatter_tensor at 16 MiB (2 ranks, same bytes).
-# A small one costs more: 4 KiB per rank took 1.6 ms of CPU per call listed, 1.0 ms flat
-# (2 ranks; 2.6 vs 1.7 ms wall).
+# gloo's list reduce-scatter reads one tensor per rank (no flat input to build): ~20% faster
+# than the flat one at 16 MiB (2 ranks), but a small one costs more CPU per call (4 KiB per
+# rank: 1.6 ms listed, 1.0 ms flat).
 _GLOO_LIST_REDUCE_SCATTER_BYTES = 1 << 20
 
 

@@ -1,0 +1,214 @@
+"""``FSDPModule``: the methods a module gains from ``fully_shard`` (its class becomes
+``FSDP<Class>``), as FSDP2's: unshard/reshard, the per-unit settings (``set_*``, most with
+``recurse=True``), prefetch lists and ``reset_iter_state``. A setter validates its argument
+before it changes any unit.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+from hyper_parallel.fully_shard.mesh import MeshInfo
+from hyper_parallel.fully_shard.param import library_attrs, restore_library_attrs
+from hyper_parallel.fully_shard.reduce_op import normalize_reduce_op, validate_factor
+from hyper_parallel.fully_shard.state import STATE_ATTR, FSDPState
+from hyper_parallel.platform import get_platform
+
+
+class FSDPModule:
+    """Methods of a module after ``fully_shard`` (its class becomes ``FSDP<Class>``)."""
+
+    def unshard(self, async_op: bool = False):
+        """Gather this unit's full parameters now (they stay until the next forward uses
+        them). With ``async_op=True`` return a handle; ``wait()`` makes them the attributes."""
+        state = _state_of(self)
+        state.keep_until_next_forward()  # the next forward uses these, gathered or in flight
+        if not async_op:
+            state.unshard()
+            return None
+        state.prefetch()
+        return _UnshardHandle(state)
+
+    def reshard(self) -> None:
+        """Free this unit's full parameters; the module sees its sharded parameters."""
+        _state_of(self).reshard()
+
+    def _apply(self, fn, *args, **kwargs):
+        """The framework's conversion of a module's parameters (``.to(dtype)``), on a unit:
+        resharded first (full parameters of the old dtype are dropped; the next forward
+        gathers the converted shards), then each sharded parameter made one of its new
+        dtype (``Platform.refresh_converted_param``)."""
+        state = _state_of(self)
+        state.reshard()
+        params = state.group.params if state.group is not None else []
+        kept = [library_attrs(fsdp_param.sharded_param) for fsdp_param in params]
+        result = super()._apply(fn, *args, **kwargs)
+        for fsdp_param, attrs in zip(params, kept):
+            restore_library_attrs(fsdp_param.sharded_param, attrs)
+            state.platform.refresh_converted_param(fsdp_param.sharded_param)
+        return result
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int | None,
+                                  recurse: bool = True) -> None:
+        """Free full parameters after forward (re-gather for backward) or keep them. Takes
+        what ``fully_shard`` takes: a bool, None (every unit but the root) or an int, the
+        size of the group to reshard to (1: False, the shard size: True)."""
+        states = _states_under(self, recurse)
+        # resolve for every unit first: a value one unit rejects changes none
+        values = []
+        for state in states:
+            shard_size = None if state.group is None else state.group.mesh_info.shard_size
+            values.append(_resolve_reshard_after_forward(reshard_after_forward, shard_size))
+        for state, value in zip(states, values):
+            if state.group is not None:
+                _make_post_forward_group(state.platform, value, state.group.mesh_info)
+        for state, value in zip(states, values):
+            state.reshard_after_forward = value
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, recurse: bool = True) -> None:
+        """Keep full parameters after backward (saves the next forward's all-gather when no
+        optimizer step happens in between, e.g. gradient accumulation)."""
+        for state in _states_under(self, recurse):
+            state.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, recurse: bool = True) -> None:
+        """Off: backward accumulates unsharded gradients locally, no communication; the next
+        backward with it on reduces the accumulated sum."""
+        for state in _states_under(self, recurse):
+            state.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, recurse: bool = True) -> None:
+        """HSDP: off, each backward still reduce-scatters but defers the replicate all-reduce;
+        the next backward with it on all-reduces the deferred sum once."""
+        for state in _states_under(self, recurse):
+            state.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Off: the coming backward does not wait for its gradient reductions at its end;
+        they finish at the next last backward or when the next forward starts. Call it on
+        the root module (the one whose backward ends the pass)."""
+        state = _state_of(self)
+        if state.iteration is not None and not state.is_root:
+            raise ValueError("set_is_last_backward applies to the whole backward pass: call it on "
+                             "the root module, not on a nested fully_shard unit")
+        for state in _states_under(self, True):
+            state.is_last_backward = bool(is_last_backward)
+
+    def set_reduce_op_type(self, reduce_op: str, recurse: bool = True) -> None:
+        """"avg" (default: divide by the data-parallel size) or "sum" (no division)."""
+        op = normalize_reduce_op(reduce_op)
+        for state in _states_under(self, recurse):
+            state.reduce_op = op
+
+    def set_gradient_divide_factor(self, factor: float, recurse: bool = True) -> None:
+        """Divide summed gradients by ``factor`` instead of the data-parallel size."""
+        value = validate_factor(factor, "gradient divide factor")
+        for state in _states_under(self, recurse):
+            state.divide_factor = value
+
+    def set_gradient_scaling_factor(self, factor, recurse: bool = True) -> None:
+        """Multiply every gradient by ``factor`` exactly once, before its first collective
+        (float, int or one-element tensor)."""
+        value = validate_factor(_as_scalar(factor), "gradient scaling factor")
+        for state in _states_under(self, recurse):
+            state.scaling_factor = value
+
+    def set_force_sum_reduction_for_comms(self, force_sum: bool, recurse: bool = True) -> None:
+        """On: collectives sum the raw gradients and all division happens after (no fp16
+        pre-divide). Collectives always use SUM in hyper_parallel (reduce_op.py)."""
+        for state in _states_under(self, recurse):
+            state.force_sum_reduction = bool(force_sum)
+
+    def reset_iter_state(self) -> None:
+        """Recover from an exception that aborted a forward or backward mid-flight: wait the
+        collectives in flight, drop the gradient reductions pending (that iteration's
+        gradients are lost), reshard every unit and clear the iteration's trackers, so the
+        next iteration runs normally. Call it on the root; on a nested unit it raises
+        RuntimeError. Before the first forward there is nothing to reset."""
+        state = _state_of(self)
+        if state.iteration is not None and not state.is_root:
+            raise RuntimeError("reset_iter_state must be called on the root fully_shard module "
+                               "(the one whose forward starts the iteration), not on a nested unit")
+        if state.iteration is not None:
+            state.iteration.reset()
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        """Units whose all-gather starts when this unit's forward starts."""
+        _state_of(self).forward_prefetch = [_state_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        """Units re-gathered when this unit's backward starts."""
+        _state_of(self).backward_prefetch = [_state_of(m) for m in modules]
+
+
+class _UnshardHandle:
+    def __init__(self, state: FSDPState):
+        self._state = state
+
+    def wait(self) -> None:
+        self._state.unshard()
+
+
+def _as_scalar(value):
+    platform = get_platform()
+    if platform.is_tensor(value):
+        shape = platform.shape(value)
+        if math.prod(shape) != 1:
+            raise ValueError(f"gradient scaling factor must be a one-element tensor, got shape {shape}")
+        return float(platform.to_numpy(value).reshape(-1)[0])
+    return value
+
+
+def _state_of(module: Any) -> FSDPState:
+    state = module.__dict__.get(STATE_ATTR)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not a fully_shard unit; call fully_shard on it first")
+    return state
+
+
+def _states_under(module: Any, recurse: bool) -> list:
+    if not recurse:
+        return [_state_of(module)]
+    states = []
+    for _, sub in get_platform().named_modules(module):
+        state = sub.__dict__.get(STATE_ATTR)
+        if state is not None and all(state is not s for s in states):
+            states.append(state)
+    return states
+
+
+def _resolve_reshard_after_forward(value, shard_size: int | None):
+    """``reshard_after_forward`` as the unit stores it: True, False or None (every unit but
+    the root) or an int. An int is the size of the group to reshard to after forward and
+    must divide ``shard_size`` (FSDP2's rule): 1 is False, ``shard_size`` is True, and a
+    size between stays an int (post_forward.py). ``shard_size`` None (a unit without
+    parameters, which has nothing to reshard): any int >= 1 is accepted."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(f"reshard_after_forward must be a bool, None or an int (the size of the "
+                         f"group to reshard to), got {value!r} of type {type(value).__name__}")
+    if value < 1 or (shard_size is not None and shard_size % value != 0):
+        rule = "be >= 1" if shard_size is None else f"be a factor of the shard group size {shard_size}"
+        raise ValueError(f"reshard_after_forward as an int is the size of the group to reshard "
+                         f"to after forward and must {rule}, got {value}")
+    if value == 1:
+        # the default warnings filter shows it once per calling line
+        warnings.warn("reshard_after_forward=1 (int) means resharding to a group of 1 rank, "
+                      "i.e. keeping the full parameters: reshard_after_forward=False, not "
+                      "True", UserWarning, stacklevel=3)
+        return False
+    if shard_size is None or value == shard_size:
+        return True
+    return value
+
+
+def _make_post_forward_group(platform, value, mesh_info: MeshInfo) -> None:
+    """Make the groups ``reshard_after_forward=value`` reshards to (a collective call, on
+    every rank), where the platform can free full parameters after forward; elsewhere an
+    int keeps them until backward, as True does there."""
+    if (not isinstance(value, bool) and isinstance(value, int)
+            and platform.capabilities.can_release_storage):
+        mesh_info.post_forward_group(value)
