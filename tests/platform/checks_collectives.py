@@ -319,6 +319,10 @@ def check_collectives_are_cross_checked(ctx):
             with hp.track_comms() as window:
                 call()
             counted[op] = (check.checked - before, window.calls())
+        expected = {op: (1, 0 if op == "barrier" else 1) for op in calls}
+        # every rank runs the same platform code, so every rank stops here alike
+        _check(counted == expected, f"(cross-checks, CommStats calls) per entry point: "
+               f"{counted}, expected {expected}")
         try:
             if r == 0:
                 p.barrier()
@@ -328,9 +332,6 @@ def check_collectives_are_cross_checked(ctx):
             outcome = str(error)
     finally:
         p.collective_check = previous
-    expected = {op: (1, 0 if op == "barrier" else 1) for op in calls}
-    _check(counted == expected, f"(cross-checks, CommStats calls) per entry point: {counted}, "
-           f"expected {expected}")
     _check(outcome is not None, "a barrier on rank 0 against an all_reduce on the others "
            "raised no CollectiveDesyncError on this rank")
     _check("barrier" in outcome and "all_reduce" in outcome,

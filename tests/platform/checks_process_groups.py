@@ -38,13 +38,13 @@ def check_default_group(ctx):
     reduced = _f32(ctx, [float(r), 1.0])
     p.all_reduce(reduced, None)
     gathered = p.all_gather(_f32(ctx, [float(r)]), None).wait()
-    chunk = p.reduce_scatter([[_f32(ctx, [float(q * r)])] for q in range(w)], None).wait()
+    chunk = p.reduce_scatter([[_f32(ctx, [10.0 * q + r + 1])] for q in range(w)], None).wait()
     p.barrier(None)
     s = w * (w - 1) / 2
     _same(_values(ctx, reduced), [s, float(w)], "all_reduce over group None")
     _same(np.concatenate([_values(ctx, piece) for piece in gathered.pieces]),
           np.arange(w, dtype=np.float32), "all_gather over group None")
-    _same(_values(ctx, chunk), [float(r * s)], "reduce_scatter over group None")
+    _same(_values(ctx, chunk), [10.0 * w * r + s + w], "reduce_scatter over group None")
 
 
 @collective_check()
