@@ -1,4 +1,5 @@
-"""Conformance checks of the platform contract: collectives, async handles and CommStats.
+"""Conformance checks of the platform contract: the collective entry points (collectives.py),
+their handles and results, the desync check they pass through, and CommStats.
 
 The harness (context, registry, assertion helpers) is conformance.py."""
 
@@ -9,8 +10,10 @@ import time
 import numpy as np
 
 import hyper_parallel as hp
-from hyper_parallel.platform.base import Handle
-from tests.platform.conformance import Skip, _arange, _check, _f32, _same, _values, collective_check
+from hyper_parallel.collective_check import CollectiveCheck, CollectiveDesyncError
+from hyper_parallel.platform import Handle
+from tests.platform.conformance import (
+    _arange, _check, _check_gathered, _f32, _same, _values, collective_check)
 
 
 def _only(window, op, wire, dim, nbytes, what):
@@ -20,43 +23,96 @@ def _only(window, op, wire, dim, nbytes, what):
     _check(records == expected, f"{what}: CommStats recorded {records}, expected {expected}")
 
 
+def _rank_input(rank: int, n: int) -> np.ndarray:
+    """What rank ``rank`` sends: different on every rank, so rank-major order shows."""
+    return ((np.arange(n) + 1) * (rank + 1) + 10 * rank).astype(np.float32)
+
+
+def _waited(handle, what: str):
+    """``handle.wait()``'s result, checked to be the handle's own and the same on a second
+    wait (a sync call's handle included)."""
+    _check(isinstance(handle, Handle), f"{what} returned {type(handle).__name__}, want a Handle")
+    result = handle.wait()
+    _check(handle.wait() is result, f"{what}: a second wait() returned another result")
+    _check(handle.result is result, f"{what}: handle.result is not what wait() returned")
+    return result
+
+
 @collective_check()
-def check_all_gather_into(ctx):
+def check_all_gather(ctx):
+    """With ``out`` the gather lands in it and ``flat`` is it; without, the output is new
+    memory. ``wait()`` of a sync call returns the result; the input is left as it was."""
     p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
-    mine = (np.arange(n, dtype=np.float32) + 1) * (r + 1) + 10 * r  # different on every rank
+    group = ctx.mesh1.get_group(0)
+    source = _f32(ctx, _rank_input(r, n))
     out = p.zeros((w * n,), p.dtype("float32"))
-    handle = p.all_gather_into(out, _f32(ctx, mine), ctx.mesh1.get_group(0))
-    _check(isinstance(handle, Handle), f"all_gather_into returned {type(handle).__name__}")
-    handle.wait()
-    expected = np.concatenate([(np.arange(n) + 1) * (k + 1) + 10 * k for k in range(w)])
-    _same(_values(ctx, out), expected.astype(np.float32), "all_gather_into output (rank-major)")
+    with_out, without = p.all_gather(source, group, out=out), p.all_gather(source, group)
+    results = {"all_gather(out=...)": _waited(with_out, "all_gather(out=...)"),
+               "all_gather": _waited(without, "all_gather")}
+    expected = [_rank_input(k, n) for k in range(w)]
+    for what, gathered in results.items():
+        _check_gathered(ctx, gathered, expected, what)
+    _check(results["all_gather(out=...)"].flat is out, "all_gather(out=...): flat is not out")
+    _same(_values(ctx, out), np.concatenate(expected), "all_gather(out=...): out (rank-major)")
+    _same(_values(ctx, source), _rank_input(r, n), "all_gather changed its input")
 
 
 @collective_check()
-def check_all_gather_into_async(ctx):
+def check_all_gather_async(ctx):
     p, w, r = ctx.p, ctx.world, ctx.rank
+    group = ctx.mesh1.get_group(0)
     out = p.zeros((w * 2,), p.dtype("float32"))
-    src = _f32(ctx, [r, -r])
-    handle = p.all_gather_into(out, src, ctx.mesh1.get_group(0), async_op=True)
-    _check(isinstance(handle, Handle), f"async all_gather_into returned {type(handle).__name__}")
-    handle.wait()
-    handle.wait()  # a second wait is harmless
-    expected = np.array([v for k in range(w) for v in (k, -k)], np.float32)
-    _same(_values(ctx, out), expected, "async all_gather_into output after wait()")
+    with_out = p.all_gather(_f32(ctx, [r, -r]), group, async_op=True, out=out)
+    without = p.all_gather(_f32(ctx, [-r, r]), group, async_op=True)
+    _check(isinstance(with_out, Handle) and isinstance(without, Handle),
+           f"async all_gather returned {type(with_out).__name__}, {type(without).__name__}")
+    gathered = {"async all_gather": _waited(without, "async all_gather"),
+                "async all_gather(out=...)": _waited(with_out, "async all_gather(out=...)")}
+    _check_gathered(ctx, gathered["async all_gather(out=...)"],
+                    [np.array([k, -k], np.float32) for k in range(w)], "async all_gather(out=...)")
+    _check(gathered["async all_gather(out=...)"].flat is out,
+           "async all_gather(out=...): flat is not out")
+    _check_gathered(ctx, gathered["async all_gather"],
+                    [np.array([-k, k], np.float32) for k in range(w)], "async all_gather")
 
 
 @collective_check()
-def check_all_gather_into_view_input(ctx):
-    """The input may be a narrowed/reshaped read of a bigger tensor."""
+def check_all_gather_view_input(ctx):
+    """The input may be a narrowed/reshaped read of a bigger tensor, gathered into ``out``
+    or into new memory."""
     p, w, r = ctx.p, ctx.world, ctx.rank
+    group = ctx.mesh1.get_group(0)
     big = p.from_numpy(_arange(3, 4, start=100 * r))
-    outs = {row: p.zeros((w * 4,), p.dtype("float32")) for row in (1, 0)}
-    for row, out in outs.items():
-        p.all_gather_into(out, p.reshape(p.narrow(big, 0, row, 1), (4,)), ctx.mesh1.get_group(0))
-    for row, out in outs.items():
-        expected = np.concatenate([_arange(3, 4, start=100 * k)[row] for k in range(w)])
-        _same(_values(ctx, out), expected, f"all_gather_into of row {row} (a narrow) of a "
-              "(3, 4) tensor")
+    results = {}
+    for row in (1, 0):
+        source = p.reshape(p.narrow(big, 0, row, 1), (4,))
+        out = p.zeros((w * 4,), p.dtype("float32"))
+        results[row, "out"] = p.all_gather(source, group, out=out).wait()
+        results[row, "new"] = p.all_gather(source, group).wait()
+    for (row, how), gathered in results.items():
+        _check_gathered(ctx, gathered, [_arange(3, 4, start=100 * k)[row] for k in range(w)],
+                        f"all_gather ({how}) of row {row} (a narrow) of a (3, 4) tensor")
+
+
+@collective_check()
+def check_all_gather_result_owns_memory(ctx):
+    """Without ``out`` the pieces are the collective's own memory, never the input's: a
+    write to the input after the gather leaves them alone, and so does an in-place
+    all_reduce of ``flat`` (where there is one) on the input."""
+    p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
+    group = ctx.mesh1.get_group(0)
+    expected = [_rank_input(k, n) for k in range(w)]
+    for async_op in (False, True):
+        source = _f32(ctx, _rank_input(r, n))
+        gathered = p.all_gather(source, group, async_op=async_op).wait()
+        p.copy_into(source, _f32(ctx, np.zeros(n)))
+        _check_gathered(ctx, gathered, expected, f"all_gather (async_op={async_op}) after its "
+                        "input was overwritten: a piece aliases the input")
+        if gathered.flat is not None:
+            p.all_reduce(gathered.flat, group).wait()
+            _same(_values(ctx, gathered.flat), w * np.concatenate(expected),
+                  f"all_reduce in place of an all_gather's flat (async_op={async_op})")
+        _same(_values(ctx, source), np.zeros(n, np.float32), "the input after the write")
 
 
 def _chunk_sizes(world: int) -> tuple:
@@ -65,197 +121,111 @@ def _chunk_sizes(world: int) -> tuple:
     return 3, (1 << 18) // world + 5
 
 
+def _scatter_input(rank: int, world: int, n: int) -> np.ndarray:
+    return np.arange(world * n, dtype=np.float32) * (rank + 1) + rank
+
+
+def _scatter_total(world: int, n: int) -> np.ndarray:
+    return sum(_scatter_input(q, world, n) for q in range(world))
+
+
 @collective_check()
 def check_reduce_scatter(ctx):
+    """One tensor per rank (``pieces[q] = [t]``): this rank receives the SUM of everyone's
+    ``pieces[rank]``, as ``wait()``'s result (a sync call too); the parts are unchanged."""
     p, w, r = ctx.p, ctx.world, ctx.rank
     for n in _chunk_sizes(w):
-        k = np.arange(w * n, dtype=np.float32)
-        mine = k * (r + 1) + r
-        out = p.zeros((n,), p.dtype("float32"))
-        handle = p.reduce_scatter(out, _f32(ctx, mine), ctx.mesh1.get_group(0))
-        _check(isinstance(handle, Handle), f"reduce_scatter returned {type(handle).__name__}")
-        handle.wait()
-        total = k * (w * (w + 1) / 2) + w * (w - 1) / 2
-        _same(_values(ctx, out), total[r * n:(r + 1) * n], f"reduce_scatter chunk of rank {r} (n={n})")
+        mine = _scatter_input(r, w, n)
+        pieces = [[_f32(ctx, mine[q * n:(q + 1) * n])] for q in range(w)]
+        chunk = _waited(p.reduce_scatter(pieces, ctx.mesh1.get_group(0)), "reduce_scatter")
+        _same(_values(ctx, chunk), _scatter_total(w, n)[r * n:(r + 1) * n],
+              f"reduce_scatter chunk of rank {r} (n={n})")
+        for q, (part,) in enumerate(pieces):
+            _same(_values(ctx, part), mine[q * n:(q + 1) * n], f"reduce_scatter changed the "
+                  f"part for rank {q} (n={n})")
 
 
 @collective_check()
 def check_reduce_scatter_async(ctx):
     p, w, r = ctx.p, ctx.world, ctx.rank
-    k = np.arange(w * 2, dtype=np.float32)
-    out = p.zeros((2,), p.dtype("float32"))
-    handle = p.reduce_scatter(out, _f32(ctx, k + r), ctx.mesh1.get_group(0), async_op=True)
-    _check(isinstance(handle, Handle), f"async reduce_scatter returned {type(handle).__name__}")
-    handle.wait()
-    handle.wait()
-    total = k * w + w * (w - 1) / 2
-    _same(_values(ctx, out), total[2 * r:2 * r + 2], "async reduce_scatter chunk after wait()")
+    mine = _scatter_input(r, w, 2)
+    handle = p.reduce_scatter([[_f32(ctx, mine[2 * q:2 * q + 2])] for q in range(w)],
+                              ctx.mesh1.get_group(0), async_op=True)
+    chunk = _waited(handle, "async reduce_scatter")
+    _same(_values(ctx, chunk), _scatter_total(w, 2)[2 * r:2 * r + 2],
+          "async reduce_scatter chunk after wait()")
 
 
 @collective_check()
 def check_reduce_scatter_view_input(ctx):
-    """The core passes reshape(cat(..)) as input; a narrowed read must work as well."""
+    """Parts may be reads of a bigger tensor: narrows at an offset or at 0 of a padded
+    buffer, reshapes; the buffer is left as it was."""
     p, w, r = ctx.p, ctx.world, ctx.rank
-    k = _arange(w, 2)
     group = ctx.mesh1.get_group(0)
-    outs = [p.zeros((2,), p.dtype("float32")) for _ in range(3)]
-    p.reduce_scatter(outs[0], p.reshape(p.from_numpy(k + r), (2 * w,)), group)
-    padded = np.concatenate([np.full(3, 99, np.float32), (k + r).reshape(-1),
-                             np.full(3, 99, np.float32)])
-    p.reduce_scatter(outs[1], p.narrow(p.from_numpy(padded), 0, 3, 2 * w), group)
-    p.reduce_scatter(outs[2], p.narrow(p.from_numpy(padded[3:]), 0, 0, 2 * w), group)
-    total = (k * w + w * (w - 1) / 2).reshape(-1)[2 * r:2 * r + 2]
-    failures = [what for what, out in zip(
-        ("a reshaped input", "narrow(buffer of 2W+6, 0, 3, 2W)", "narrow(buffer of 2W+3, 0, 0, 2W)"),
-        outs) if not np.array_equal(_values(ctx, out), total)]
-    _check(not failures, f"reduce_scatter is wrong for: {failures} (rank {r} expected {total}, "
-           f"got {[_values(ctx, o).tolist() for o in outs]})")
-
-
-@collective_check()
-def check_all_gather_pieces(ctx):
-    p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
-    mine = (np.arange(n, dtype=np.float32) + 1) * (r + 1) + 10 * r
-    expected = [(np.arange(n) + 1) * (k + 1) + 10 * k for k in range(w)]
-    for async_op in (False, True):
-        source = _f32(ctx, mine)
-        pieces, whole, handle = p.all_gather_pieces(source, ctx.mesh1.get_group(0), w,
-                                                    async_op=async_op)
-        _check(isinstance(handle, Handle), f"all_gather_pieces returned {type(handle).__name__}")
-        handle.wait()
-        _check(len(pieces) == w, f"all_gather_pieces gave {len(pieces)} pieces for {w} ranks")
-        for k, piece in enumerate(pieces):
-            _same(_values(ctx, piece), expected[k],
-                  f"all_gather_pieces piece {k} (async_op={async_op})")
-        if whole is not None:
-            _same(_values(ctx, whole), np.concatenate(expected),
-                  f"all_gather_pieces whole buffer (async_op={async_op})")
-        p.copy_into(source, _f32(ctx, np.zeros(n)))
-        _same(_values(ctx, pieces[r]), expected[r], "all_gather_pieces: a piece aliases the input")
-
-
-@collective_check()
-def check_all_gather_into_released(ctx):
-    """The re-gather before backward: a full tensor autograd saved is released, then
-    gathered into in place (sync and async); backward sees the gathered values and
-    autograd does not complain about the write. Padded: the full tensor is a prefix of
-    the gathered rows (the last rank's row is padding). With ``start``: the full tensor
-    begins one row into the gathered buffer (another tensor's row before it), and
-    ``handle.result`` is the whole buffer."""
-    p, w, r = ctx.p, ctx.world, ctx.rank
-    if not p.capabilities.can_release_storage:
-        raise Skip(f"{p.name}: can_release_storage is False")
-    rows = np.stack([_arange(3, start=10 * k) for k in range(w)])   # rank k's row
-    cases = [(async_op, kept, 0) for async_op in (False, True) for kept in (w, w - 1)]
-    cases += [(async_op, w - 1, 1) for async_op in (False, True)]
-    for async_op, kept, first in cases:
-        gathered = []
-        coef = _arange(kept, 3) * 0.1 + 1
-
-        def loss_fn(inputs):
-            buffer = p.zeros((w, 3), p.dtype("float32"))
-            full = p.narrow(buffer, 0, first, kept)
-            product = inputs[0] * full  # autograd saves ``full`` for the gradient of inputs[0]
-
-            def before_backward():
-                handle = p.all_gather_into_released(full, _f32(ctx, rows[r]),
-                                                    ctx.mesh1.get_group(0), w, async_op=async_op,
-                                                    start=3 * first)
-                _check(isinstance(handle, Handle),
-                       f"all_gather_into_released returned {type(handle).__name__}")
-                handle.wait()
-                gathered.append((_values(ctx, full), _values(ctx, handle.result)))
-            p.register_grad_hook(product, before_backward)
-            p.release_storage(full)
-            return ctx.side.weighted_sum(product, coef)
-
-        _, (grad,), _ = ctx.side.backward(loss_fn, [np.ones((kept, 3), np.float32)])
-        how = f"(async_op={async_op}, {kept} of {w} rows from row {first})"
-        _check(len(gathered) == 1, f"grad hook ran {len(gathered)} times {how}")
-        _same(gathered[0][0], rows[first:first + kept], f"all_gather_into_released values {how}")
-        _same(gathered[0][1], rows.reshape(-1), f"all_gather_into_released handle.result {how}")
-        _same(grad, rows[first:first + kept] * coef,
-              f"gradient through a tensor gathered in place {how}", tol=1e-6)
+    mine = _scatter_input(r, w, 2)
+    padded_np = np.concatenate([np.full(3, 99, np.float32), mine, np.full(3, 99, np.float32)])
+    padded, tail = p.from_numpy(padded_np), p.from_numpy(padded_np[3:])
+    square = p.from_numpy(mine.reshape(w, 2))
+    layouts = {
+        "narrows at offset 3 of a padded buffer": [[p.narrow(padded, 0, 3 + 2 * q, 2)]
+                                                   for q in range(w)],
+        "narrows from 0 of a buffer with padding after": [[p.narrow(tail, 0, 2 * q, 2)]
+                                                          for q in range(w)],
+        "reshaped rows of a (W, 2) tensor": [[p.reshape(p.narrow(square, 0, q, 1), (2,))]
+                                             for q in range(w)],
+    }
+    chunks = {how: p.reduce_scatter(pieces, group).wait() for how, pieces in layouts.items()}
+    total = _scatter_total(w, 2)[2 * r:2 * r + 2]
+    failures = {how: _values(ctx, c).tolist() for how, c in chunks.items()
+                if not np.array_equal(_values(ctx, c), total)}
+    _check(not failures, f"reduce_scatter is wrong for: {failures} (rank {r} expected {total})")
+    _same(_values(ctx, padded), padded_np, "reduce_scatter changed the buffer its parts read")
+    _same(_values(ctx, square), mine.reshape(w, 2), "reduce_scatter changed a reshaped part")
 
 
 @collective_check()
 def check_reduce_scatter_pieces(ctx):
-    """Each rank's part of the input given as views of one gradient, as one tensor, or as
-    several parts (a view plus zeros, the padded case); the parts stay as they were and
-    the result, multiplied by ``scale``, is memory of its own."""
+    """Each rank's part given as views of one gradient, as one tensor, or as several parts
+    (a view plus zeros, the padded case); the parts stay as they were and the result, scaled
+    as the core scales it, is memory of its own: an in-place all_reduce of it lands, and a
+    write to the gradient afterwards does not reach it."""
     p, w, r = ctx.p, ctx.world, ctx.rank
+    group = ctx.mesh1.get_group(0)
     # both sizes (both sides of a size switch, see above) in both modes; each mode is
     # scaled on one size and not on the other
     small, large = _chunk_sizes(w)
     for n, async_op, scale in ((small, False, 1.0), (small, True, 0.25),
                                (large, False, 0.25), (large, True, 1.0)):
-        k = np.arange(w * n, dtype=np.float32)
-        mine = k * (r + 1) + r
+        mine = _scatter_input(r, w, n)
         mine[-1] = 0.0  # the last rank's last element is padding: zero on every rank
-        total = sum(k * (q + 1) + q for q in range(w))
+        total = _scatter_total(w, n)
         total[-1] = 0.0
         total = total * np.float32(scale)  # a power of two: exact
-        whole = _f32(ctx, mine)
-        layouts = {
-            "views": [[p.narrow(whole, 0, q * n, n)] for q in range(w)],
-            "tensors": [[_f32(ctx, mine[q * n:(q + 1) * n])] for q in range(w)],
-            "parts": [[p.narrow(whole, 0, q * n, n - 1), _f32(ctx, mine[(q + 1) * n - 1:(q + 1) * n])]
-                      for q in range(w - 1)] + [[p.narrow(whole, 0, (w - 1) * n, n - 1),
-                                                 p.zeros((1,), p.dtype("float32"))]],
-        }
-        for how, pieces in layouts.items():
+        for how in ("views", "tensors", "parts"):
+            whole = _f32(ctx, mine)
+            pieces = {
+                "views": lambda: [[p.narrow(whole, 0, q * n, n)] for q in range(w)],
+                "tensors": lambda: [[_f32(ctx, mine[q * n:(q + 1) * n])] for q in range(w)],
+                "parts": lambda: [[p.narrow(whole, 0, q * n, n - 1),
+                                   _f32(ctx, mine[(q + 1) * n - 1:(q + 1) * n])]
+                                  for q in range(w - 1)] + [[p.narrow(whole, 0, (w - 1) * n, n - 1),
+                                                             p.zeros((1,), p.dtype("float32"))]],
+            }[how]()
             before = [[_values(ctx, t) for t in parts] for parts in pieces]
-            handle = p.reduce_scatter_pieces(pieces, ctx.mesh1.get_group(0), async_op=async_op)
-            _check(isinstance(handle, Handle),
-                   f"reduce_scatter_pieces returned {type(handle).__name__}")
-            handle.wait()
-            # scaled as the core scales it: in place where the platform can (its own memory)
-            result = p.scale(handle.result, scale, may_overwrite=True)
+            handle = p.reduce_scatter(pieces, group, async_op=async_op)
             what = f"({how}, n={n}, async_op={async_op}, scale={scale})"
-            _same(_values(ctx, result), total[r * n:(r + 1) * n],
-                  f"reduce_scatter_pieces chunk {what}")
+            result = p.scale(_waited(handle, f"reduce_scatter {what}"), scale, may_overwrite=True)
+            _same(_values(ctx, result), total[r * n:(r + 1) * n], f"reduce_scatter chunk {what}")
             for q, parts in enumerate(pieces):
                 for t, old in zip(parts, before[q]):
-                    _same(_values(ctx, t), old, f"reduce_scatter_pieces changed a part of rank {q} {what}")
-            p.all_reduce(result, ctx.mesh1.get_group(0))  # its own memory
+                    _same(_values(ctx, t), old, f"reduce_scatter changed a part of rank {q} {what}")
+            p.all_reduce(result, group)  # its own memory: the in-place write lands
             _same(_values(ctx, result), total.reshape(w, n).sum(0),
-                  f"all_reduce of the reduce_scatter_pieces result {what}")
-            _same(_values(ctx, whole), mine, f"reduce_scatter_pieces changed the gradient {what}")
-
-
-@collective_check()
-def check_reduce_scatter_new(ctx):
-    p, w, r, n = ctx.p, ctx.world, ctx.rank, 3
-    k = np.arange(w * n, dtype=np.float32)
-    mine = k * (r + 1) + r
-    total = sum(k * (q + 1) + q for q in range(w))
-    for (async_op, overwrite), scale in zip(((False, False), (True, False), (False, True), (True, True)),
-                                            (1.0, 0.5, 0.25, 1.0)):
-        source = p.cat([_f32(ctx, mine)], 0)  # a tensor of the caller's own
-        handle = p.reduce_scatter_new(source, ctx.mesh1.get_group(0), w, async_op=async_op,
-                                      may_overwrite_input=overwrite)
-        _check(isinstance(handle, Handle), f"reduce_scatter_new returned {type(handle).__name__}")
-        handle.wait()
-        out = p.scale(handle.result, scale, may_overwrite=True)  # as the core scales it
-        how = f"(async_op={async_op}, may_overwrite_input={overwrite}, scale={scale})"
-        expected = total * np.float32(scale)  # a power of two: exact
-        _same(_values(ctx, out), expected[r * n:(r + 1) * n], f"reduce_scatter_new chunk {how}")
-        if not overwrite:
-            _same(_values(ctx, source), mine, f"reduce_scatter_new changed its input {how}")
-        p.all_reduce(out, ctx.mesh1.get_group(0))  # its own memory: an in-place write lands
-        _same(_values(ctx, out), expected.reshape(w, n).sum(0),
-              f"all_reduce of the reduce_scatter_new result {how}")
-
-
-@collective_check()
-def check_reduce_scatter_leaves_input(ctx):
-    """Only the output buffer is written (Platform's note: the collectives' output buffers
-    are the only writes besides copy_into and release/restore)."""
-    p, w, r = ctx.p, ctx.world, ctx.rank
-    mine = _arange(2 * w, start=r)
-    source = p.from_numpy(mine)
-    p.reduce_scatter(p.zeros((2,), p.dtype("float32")), source, ctx.mesh1.get_group(0))
-    _same(_values(ctx, source), mine, "reduce_scatter changed its input")
+                  f"all_reduce of the reduce_scatter result {what}")
+            _same(_values(ctx, whole), mine, f"reduce_scatter changed the gradient {what}")
+            p.copy_into(whole, _f32(ctx, np.full(w * n, -1.0)))
+            _same(_values(ctx, result), total.reshape(w, n).sum(0),
+                  f"the reduce_scatter result aliases the gradient {what}")
 
 
 @collective_check()
@@ -271,9 +241,8 @@ def check_all_reduce_ops(ctx):
     got = {}
     for op in expected:
         t = _f32(ctx, values(r))
-        handle = p.all_reduce(t, group, op=op)
-        _check(isinstance(handle, Handle), f"all_reduce returned {type(handle).__name__}")
-        handle.wait()
+        _check(_waited(p.all_reduce(t, group, op=op), f"all_reduce({op!r})") is t,
+               f"all_reduce({op!r}).wait() is not the tensor reduced in place")
         got[op] = _values(ctx, t)
     default = _f32(ctx, values(r))
     p.all_reduce(default, group)
@@ -287,25 +256,27 @@ def check_all_reduce_async(ctx):
     p, w, r = ctx.p, ctx.world, ctx.rank
     t = _f32(ctx, [r, 1.0, 2.0 * r])
     handle = p.all_reduce(t, ctx.mesh1.get_group(0), op="sum", async_op=True)
-    _check(isinstance(handle, Handle), f"async all_reduce returned {type(handle).__name__}")
-    handle.wait()
-    handle.wait()
+    _check(_waited(handle, "async all_reduce") is t,
+           "async all_reduce: wait() is not the tensor reduced in place")
     s = w * (w - 1) / 2
     _same(_values(ctx, t), np.array([s, w, 2 * s], np.float32), "async all_reduce after wait()")
 
 
 @collective_check()
 def check_async_overlap(ctx):
-    """Two collectives in flight at once (prefetch), waited in the reverse order."""
+    """Three collectives in flight at once (prefetch, reduction), waited in reverse order."""
     p, w, r = ctx.p, ctx.world, ctx.rank
     group = ctx.mesh1.get_group(0)
     gathered = p.zeros((w,), p.dtype("float32"))
-    first = p.all_gather_into(gathered, _f32(ctx, [r + 1]), group, async_op=True)
+    first = p.all_gather(_f32(ctx, [r + 1]), group, async_op=True, out=gathered)
+    second = p.reduce_scatter([[_f32(ctx, [q + r])] for q in range(w)], group, async_op=True)
     reduced = _f32(ctx, [1.0, r])
-    second = p.all_reduce(reduced, group, op="max", async_op=True)
-    second.wait()
+    third = p.all_reduce(reduced, group, op="max", async_op=True)
+    third.wait()
+    chunk = second.wait()
     first.wait()
     _same(_values(ctx, gathered), np.arange(1, w + 1, dtype=np.float32), "overlapped all_gather")
+    _same(_values(ctx, chunk), [float(w * r + w * (w - 1) / 2)], "overlapped reduce_scatter")
     _same(_values(ctx, reduced), np.array([1.0, w - 1], np.float32), "overlapped all_reduce")
 
 
@@ -326,36 +297,93 @@ def check_barrier(ctx):
 
 
 @collective_check()
+def check_collectives_are_cross_checked(ctx):
+    """Every entry point, barrier included, passes the desync check (HP_DEBUG=collectives)
+    before it issues anything: one cross-check each, the check's own exchange neither
+    counted nor checked; ranks about to issue different ones (a barrier against an
+    all-reduce) all raise CollectiveDesyncError, none is left waiting."""
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    group = ctx.mesh1.get_group(0)
+    previous, check = p.collective_check, CollectiveCheck(p)
+    p.collective_check = check
+    counted, outcome = {}, None
+    try:
+        calls = {
+            "all_gather": lambda: p.all_gather(_f32(ctx, [r]), group).wait(),
+            "reduce_scatter": lambda: p.reduce_scatter([[_f32(ctx, [1.0])]] * w, group).wait(),
+            "all_reduce": lambda: p.all_reduce(_f32(ctx, [1.0]), group).wait(),
+            "barrier": lambda: p.barrier(group),
+        }
+        for op, call in calls.items():
+            before = check.checked
+            with hp.track_comms() as window:
+                call()
+            counted[op] = (check.checked - before, window.calls())
+        expected = {op: (1, 0 if op == "barrier" else 1) for op in calls}
+        # every rank runs the same platform code, so every rank stops here alike
+        _check(counted == expected, f"(cross-checks, CommStats calls) per entry point: "
+               f"{counted}, expected {expected}")
+        try:
+            if r == 0:
+                p.barrier()
+            else:
+                p.all_reduce(_f32(ctx, [1.0]), None)
+        except CollectiveDesyncError as error:
+            outcome = str(error)
+    finally:
+        p.collective_check = previous
+    _check(outcome is not None, "a barrier on rank 0 against an all_reduce on the others "
+           "raised no CollectiveDesyncError on this rank")
+    _check("barrier" in outcome and "all_reduce" in outcome,
+           f"the desync error does not name both collectives: {outcome}")
+    p.barrier()  # every rank raised before issuing anything: the group still works
+
+
+@collective_check()
 def check_comm_stats(ctx):
+    """op, wire (``COMPOSED_WIRE``) and bytes of each entry point, once per call, also where
+    the platform composes the collective (bfloat16, a reduce-scatter over the world)."""
     p, w = ctx.p, ctx.world
     group = ctx.mesh1.get_group(0)
     _check(hp.comm_stats() is p.comm_stats, "hp.comm_stats() is not platform.comm_stats")
+    f32, bf16 = p.dtype("float32"), p.dtype("bfloat16")
     windows = {}
     n = 5
     with hp.track_comms() as windows["all_gather"]:
-        p.all_gather_into(p.zeros((w * n,), p.dtype("float32")), p.zeros((n,), p.dtype("float32")),
-                          group, dim="shard")
+        p.all_gather(p.zeros((n,), f32), group, out=p.zeros((w * n,), f32), dim="shard")
+    with hp.track_comms() as windows["all_gather new"]:
+        p.all_gather(p.zeros((n,), f32), group, dim="shard").wait()
+    with hp.track_comms() as windows["all_gather bf16"]:
+        p.all_gather(p.zeros((n,), bf16), group, async_op=True, dim="shard").wait()
     with hp.track_comms() as windows["reduce_scatter"]:
-        p.reduce_scatter(p.zeros((n,), p.dtype("float32")), p.zeros((w * n,), p.dtype("float32")),
-                         group, dim="shard")
+        p.reduce_scatter([[p.zeros((n - 1,), f32), p.zeros((1,), f32)]] * w, group, dim="shard")
+    with hp.track_comms() as windows["reduce_scatter bf16"]:
+        p.reduce_scatter([[p.zeros((n,), bf16)]] * w, group, async_op=True, dim="shard").wait()
     with hp.track_comms() as windows["all_reduce"]:
-        p.all_reduce(p.zeros((n,), p.dtype("float32")), group, op="avg", dim="replicate")
+        p.all_reduce(p.zeros((n,), f32), group, op="avg", dim="replicate")
     with hp.track_comms() as windows["async"]:
-        h = p.all_reduce(p.zeros((3,), p.dtype("float32")), group, async_op=True)
-        h.wait()
+        p.all_reduce(p.zeros((3,), f32), group, async_op=True).wait()
+    with hp.track_comms() as windows["barrier"]:
+        p.barrier(group)
     before = p.comm_stats.snapshot()
     with hp.track_comms() as windows["mixed"]:
-        p.all_reduce(p.zeros((n,), p.dtype("float32")), group)
-        p.all_reduce(p.zeros((2 * n,), p.dtype("float32")), group)
-        p.all_gather_into(p.zeros((w,), p.dtype("float32")), p.zeros((1,), p.dtype("float32")),
-                          group)
+        p.all_reduce(p.zeros((n,), f32), group)
+        p.all_reduce(p.zeros((2 * n,), f32), group)
+        p.all_gather(p.zeros((1,), f32), group, out=p.zeros((w,), f32))
     live_delta = p.comm_stats.minus(before)
-    _only(windows["all_gather"], "all_gather", ctx.wire("all_gather"), "shard", 4 * w * n,
-          "all_gather (bytes = output)")
-    _only(windows["reduce_scatter"], "reduce_scatter", ctx.wire("reduce_scatter"), "shard",
-          4 * w * n, "reduce_scatter (bytes = input)")
-    _only(windows["all_reduce"], "all_reduce", "all_reduce", "replicate", 4 * n, "all_reduce")
-    _only(windows["async"], "all_reduce", "all_reduce", "", 12, "async all_reduce")
+    for key, op, dtype, dim, nbytes, what in (
+            ("all_gather", "all_gather", "float32", "shard", 4 * w * n, "bytes = output"),
+            ("all_gather new", "all_gather", "float32", "shard", 4 * w * n, "into new memory"),
+            ("all_gather bf16", "all_gather", "bfloat16", "shard", 2 * w * n, "bfloat16, async"),
+            ("reduce_scatter", "reduce_scatter", "float32", "shard", 4 * w * n,
+             "bytes = input, two parts per rank"),
+            ("reduce_scatter bf16", "reduce_scatter", "bfloat16", "shard", 2 * w * n,
+             "bfloat16, async"),
+            ("all_reduce", "all_reduce", "float32", "replicate", 4 * n, "op avg"),
+            ("async", "all_reduce", "float32", "", 12, "async")):
+        _only(windows[key], op, ctx.wire(op, dtype), dim, nbytes, f"{key} ({what})")
+    _check(windows["barrier"].calls() == 0, f"a barrier moved no data but CommStats recorded "
+           f"{windows['barrier'].summary()}")
     mixed = windows["mixed"]
     _check(mixed.calls("all_reduce") == 2 and mixed.nbytes("all_reduce") == 12 * n,
            f"track_comms window: all_reduce {mixed.calls('all_reduce')} calls, "

@@ -1,4 +1,6 @@
-"""Conformance checks of the platform contract: explicit writes, storage release, grad mode.
+"""Conformance checks of the platform contract: explicit writes, the optional
+``StorageRelease`` part (release, restore, ``copy_into_slice``, ``restored_flat`` and the
+re-gather into it, kept memory), grad mode.
 
 The harness (context, registry, assertion helpers) is conformance.py."""
 
@@ -6,8 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from hyper_parallel.platform import Gathered
 from tests.platform.conformance import (
-    DTYPE_SIZES, Skip, _arange, _check, _f32, _same, _storage_bytes, _values, local_check)
+    DTYPE_SIZES, Skip, _arange, _check, _f32, _same, _storage_bytes, _values, collective_check,
+    local_check)
+
+
+def _releases(ctx) -> None:
+    """Skip unless the platform implements StorageRelease (``can_release_storage``)."""
+    if not ctx.p.capabilities.can_release_storage:
+        raise Skip(f"{ctx.p.name}: can_release_storage is False (no StorageRelease)")
 
 
 @local_check
@@ -62,6 +72,7 @@ def check_copy_into_from_view(ctx):
 def check_copy_into_slice(ctx):
     """Every dim, at the start, the middle and the end, from a contiguous or strided read;
     the rest of ``dst`` keeps its values and ``src`` is not aliased."""
+    _releases(ctx)
     p = ctx.p
     base = _arange(4, 6)
     for dim, start, length in ((0, 0, 2), (0, 1, 2), (0, 3, 1), (1, 0, 6), (1, 2, 3), (1, 5, 1)):
@@ -101,8 +112,7 @@ def check_storage_bytes(ctx):
 @local_check
 def check_release_restore_storage(ctx):
     p = ctx.p
-    if not p.capabilities.can_release_storage:
-        raise Skip(f"{p.name}: can_release_storage is False")
+    _releases(ctx)
     for how, t in (("zeros", p.zeros((3, 4), p.dtype("float32"))),
                    ("add", p.add(p.zeros((3, 4), p.dtype("float32")), p.zeros((3, 4), p.dtype("float32")))),
                    ("cat", p.cat([p.zeros((1, 4), p.dtype("float32")), p.zeros((2, 4), p.dtype("float32"))]))):
@@ -126,8 +136,7 @@ def check_release_restore_shared_buffer(ctx):
     """Full parameters may be reads of one gathered buffer at different offsets: releasing
     and restoring each, then refilling each, gives every one its values."""
     p = ctx.p
-    if not p.capabilities.can_release_storage:
-        raise Skip(f"{p.name}: can_release_storage is False")
+    _releases(ctx)
     buffer = p.zeros((10,), p.dtype("float32"))
     first = p.contiguous(p.narrow(buffer, 0, 0, 4))
     second = p.contiguous(p.reshape(p.narrow(buffer, 0, 4, 6), (2, 3)))
@@ -148,8 +157,7 @@ def check_release_restore_shared_buffer(ctx):
 def check_release_storage_of_from_numpy(ctx):
     """Every tensor the platform makes can be released, from_numpy's too."""
     p = ctx.p
-    if not p.capabilities.can_release_storage:
-        raise Skip(f"{p.name}: can_release_storage is False")
+    _releases(ctx)
     t = p.from_numpy(_arange(3, 4))
     p.release_storage(t)
     _check(_storage_bytes(t) == 0, f"after release_storage: storage_bytes {_storage_bytes(t)}")
@@ -165,8 +173,7 @@ def check_kept_released_memory_is_never_shared(ctx):
     would serve from kept blocks) each hold their own values, and a view of a released
     tensor reads what the restored tensor is refilled with."""
     p = ctx.p
-    if not p.capabilities.can_release_storage:
-        raise Skip(f"{p.name}: can_release_storage is False")
+    _releases(ctx)
     f32 = p.dtype("float32")
     p.keep_released_memory(1 << 20)
     first, second = p.zeros((8, 16), f32), p.zeros((8, 16), f32)
@@ -194,8 +201,7 @@ def check_release_restore_under_autograd(ctx):
     restored and refilled (in a grad hook) before backward uses it; the gradient sees the
     refilled values and autograd does not complain."""
     p = ctx.p
-    if not p.capabilities.can_release_storage:
-        raise Skip(f"{p.name}: can_release_storage is False")
+    _releases(ctx)
     weights = _arange(2, 3, start=1)
     refill = _arange(2, 3, start=-4) * 0.5
     coef = _arange(2, 3) * 0.1 + 1
@@ -275,3 +281,68 @@ def check_no_grad_stops_gradient(ctx):
     _, (grad,), _ = ctx.side.backward(loss_fn, [np.ones(3, np.float32)])
     _same(grad, np.full(3, 2.0, np.float32),
           "gradient of sum(2x + no_grad(3x)) (3x must not contribute)", tol=1e-6)
+
+
+@local_check
+def check_restored_flat(ctx):
+    """``restored_flat(full, numel, start)`` over a released ``full`` (a read of a bigger
+    buffer, as a unit's full parameters are): a 1-D tensor of ``numel`` elements that begins
+    ``start`` elements before ``full``'s first one, ``full`` reading its elements ``start``
+    on; more elements than the buffer had (the padding rows of a gather) included."""
+    _releases(ctx)
+    p = ctx.p
+    f32 = p.dtype("float32")
+    for offset, start, numel in ((0, 0, 6), (0, 0, 9), (3, 3, 10), (3, 1, 12)):
+        buffer = p.zeros((10,), f32)
+        full = p.reshape(p.narrow(buffer, 0, offset, 6), (2, 3))
+        p.release_storage(full)
+        flat = p.restored_flat(full, numel, start)
+        how = f"(full: 6 elements from {offset} of 10; numel {numel}, start {start})"
+        _check(p.shape(flat) == (numel,), f"restored_flat {how}: shape {p.shape(flat)}")
+        values = _arange(numel, start=1.0)
+        p.copy_into(flat, p.from_numpy(values))
+        _same(_values(ctx, full), values[start:start + 6].reshape(2, 3),
+              f"restored_flat {how}: full does not read the flat tensor's elements from start")
+        _same(_values(ctx, flat), values, f"restored_flat {how}: the flat tensor's values")
+
+
+@collective_check()
+def check_all_gather_into_restored_flat(ctx):
+    """The re-gather before backward: a full tensor autograd saved is released, then
+    gathered into in place with ``all_gather(out=restored_flat(...))`` (sync and async);
+    backward sees the gathered values and autograd does not complain about the write.
+    Padded: the full tensor is a prefix of the gathered rows (the last rank's row is
+    padding). With ``start``: the full tensor begins one row into the gathered buffer
+    (another tensor's row before it), and ``flat`` is the whole buffer."""
+    _releases(ctx)
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    rows = np.stack([_arange(3, start=10 * k) for k in range(w)])   # rank k's row
+    cases = [(async_op, kept, 0) for async_op in (False, True) for kept in (w, w - 1)]
+    cases += [(async_op, w - 1, 1) for async_op in (False, True)]
+    for async_op, kept, first in cases:
+        gathered = []
+        coef = _arange(kept, 3) * 0.1 + 1
+
+        def loss_fn(inputs):
+            buffer = p.zeros((w, 3), p.dtype("float32"))
+            full = p.narrow(buffer, 0, first, kept)
+            product = inputs[0] * full  # autograd saves ``full`` for the gradient of inputs[0]
+
+            def before_backward():
+                out = p.restored_flat(full, 3 * w, 3 * first)
+                result = p.all_gather(_f32(ctx, rows[r]), ctx.mesh1.get_group(0),
+                                      async_op=async_op, out=out).wait()
+                _check(isinstance(result, Gathered) and result.flat is out,
+                       "all_gather(out=restored_flat(...)): flat is not the restored buffer")
+                gathered.append((_values(ctx, full), _values(ctx, result.flat)))
+            p.register_grad_hook(product, before_backward)
+            p.release_storage(full)
+            return ctx.side.weighted_sum(product, coef)
+
+        _, (grad,), _ = ctx.side.backward(loss_fn, [np.ones((kept, 3), np.float32)])
+        how = f"(async_op={async_op}, {kept} of {w} rows from row {first})"
+        _check(len(gathered) == 1, f"grad hook ran {len(gathered)} times {how}")
+        _same(gathered[0][0], rows[first:first + kept], f"full after the gather into it {how}")
+        _same(gathered[0][1], rows.reshape(-1), f"the gathered flat buffer {how}")
+        _same(grad, rows[first:first + kept] * coef,
+              f"gradient through a tensor gathered in place {how}", tol=1e-6)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hyper_parallel.platform.base import Platform
 from tests.platform.conformance import (
     Skip, _arange, _check, _f32, _model_values, _same, _storage_bytes, _values,
     collective_check, local_check, model_reference)
@@ -96,6 +97,32 @@ def check_attach_detach_tensor(ctx):
     _same(_values(ctx, model(_f32(ctx, x))), model_reference(x), "forward after detach", tol=1e-5)
     p.detach_tensor(model.fc1, "weight")  # detaching twice is harmless
     _check(model.fc1.weight is param, "a second detach_tensor lost the param")
+
+
+@local_check
+def check_default_attach_detach_tensor(ctx):
+    """The base class's attach_tensor (an instance attribute shadows the registered
+    parameter) and detach_tensor work on every framework, also one that overrides them: the
+    module computes with the full tensor while direct_params keeps the registered one."""
+    p = ctx.p
+    model = ctx.side.model()
+    param, x = model.fc1.weight, _arange(2, 4) * 0.1
+    full_np = np.full((3, 4), 0.75, np.float32)
+    full = p.from_numpy(full_np)
+    Platform.attach_tensor(p, model.fc1, "weight", full)
+    _check(model.fc1.weight is full, "after Platform.attach_tensor, module.weight is not it")
+    _check(dict(p.direct_params(model.fc1))["weight"] is param,
+           "Platform.attach_tensor changed the registered parameter")
+    _check(Platform.registered_param(p, model.fc1, "weight") is param,
+           "Platform.registered_param is not the registered parameter")
+    values = dict(_model_values(), **{"fc1.weight": full_np})
+    _same(_values(ctx, model(_f32(ctx, x))), model_reference(x, values),
+          "forward with the tensor Platform.attach_tensor attached", tol=1e-5)
+    Platform.detach_tensor(p, model.fc1, "weight")
+    Platform.detach_tensor(p, model.fc1, "weight")  # detaching twice is harmless
+    _check(model.fc1.weight is param, "after Platform.detach_tensor, module.weight is not "
+           "the registered parameter")
+    _same(_values(ctx, model(_f32(ctx, x))), model_reference(x), "forward after detach", tol=1e-5)
 
 
 @local_check
@@ -347,22 +374,26 @@ def _delivered(ctx, param, placeholder):
     return None if param.grad is None else ctx.p.to_numpy(param.grad)
 
 
+def _placeholder(ctx, param):
+    """What backward returns for a sharded parameter while its gradient is on the wire
+    (the core's ``FSDPParam.grad_placeholder``): zeros shaped like the local shard where
+    backward's return value is the user's gradient, else None."""
+    p = ctx.p
+    if not p.capabilities.returns_grads_from_backward:
+        return None
+    local = p.local_tensor(param)
+    return p.zeros(p.shape(local), p.dtype_of(local))
+
+
 @collective_check()
-def check_grad_placeholder_write_grad(ctx):
+def check_write_grad(ctx):
+    """write_grad fills the placeholder where backward returns the user's gradients, else
+    accumulates into ``param.grad``; ``to_main_grad`` accumulates float32 ``main_grad``
+    and leaves the gradient alone."""
     p = ctx.p
     g1, g2 = _arange(2, 3, start=1), _arange(2, 3, start=-3) * 0.5
     param = _sharded(ctx, "conf.wg")
-    placeholder = p.grad_placeholder(param)
-    _check((placeholder is not None) == p.capabilities.returns_grads_from_backward,
-           f"returns_grads_from_backward is {p.capabilities.returns_grads_from_backward}, "
-           f"but grad_placeholder "
-           f"gave {placeholder!r}: a platform whose backward returns the user's gradients "
-           f"needs a tensor placeholder, one that accumulates them on the parameter None")
-    if placeholder is not None:
-        _check(p.shape(placeholder) == (2, 3) and p.dtype_of(placeholder) == p.dtype_of(param),
-               f"grad_placeholder: shape {p.shape(placeholder)} dtype {p.dtype_of(placeholder)}, "
-               "expected the local shard's")
-        _same(_values(ctx, placeholder), np.zeros((2, 3), np.float32), "grad_placeholder is zero")
+    placeholder = _placeholder(ctx, param)
     p.write_grad(param, placeholder, p.from_numpy(g1), False)
     _same(_delivered(ctx, param, placeholder), g1, "gradient after one write_grad")
     if placeholder is None:
@@ -373,7 +404,7 @@ def check_grad_placeholder_write_grad(ctx):
     else:
         expected_grad = g1
     main = _sharded(ctx, "conf.main")
-    main_placeholder = p.grad_placeholder(main)
+    main_placeholder = _placeholder(ctx, main)
     low = p.cast(p.from_numpy(g1), p.dtype("float16"))
     p.write_grad(main, main_placeholder, low, True)
     p.write_grad(main, main_placeholder, p.cast(p.from_numpy(g2), p.dtype("float16")), True)
@@ -392,8 +423,8 @@ def check_grad_placeholder_write_grad(ctx):
 
 @collective_check()
 def check_write_grad_after_backward(ctx):
-    """The core's late fill: backward returns grad_placeholder(param) for the shard and a
-    final callback write_grad()s the reduced gradient; the user then sees that gradient."""
+    """The core's late fill: backward returns the placeholder for the shard and a final
+    callback write_grad()s the reduced gradient; the user then sees that gradient."""
     p = ctx.p
     param = _sharded(ctx, "conf.late")
     reduced = _arange(2, 3, start=10 * ctx.rank) * 0.25
@@ -402,7 +433,7 @@ def check_write_grad_after_backward(ctx):
         return [p.scale(inputs[0], 2.0)]
 
     def backward_fn(grads):
-        placeholder = p.grad_placeholder(param)
+        placeholder = _placeholder(ctx, param)
         p.queue_backward_final_callback(
             lambda: p.write_grad(param, placeholder, p.from_numpy(reduced), False))
         return [placeholder]
@@ -417,7 +448,9 @@ def check_write_grad_after_backward(ctx):
 
 @collective_check()
 def check_low_precision_collectives(ctx):
-    """Mixed precision gathers in float16/bfloat16 and may reduce in them."""
+    """Mixed precision gathers in float16/bfloat16 (into ``out`` and into new memory: on
+    MindSpore CPU bfloat16 takes the list all-gather, whose pieces are its own outputs) and
+    may reduce in them."""
     p, w, r = ctx.p, ctx.world, ctx.rank
     group = ctx.mesh1.get_group(0)
     f32 = p.dtype("float32")
@@ -425,16 +458,19 @@ def check_low_precision_collectives(ctx):
     for name in ("float16", "bfloat16"):
         dtype = p.dtype(name)
         out = p.zeros((2 * w,), dtype)
-        p.all_gather_into(out, p.cast(_f32(ctx, [r, 0.5 * r]), dtype), group)
-        chunk = p.zeros((2,), dtype)
-        p.reduce_scatter(chunk, p.cast(_f32(ctx, np.arange(2 * w) + r), dtype), group)
+        p.all_gather(p.cast(_f32(ctx, [r, 0.5 * r]), dtype), group, out=out)
+        pieces = p.all_gather(p.cast(_f32(ctx, [-r, 2.0 * r]), dtype), group).wait().pieces
+        mine = p.cast(_f32(ctx, np.arange(2 * w) + r), dtype)
+        chunk = p.reduce_scatter([[p.narrow(mine, 0, 2 * q, 2)] for q in range(w)], group).wait()
         t = p.cast(_f32(ctx, [r, 1.0]), dtype)
         p.all_reduce(t, group)
-        results[name] = [_values(ctx, p.cast(x, f32)) for x in (out, chunk, t)]
+        results[name] = [_values(ctx, p.cast(x, f32)) for x in (out, p.cat(pieces), chunk, t)]
     s = w * (w - 1) / 2
-    for name, (gathered, chunk, reduced) in results.items():
+    for name, (gathered, new, chunk, reduced) in results.items():
         _same(gathered, np.array([v for k in range(w) for v in (k, 0.5 * k)], np.float32),
-              f"all_gather_into {name}")
+              f"all_gather(out=...) {name}")
+        _same(new, np.array([v for k in range(w) for v in (-k, 2.0 * k)], np.float32),
+              f"all_gather {name}: its pieces, rank-major")
         _same(chunk, (np.arange(2 * w) * w + s)[2 * r:2 * r + 2].astype(np.float32),
               f"reduce_scatter {name}")
         _same(reduced, np.array([s, w], np.float32), f"all_reduce {name}")

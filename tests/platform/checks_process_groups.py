@@ -7,19 +7,44 @@ from __future__ import annotations
 import numpy as np
 
 import hyper_parallel as hp
-from tests.platform.conformance import _check, _f32, _same, _values, collective_check
+from hyper_parallel.platform.base import Platform
+from tests.platform.conformance import (
+    _check, _check_gathered, _f32, _same, _values, collective_check)
 
 
 @collective_check()
 def check_process_group(ctx):
+    """rank() and world_size() are the default group's (group None), distinct on every
+    rank; the device is the capabilities' one."""
     p = ctx.p
-    ranks = p.zeros((ctx.world,), p.dtype("float32"))
-    p.all_gather_into(ranks, _f32(ctx, [ctx.rank]), ctx.mesh1.get_group(0))
+    ranks = p.all_gather(_f32(ctx, [ctx.rank]), ctx.mesh1.get_group(0)).wait().pieces
     _check(p.is_initialized() is True, "is_initialized() is not True inside a launch")
     _check(0 <= ctx.rank < ctx.world, f"rank() {ctx.rank} outside world_size() {ctx.world}")
-    _same(_values(ctx, ranks), np.arange(ctx.world, dtype=np.float32),
-          "every rank reports a distinct rank()")
-    _check(p.device_type() in ("cpu", "cuda", "npu"), f"device_type() = {p.device_type()!r}")
+    _check((p.group_rank(None), p.group_size(None)) == (ctx.rank, ctx.world),
+           f"(group_rank(None), group_size(None)) = {(p.group_rank(None), p.group_size(None))}"
+           f", but (rank(), world_size()) = {(ctx.rank, ctx.world)}")
+    _same(np.concatenate([_values(ctx, piece) for piece in ranks]),
+          np.arange(ctx.world, dtype=np.float32), "every rank reports a distinct rank()")
+    device = p.capabilities.device_type
+    _check(device in ("cpu", "cuda", "npu"), f"capabilities.device_type = {device!r}")
+    _check(p.device_type() == device, f"device_type() = {p.device_type()!r}, but "
+           f"capabilities.device_type = {device!r}")
+
+
+@collective_check()
+def check_default_group(ctx):
+    """group None is every rank, for the collectives too."""
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    reduced = _f32(ctx, [float(r), 1.0])
+    p.all_reduce(reduced, None)
+    gathered = p.all_gather(_f32(ctx, [float(r)]), None).wait()
+    chunk = p.reduce_scatter([[_f32(ctx, [10.0 * q + r + 1])] for q in range(w)], None).wait()
+    p.barrier(None)
+    s = w * (w - 1) / 2
+    _same(_values(ctx, reduced), [s, float(w)], "all_reduce over group None")
+    _same(np.concatenate([_values(ctx, piece) for piece in gathered.pieces]),
+          np.arange(w, dtype=np.float32), "all_gather over group None")
+    _same(_values(ctx, chunk), [10.0 * w * r + s + w], "reduce_scatter over group None")
 
 
 @collective_check()
@@ -38,31 +63,65 @@ def check_mesh_1d_groups(ctx):
         device, grid = described.device_type, described.rank_grid
         _check(tuple(shape) == (ctx.world,) and tuple(names) == ("shard",),
                f"mesh_from_native: shape {shape}, names {names}")
-        _check(device == p.device_type(), f"mesh_from_native device {device}")
+        _check(device == p.capabilities.device_type, f"mesh_from_native device {device}")
         _check(list(grid) == list(range(ctx.world)), f"mesh_from_native rank grid {grid}")
         _check(p.group_size(groups[0]) == ctx.world, "mesh_from_native group size")
+
+
+def _mesh_shapes(w: int) -> list:
+    shapes = [((w,), ("a",)), ((1, w), ("one", "all"))]
+    return shapes + ([((2, w // 2), ("rep", "shard"))] if w >= 4 and w % 2 == 0 else [])
+
+
+def _check_mesh_groups(ctx, made: dict, how: str) -> None:
+    """Each dim's group has the dim's size, this rank's coordinate as its rank, and an
+    all_reduce over it sums exactly that line of the rank grid."""
+    p = ctx.p
+    probes = {}
+    for shape, (groups, _) in made.items():
+        _check(len(groups) == len(shape), f"{how}{shape}: {len(groups)} groups")
+        for dim, group in enumerate(groups):
+            if shape[dim] > 1:  # the core issues no collective over a single rank
+                probes[shape, dim] = _f32(ctx, [10.0 ** ctx.rank])
+                p.all_reduce(probes[shape, dim], group)
+    for shape, (groups, _) in made.items():
+        grid = np.arange(ctx.world).reshape(shape)
+        coords = np.argwhere(grid == ctx.rank)[0]
+        for dim, group in enumerate(groups):
+            line = np.moveaxis(grid, dim, -1)[tuple(np.delete(coords, dim))]
+            got = (p.group_size(group), p.group_rank(group))
+            _check(got == (shape[dim], int(coords[dim])), f"{how}{shape} dim {dim}: "
+                   f"(group_size, group_rank) {got}, expected {(shape[dim], int(coords[dim]))}")
+            if (shape, dim) in probes:
+                _same(_values(ctx, probes[shape, dim]), [float(sum(10.0 ** k for k in line))],
+                      f"{how}{shape}: all_reduce along dim {dim} (ranks {line.tolist()})")
 
 
 @collective_check()
 def check_new_mesh_groups(ctx):
     """Direct call (hp.init_device_mesh wraps it): one group per dim; a size-1 dim too."""
-    p, w = ctx.p, ctx.world
-    device = p.device_type()
-    made = {shape: p.new_mesh_groups(device, shape, names)
-            for shape, names in (((w,), ("a",)), ((1, w), ("one", "all")))}
-    probe = _f32(ctx, [1.0])
-    p.all_reduce(probe, made[(1, w)][0][1])  # the size-w dim of the (1, w) mesh
-    for shape, (groups, native) in made.items():
-        _check(len(groups) == len(shape), f"new_mesh_groups{shape}: {len(groups)} groups")
-        sizes = [p.group_size(g) for g in groups]
-        _check(sizes == list(shape), f"new_mesh_groups{shape}: group sizes {sizes}")
+    p = ctx.p
+    device = p.capabilities.device_type
+    made = {shape: p.new_mesh_groups(device, shape, names) for shape, names in _mesh_shapes(ctx.world)}
+    _check_mesh_groups(ctx, made, "new_mesh_groups")
+    for shape, (_, native) in made.items():
         if native is not None:
             described = p.mesh_from_native(native)
             _check(described is not None and tuple(described.shape) == shape,
                    f"mesh_from_native(new_mesh_groups{shape} native) = {described}")
-    _check(p.group_rank(made[(w,)][0][0]) == ctx.rank, "group_rank in the 1-D mesh group")
-    _check(p.group_rank(made[(1, w)][0][0]) == 0, "group_rank in a size-1 dim group")
-    _same(_values(ctx, probe), [float(w)], "all_reduce on the size-w dim of a (1, w) mesh")
+
+
+@collective_check()
+def check_default_new_mesh_groups(ctx):
+    """The base class's new_mesh_groups (every line of the rank grid a new_group, no native
+    mesh) is right on every platform, also one that overrides it (torch)."""
+    p = ctx.p
+    device = p.capabilities.device_type
+    made = {shape: Platform.new_mesh_groups(p, device, shape, names)
+            for shape, names in _mesh_shapes(ctx.world)}
+    _check(all(native is None for _, native in made.values()),
+           "the default new_mesh_groups made a native mesh")
+    _check_mesh_groups(ctx, made, "Platform.new_mesh_groups")
 
 
 @collective_check(even=True)
@@ -79,7 +138,7 @@ def check_new_group(ctx):
     probe = _f32(ctx, [float(r)])
     p.all_reduce(probe, mine)
     _same(_values(ctx, probe), [float(sum(peers))], f"all_reduce over new_group({peers})")
-    native = p.mesh_from_groups(p.device_type(), [mine], peers, ("dp",))
+    native = p.mesh_from_groups(p.capabilities.device_type, [mine], peers, ("dp",))
     if native is not None:
         described = p.mesh_from_native(native)
         _check(described is not None and list(described.rank_grid) == peers,
@@ -137,14 +196,19 @@ def check_mesh2d_gather_scatter(ctx):
     p = ctx.p
     r_idx, s_idx, s_size = _coords(ctx)
     shard, rep = ctx.mesh2.get_group("shard"), ctx.mesh2.get_group("replicate")
-    gathered = p.zeros((s_size * 2,), p.dtype("float32"))
-    p.all_gather_into(gathered, _f32(ctx, [ctx.rank, -ctx.rank]), shard)
-    chunk = p.zeros((2,), p.dtype("float32"))
-    p.reduce_scatter(chunk, _f32(ctx, np.arange(4) * (ctx.rank + 1)), rep)
+    with hp.track_comms() as window:
+        gathered = p.all_gather(_f32(ctx, [ctx.rank, -ctx.rank]), shard, dim="shard").wait()
+        chunk = p.reduce_scatter([[_f32(ctx, np.arange(2 * k, 2 * k + 2) * (ctx.rank + 1))]
+                                  for k in range(2)], rep, dim="replicate").wait()
     members = [r_idx * s_size + j for j in range(s_size)]
-    _same(_values(ctx, gathered), np.array([v for k in members for v in (k, -k)], np.float32),
-          f"all_gather_into on the shard group {members}")
+    _check_gathered(ctx, gathered, [np.array([k, -k], np.float32) for k in members],
+                    f"all_gather on the shard group {members}")
     rep_members = [k * s_size + s_idx for k in range(2)]
     total = np.arange(4) * sum(k + 1 for k in rep_members)
     _same(_values(ctx, chunk), total[2 * r_idx:2 * r_idx + 2].astype(np.float32),
           f"reduce_scatter on the replicate group {rep_members}")
+    expected = {("all_gather", ctx.wire("all_gather", group=shard), "shard"): (1, 4 * 2 * s_size),
+                ("reduce_scatter", ctx.wire("reduce_scatter", group=rep), "replicate"): (1, 16)}
+    records = {key: (rec.calls, rec.nbytes) for key, rec in window.records.items()}
+    _check(records == expected, f"CommStats of collectives over sub-groups: {records}, "
+           f"expected {expected}")

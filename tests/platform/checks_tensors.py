@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.storage_release import StorageRelease
 from tests.platform.conformance import (
     DTYPE_SIZES, NUMPY_ROUND_TRIP, Skip, _arange, _check, _f32, _same, _values, local_check)
@@ -72,8 +73,8 @@ def check_zeros(ctx):
 @local_check
 def check_capabilities(ctx):
     """One frozen record, the same every time; its flags are plain booleans (the core's
-    choice of delivery reads two of them, iteration.py; check_grad_placeholder_write_grad
-    matches returns_grads_from_backward against grad_placeholder)."""
+    choice of delivery reads two of them, iteration.py); the device is one the core knows
+    and ``device_type()`` reads it from here."""
     import dataclasses
 
     from hyper_parallel.platform.capabilities import Capabilities
@@ -86,6 +87,9 @@ def check_capabilities(ctx):
            f"{'does not implement' if caps.can_release_storage else 'implements'} "
            f"StorageRelease: the core calls release_storage exactly where it is True")
     _check(ctx.p.capabilities == caps, "capabilities changed between two reads")
+    _check(ctx.p.device_type() == caps.device_type,
+           f"device_type() = {ctx.p.device_type()!r}, capabilities.device_type = "
+           f"{caps.device_type!r}")
     try:
         setattr(caps, "can_release_storage", not caps.can_release_storage)
     except dataclasses.FrozenInstanceError:
@@ -94,7 +98,9 @@ def check_capabilities(ctx):
         raise AssertionError("capabilities can be changed: want a frozen record")
     for field in dataclasses.fields(caps):
         value = getattr(caps, field.name)
-        if field.name == "default_own_collective_bytes":
+        if field.name == "device_type":
+            _check(value in ("cpu", "cuda", "npu"), f"capabilities.device_type = {value!r}")
+        elif field.name == "default_own_collective_bytes":
             _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
                                      and value >= 0),
                    f"default_own_collective_bytes = {value!r}: want None or an int >= 0")
@@ -140,24 +146,6 @@ def check_from_numpy_to_numpy(ctx):
 
 
 @local_check
-def check_optimizer_state(ctx):
-    p = ctx.p
-    params = [ctx.side.new_param(_arange(3, 2), "a"), ctx.side.new_param(_arange(4), "b")]
-    opt = ctx.side.optimizer("adamw", params)
-    undo = p.create_optimizer_state(opt)
-    state = p.optimizer_state(opt)
-    for param in params:
-        moments = [t for name, owner, t in state if name == "exp_avg" and owner is param]
-        _check(len(moments) == 1, f"optimizer_state lists {len(moments)} exp_avg of a parameter")
-        _same(p.to_numpy(moments[0]), np.zeros(p.shape(param), np.float32),
-              "a created exp_avg (zeros, shaped like its parameter)")
-    if undo is not None:  # the optimizer had no state: undoing leaves it with none again
-        undo()
-        _check(not [s for s in p.optimizer_state(opt) if s[1] is not None],
-               "create_optimizer_state's undo left per-parameter state behind")
-
-
-@local_check
 def check_refresh_converted_param(ctx):
     p = ctx.p
     param = ctx.side.new_param(_arange(3, 2), "w")
@@ -167,47 +155,6 @@ def check_refresh_converted_param(ctx):
     _check(getattr(param, "hp_conformance_tag", None) == 7,
            "refresh_converted_param dropped an attribute of the parameter")
     _check(p.param_requires_grad(param), "refresh_converted_param changed requires_grad")
-
-
-@local_check
-def check_save_tensors_load_tensors(ctx):
-    import os
-    import tempfile
-
-    p = ctx.p
-    saved = {"a.weight": p.from_numpy(_arange(3, 2)), "step": p.from_numpy(np.array(3, np.int32)),
-             "from_numpy": _arange(4)}
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, f"t.{p.checkpoint_extension}")
-        p.save_tensors(saved, path)
-        back = p.load_tensors(path)
-    _check(sorted(back) == sorted(saved), f"load_tensors keys {sorted(back)}")
-    for key, expected in (("a.weight", _arange(3, 2)), ("step", np.array(3, np.int32)),
-                          ("from_numpy", _arange(4))):
-        _same(p.to_numpy(back[key]), expected, f"save_tensors/load_tensors of {key}")
-
-
-def check_adam_state(ctx):
-    p = ctx.p
-    params = [ctx.side.new_param(_arange(3, 2), "a"), ctx.side.new_param(_arange(4), "b")]
-    opt = ctx.side.optimizer("adamw", params)
-    _check([id(x) for x in p.adam_params(opt)] == [id(x) for x in params], "adam_params order")
-    fresh = p.adam_state(opt, params[0])
-    _check(fresh is None or fresh[0] == 0, f"state before any step: {fresh}")
-    for param in params:
-        moments = {"exp_avg": p.from_numpy(_arange(*p.shape(param), start=1.0)),
-                   "exp_avg_sq": p.from_numpy(_arange(*p.shape(param), start=2.0))}
-        p.set_adam_state(opt, param, 3, moments)
-    for param in params:
-        step, moments = p.adam_state(opt, param)
-        _check(step == 3, f"step read back as {step}")
-        _same(_values(ctx, moments["exp_avg_sq"]), _arange(*p.shape(param), start=2.0),
-              "exp_avg_sq read back")
-    try:
-        p.adam_params(ctx.side.optimizer("sgd", params))
-    except TypeError:
-        return
-    raise AssertionError("adam_params accepted SGD")
 
 
 @local_check
@@ -480,3 +427,49 @@ def check_add(ctx):
     _same(_values(ctx, ta), a, "add(zeros, t) aliases its second input")
     halves = p.add(p.narrow(ta, 1, 0, 1), p.narrow(tb, 1, 2, 1))
     _same(_values(ctx, halves), a[:, 0:1] + b[:, 2:3], "add of narrowed inputs")
+
+
+@local_check
+def check_base_defaults(ctx):
+    """The defaults of ``Platform`` (base.py) are correct on every framework whose tensors
+    have the method they use, also where this platform overrides them: called as
+    ``Platform.<name>(platform, ...)``, each gives what numpy gives."""
+    p = ctx.p
+    base = _arange(2, 3, 4, start=-5.0)
+    t = p.from_numpy(base)
+    for name, size in DTYPE_SIZES.items():
+        _check(Platform.element_size(p, p.dtype(name)) == size,
+               f"Platform.element_size({name}) = {Platform.element_size(p, p.dtype(name))}")
+    _check(Platform.shape(p, t) == (2, 3, 4), f"Platform.shape: {Platform.shape(p, t)}")
+    _check(Platform.dtype_of(p, t) == p.dtype("float32"), "Platform.dtype_of")
+    empty = Platform.empty(p, (2, 3), p.dtype("bfloat16"))
+    _check(p.shape(empty) == (2, 3) and p.dtype_of(empty) == p.dtype("bfloat16"),
+           f"Platform.empty: {p.shape(empty)} {p.dtype_of(empty)}")
+    half = Platform.cast(p, t, p.dtype("float16"))
+    _check(p.dtype_of(half) == p.dtype("float16"), f"Platform.cast gave {p.dtype_of(half)}")
+    _same(_values(ctx, p.cast(half, p.dtype("float32"))), base, "Platform.cast values")
+    _check(Platform.cast(p, t, p.dtype("float32")) is t, "Platform.cast to its own dtype")
+    reads = {"reshape": (Platform.reshape(p, t, (6, 4)), base.reshape(6, 4)),
+             "movedim": (Platform.movedim(p, t, 0, 2), np.moveaxis(base, 0, 2)),
+             "narrow": (Platform.narrow(p, t, 1, 1, 2), base[:, 1:3]),
+             "contiguous": (Platform.contiguous(p, p.movedim(t, 2, 0)), np.moveaxis(base, 2, 0)),
+             "alias": (Platform.alias(p, t), base),
+             "add": (Platform.add(p, t, t), 2 * base),
+             "scale": (Platform.scale(p, t, 0.5, may_overwrite=True), base * 0.5)}
+    for name, (out, expected) in reads.items():
+        _same(_values(ctx, out), expected, f"Platform.{name} values")
+    copy = Platform.clone(p, t)
+    p.copy_into(copy, p.from_numpy(np.zeros_like(base)))
+    _same(_values(ctx, t), base, "Platform.clone must own its memory: writing it changed t")
+    for dtype in ("float32", "bfloat16"):
+        values = p.cast(t, p.dtype(dtype))
+        for norm_type in (2.0, 1.0, 3.0, float("inf")):
+            out = Platform.vector_norm(p, values, norm_type)
+            _check(p.dtype_of(out) == p.dtype("float32") and p.shape(out) == (),
+                   f"Platform.vector_norm gave {p.dtype_of(out)} {p.shape(out)}")
+            _same(_values(ctx, out), np.float32(np.linalg.norm(base.reshape(-1), norm_type)),
+                  f"Platform.vector_norm({dtype}, {norm_type})", tol=1e-6)
+    _check(Platform.join_from_launcher_env(p) is False, "Platform.join_from_launcher_env")
+    _check(Platform.mesh_from_native(p, object()) is None, "Platform.mesh_from_native")
+    _check(Platform.is_deferred(p, t) is False and Platform.starts_with(p, t, t) is False,
+           "Platform.is_deferred / Platform.starts_with of a plain tensor")

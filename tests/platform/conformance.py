@@ -1,6 +1,7 @@
-"""Platform conformance harness: the contract of ``hyper_parallel.platform.base.Platform``,
-checked once for every platform. The checks live in one module per group of the contract
-(``CHECK_MODULES``, tests/platform/checks_*.py); this module holds what they share.
+"""Platform conformance harness: the contract of ``hyper_parallel.platform`` (``Platform``
+and its optional parts ``StorageRelease`` and ``StateIO``), checked once for every platform.
+The checks live in one module per group of the contract (``CHECK_MODULES``,
+tests/platform/checks_*.py); this module holds what they share.
 
 Design note
 -----------
@@ -26,8 +27,9 @@ Two kinds of checks:
 
 [Note: what "right" means for CommStats]
 ``op`` is what was asked, ``nbytes`` the buffer that crossed the wire (all-gather: output,
-reduce-scatter: input, all-reduce/broadcast: the tensor) and ``wire`` what the framework ran:
-the op itself unless the platform composes it; ``COMPOSED_WIRE`` lists the known compositions.
+reduce-scatter: input, all-reduce: the tensor) and ``wire`` what the framework ran (the
+handle's ``wire``): the op itself unless the platform composes it. ``COMPOSED_WIRE`` names,
+per platform and device, the wire op of every composition the platform makes.
 """
 
 from __future__ import annotations
@@ -40,16 +42,26 @@ import traceback
 import numpy as np
 
 import hyper_parallel as hp
+from hyper_parallel.platform import Gathered
 from tests.kit import get_kit
 
-#: (platform name, device type) -> {op: wire op, or {group size: wire op, None: otherwise}}
-#: for collectives a platform composes over the whole world (the group the checks use).
-COMPOSED_WIRE = {
-    # a reduce-scatter over two ranks is an exchange of the chunks each peer owns (one
-    # all-gather, the world group's flat one); over more, an all-reduce. (A list all-gather,
-    # wire "all_gather_list", stands in on other groups: tests/test_hsdp.py checks it.)
-    ("mindspore", "cpu"): {"reduce_scatter": {2: "all_gather", None: "all_reduce"}},
-}
+def _mindspore_cpu_wire(op: str, dtype: str, group_size: int, world_group: bool) -> str:
+    """MindSpore CPU (platform/mindspore/platform.py): mccl's flat all-gather serves only
+    the world group and float32/float16/int32, a list all-gather stands in elsewhere; a
+    reduce-scatter over two ranks is one all-gather of the chunk each peer owns, over more
+    an all-reduce."""
+    gather = "all_gather" if world_group and dtype in ("float32", "float16", "int32") \
+        else "all_gather_list"
+    if op == "all_gather":
+        return gather
+    if op == "reduce_scatter":
+        return gather if group_size == 2 else "all_reduce"
+    return op
+
+
+#: (platform name, device type) -> wire(op, dtype name, group size, world group?) for the
+#: platforms that compose collectives; every other one runs each op as itself.
+COMPOSED_WIRE = {("mindspore", "cpu"): _mindspore_cpu_wire}
 
 #: name -> bytes per element; every platform must know these names.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8}
@@ -265,16 +277,17 @@ class Ctx:
     def make_meshes(self, need_2d: bool) -> None:
         """Create the meshes up front, before any check, so every rank creates them at the
         same point whatever fails later."""
-        device = self.p.device_type()
+        device = self.p.capabilities.device_type
         self.mesh1 = hp.init_device_mesh(device, (self.world,), mesh_dim_names=("shard",))
         if need_2d:
             self.mesh2 = hp.init_device_mesh(device, (2, self.world // 2),
                                              mesh_dim_names=("replicate", "shard"))
 
-    def wire(self, op: str) -> str:
-        """The wire op of ``op`` over the whole world (the checks' group for CommStats)."""
-        wire = COMPOSED_WIRE.get((self.p.name, self.p.device_type()), {}).get(op, op)
-        return wire.get(self.world, wire[None]) if isinstance(wire, dict) else wire
+    def wire(self, op: str, dtype: str = "float32", group=None) -> str:
+        """The wire op of ``op`` on ``dtype`` over ``group`` (None: the whole world)."""
+        size = self.world if group is None else self.p.group_size(group)
+        composed = COMPOSED_WIRE.get((self.p.name, self.p.capabilities.device_type))
+        return op if composed is None else composed(op, dtype, size, size == self.world)
 
 
 LOCAL_CHECKS: dict = {}
@@ -352,6 +365,18 @@ def _storage_bytes(tensor) -> int:
     return _kit().storage_bytes(tensor)
 
 
+def _check_gathered(ctx, gathered, expected: list, what: str) -> None:
+    """``pieces[k]`` is rank k's input; ``flat`` is None or the rank-major buffer."""
+    _check(isinstance(gathered, Gathered), f"{what}: wait() returned "
+           f"{type(gathered).__name__}, want a Gathered")
+    _check(len(gathered.pieces) == len(expected),
+           f"{what}: {len(gathered.pieces)} pieces for {len(expected)} ranks")
+    for k, piece in enumerate(gathered.pieces):
+        _same(_values(ctx, piece), expected[k], f"{what}: piece of rank {k}")
+    if gathered.flat is not None:
+        _same(_values(ctx, gathered.flat), np.concatenate(expected), f"{what}: flat (rank-major)")
+
+
 def _values(ctx, tensor):
     return ctx.p.to_numpy(tensor)
 
@@ -367,6 +392,6 @@ def _arange(*shape, start: float = 0.0) -> np.ndarray:
 # ====================================================================== the checks
 # One module per group of the contract; importing them registers their checks, in this order.
 CHECK_MODULES = ("checks_tensors", "checks_memory", "checks_parameters", "checks_autograd",
-                 "checks_process_groups", "checks_collectives")
+                 "checks_state_io", "checks_process_groups", "checks_collectives")
 for _module in CHECK_MODULES:
     importlib.import_module(f"tests.platform.{_module}")

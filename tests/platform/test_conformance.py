@@ -17,7 +17,8 @@ Checks of one launch share a process: on MindSpore a kernel error can make later
 operations of that process fail too, so read the first failing check of a launch first.
 
 A new platform: add its name to BACKENDS, a ``_<Name>Side`` in conformance.py (model, grads)
-and, if it composes collectives, its entry in ``conformance.COMPOSED_WIRE``.
+and, if it composes collectives, its wire function in ``conformance.COMPOSED_WIRE``
+(docs/adding-a-platform.md).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+from pathlib import Path
 
 import pytest
 
 from hyper_parallel.platform.base import Platform
+from hyper_parallel.platform.state_io import StateIO
 from hyper_parallel.platform.storage_release import StorageRelease
 from tests.multirank import run_ranks
 from tests.platform import conformance as C
@@ -109,20 +112,46 @@ def test_collective(backend, world_size, check):
     _assert_check(backend, world_size, check)
 
 
+CONTRACT = (Platform, StorageRelease, StateIO)
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "adding-a-platform.md"
+
+
+def _contract_methods() -> dict:
+    """``{method: how a check calls it}`` for every public method (defaults included) and
+    every abstract one of the contract's classes; a platform's own collective
+    (``_all_gather``) is called through its entry point (``all_gather``)."""
+    names = {name for cls in CONTRACT for name, _ in inspect.getmembers(cls, inspect.isfunction)
+             if not name.startswith("_")}
+    names |= {name for cls in CONTRACT for name in cls.__abstractmethods__}
+    return {name: f".{name.removeprefix('_')}" + ("" if name == "capabilities" else "(")
+            for name in names}
+
+
 @pytest.mark.timeout(30)
 def test_every_platform_method_is_checked():
-    """A new Platform method needs a conformance check: each public method must be called
-    somewhere in the harness or the checks (init/destroy_process_group: by the harness of
-    every launch)."""
+    """A new method of the contract needs a conformance check: each must be called somewhere
+    in the harness or the checks (init/destroy_process_group: by the harness of every
+    launch)."""
     source = inspect.getsource(C) + "".join(
         inspect.getsource(importlib.import_module(f"tests.platform.{name}"))
         for name in C.CHECK_MODULES)
     by_harness = {"init_process_group", "destroy_process_group"}
-    methods = {name for cls in (Platform, StorageRelease)
-               for name, _ in inspect.getmembers(cls, inspect.isfunction)
-               if not name.startswith("_")}
-    missing = sorted(m for m in methods - by_harness if f".{m}(" not in source)
-    assert not missing, f"Platform methods without a conformance check: {missing}"
+    missing = sorted(name for name, call in _contract_methods().items()
+                     if name not in by_harness and call not in source)
+    assert not missing, f"contract methods without a conformance check: {missing}"
+
+
+@pytest.mark.timeout(30)
+def test_the_guide_names_the_required_contract():
+    """docs/adding-a-platform.md lists what a platform must implement: every abstract
+    method of Platform, StorageRelease and StateIO, and the number of Platform's."""
+    guide = GUIDE.read_text()
+    abstract = sorted(name for cls in CONTRACT for name in cls.__abstractmethods__)
+    missing = [name for name in abstract if f"`{name}`" not in guide]
+    assert not missing, f"{GUIDE.name} does not name the abstract methods {missing}"
+    count = len(Platform.__abstractmethods__)
+    assert f"{count} abstract methods" in guide, \
+        f"{GUIDE.name} does not say Platform has {count} abstract methods"
 
 
 @pytest.mark.timeout(30)

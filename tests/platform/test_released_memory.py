@@ -1,6 +1,8 @@
 """torch CPU's pool of released memory (hyper_parallel/platform/torch/released_memory.py):
-blocks are reused by size, never beyond the limit, and reach every view of a storage.
-What it buys is measured by the benchmark (minor_faults_per_step), not here."""
+blocks are reused by size, never beyond the limit, and reach every view of a storage; the
+platform's StorageRelease methods (``keep_released_memory``, ``release_storage``,
+``restored_flat``, ``empty``) hand them on. What it buys is measured by the benchmark
+(minor_faults_per_step), not here."""
 
 import pytest
 
@@ -60,3 +62,41 @@ def test_a_storage_that_still_has_memory_is_not_filled():
     live = _full([1.0] * 4)
     assert not pool.fill(live.untyped_storage(), 16)
     assert pool.held_bytes == 16 and live.tolist() == [1.0] * 4
+
+
+def _cpu_platform():
+    from hyper_parallel.platform.torch.platform import TorchPlatform
+
+    if torch.cuda.is_available() or not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        pytest.skip("the pool serves CPU torch with UntypedStorage._swap_data_ptr_ only")
+    return TorchPlatform()
+
+
+def test_restored_flat_refills_from_the_memory_release_storage_kept():
+    platform = _cpu_platform()
+    platform.keep_released_memory(1 << 20)
+    buffer = torch.zeros(12)
+    full = buffer[2:8].view(2, 3)  # a full parameter: a read of its unit's gathered buffer
+    address = buffer.untyped_storage().data_ptr()
+    platform.release_storage(full)
+    assert buffer.untyped_storage().nbytes() == 0
+    flat = platform.restored_flat(full, 12, 2)  # the same 48 bytes: the kept block
+    assert full.untyped_storage().data_ptr() == address == flat.untyped_storage().data_ptr()
+    flat.copy_(torch.arange(12, dtype=torch.float32))
+    assert full.tolist() == [[2.0, 3.0, 4.0], [5.0, 6.0, 7.0]]
+
+
+def test_empty_takes_a_kept_block_of_its_size_only():
+    platform = _cpu_platform()
+    platform.keep_released_memory(1 << 20)
+    full = torch.ones(8)
+    address = full.untyped_storage().data_ptr()
+    platform.release_storage(full)
+    other = platform.empty((4,), torch.float32)  # 16 bytes: not the 32-byte block
+    taken = platform.empty((2, 4), torch.float32)
+    assert taken.shape == (2, 4) and taken.untyped_storage().data_ptr() == address
+    assert other.untyped_storage().data_ptr() != address
+    platform.restore_storage(full)  # the block is taken: new memory, not shared with it
+    full.fill_(3.0)
+    taken.fill_(-1.0)
+    assert full.tolist() == [3.0] * 8

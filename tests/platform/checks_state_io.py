@@ -1,0 +1,81 @@
+"""Conformance checks of the optional ``StateIO`` part of the contract (platform/state_io.py):
+optimizer state, Adam's moments, the framework's own tensor files.
+
+The harness (context, registry, assertion helpers) is conformance.py."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+
+from hyper_parallel.platform.state_io import StateIO
+from tests.platform.conformance import Skip, _arange, _check, _same, _values, local_check
+
+
+def _state_io(ctx) -> None:
+    """Skip unless the platform implements StateIO (a new platform may train first)."""
+    if not isinstance(ctx.p, StateIO):
+        raise Skip(f"{ctx.p.name} does not implement StateIO")
+
+
+@local_check
+def check_optimizer_state(ctx):
+    _state_io(ctx)
+    p = ctx.p
+    params = [ctx.side.new_param(_arange(3, 2), "a"), ctx.side.new_param(_arange(4), "b")]
+    opt = ctx.side.optimizer("adamw", params)
+    undo = p.create_optimizer_state(opt)
+    state = p.optimizer_state(opt)
+    for param in params:
+        moments = [t for name, owner, t in state if name == "exp_avg" and owner is param]
+        _check(len(moments) == 1, f"optimizer_state lists {len(moments)} exp_avg of a parameter")
+        _same(p.to_numpy(moments[0]), np.zeros(p.shape(param), np.float32),
+              "a created exp_avg (zeros, shaped like its parameter)")
+    if undo is not None:  # the optimizer had no state: undoing leaves it with none again
+        undo()
+        _check(not [s for s in p.optimizer_state(opt) if s[1] is not None],
+               "create_optimizer_state's undo left per-parameter state behind")
+
+
+@local_check
+def check_save_tensors_load_tensors(ctx):
+    _state_io(ctx)
+    p = ctx.p
+    saved = {"a.weight": p.from_numpy(_arange(3, 2)), "step": p.from_numpy(np.array(3, np.int32)),
+             "from_numpy": _arange(4)}
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, f"t.{p.checkpoint_extension}")
+        p.save_tensors(saved, path)
+        back = p.load_tensors(path)
+    _check(sorted(back) == sorted(saved), f"load_tensors keys {sorted(back)}")
+    for key, expected in (("a.weight", _arange(3, 2)), ("step", np.array(3, np.int32)),
+                          ("from_numpy", _arange(4))):
+        _same(p.to_numpy(back[key]), expected, f"save_tensors/load_tensors of {key}")
+
+
+@local_check
+def check_adam_state(ctx):
+    _state_io(ctx)
+    p = ctx.p
+    params = [ctx.side.new_param(_arange(3, 2), "a"), ctx.side.new_param(_arange(4), "b")]
+    opt = ctx.side.optimizer("adamw", params)
+    _check([id(x) for x in p.adam_params(opt)] == [id(x) for x in params], "adam_params order")
+    fresh = p.adam_state(opt, params[0])
+    _check(fresh is None or fresh[0] == 0, f"state before any step: {fresh}")
+    for param in params:
+        moments = {"exp_avg": p.from_numpy(_arange(*p.shape(param), start=1.0)),
+                   "exp_avg_sq": p.from_numpy(_arange(*p.shape(param), start=2.0))}
+        p.set_adam_state(opt, param, 3, moments)
+    for param in params:
+        step, moments = p.adam_state(opt, param)
+        _check(step == 3, f"step read back as {step}")
+        for name, start in (("exp_avg", 1.0), ("exp_avg_sq", 2.0)):
+            _same(_values(ctx, moments[name]), _arange(*p.shape(param), start=start),
+                  f"{name} read back")
+    try:
+        p.adam_params(ctx.side.optimizer("sgd", params))
+    except TypeError:
+        return
+    raise AssertionError("adam_params accepted SGD")
