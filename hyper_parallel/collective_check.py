@@ -5,11 +5,11 @@ Design note
 -----------
 Ranks that disagree about what to run (one skips a unit through data-dependent control
 flow, one runs a step more) hang in mismatched collectives or, worse, reduce tensors that do
-not belong together. Under this opt-in check ``Platform._record``, the one place every
+not belong together. Under this opt-in check ``Platform._issuing``, the one place every
 collective passes just before it is issued, hands each one to ``CollectiveCheck.intercept``,
 which
 
-* describes it (``Issued``): op, wire op, mesh dim, the unit (its module path) and whether
+* describes it (``Issued``): op, mesh dim, the unit (its module path) and whether
   a forward or a backward issues it, the shape and dtype this rank sends, and the units
   whose forward ran this iteration (their number, the last one, a digest of the order);
 * all-gathers the description, encoded in a fixed-size int32 buffer, over the collective's
@@ -25,7 +25,7 @@ naming it, and so does an exchange the framework itself fails (torch gloo's time
 ``destroy_distributed`` cross-checks its final barrier the same way, so a rank
 that ran a step more meets its peers' "final barrier" and raises instead of hanging.
 
-Off (the default) the whole cost is ``_record``'s ``collective_check is not None`` test.
+Off (the default) the whole cost is ``_issuing``'s ``collective_check is not None`` test.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ So every process that ``init_distributed`` joins runs one watchdog thread, as NC
 watchdog does for CUDA:
 
 * The platform tells it each collective it issues (``issued``, called by
-  ``Platform._record``, the one place every collective passes): one attribute store.
+  ``Platform._issuing``, called by every collective entry point, barriers included): one
+  attribute store.
 * The thread samples the issuing thread's stack every ``poll_s``. Blocked means "inside
   the platform's code", not only inside a collective call: MindSpore's pipeline makes a
   rank wait for a collective's result at the next kernel that needs it (a cast, the

@@ -14,7 +14,7 @@
   costs less than the list form plus a concatenation (docs/platforms.md); it refuses any
   other group ("only support mccl_world_group on CPU") and dtypes other than float32,
   float16 and int32 (bfloat16 among them), where a list ``all_gather`` and a
-  concatenation stand in. Both allocate their output: ``all_gather_into`` then copies it
+  concatenation stand in. Both allocate their output: ``all_gather(out=...)`` then copies it
   into the caller's buffer. On Ascend the native kernel is used.
 - In-place arithmetic and views do not write through: the only writes used are a
   whole-tensor ``copy_`` and the collectives' own output buffers.
