@@ -22,6 +22,7 @@ from hyper_parallel.fully_shard.param import SHARDED_BY as _SHARDED_BY, FSDPPara
 from hyper_parallel.fully_shard.mesh import (
     DataParallelMeshDims, MeshInfo, as_device_mesh, data_parallel_dims, data_parallel_mesh,
 )
+from hyper_parallel.fully_shard.layout import LayoutStrategy
 from hyper_parallel.fully_shard.param_group import FSDPParamGroup
 from hyper_parallel.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.fully_shard.fsdp_module import (
@@ -194,7 +195,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     group = None
     if fsdp_params:
         group = FSDPParamGroup(platform, fsdp_params, info, param_dtype, reduce_dtype,
-                               own_collective_bytes)
+                               LayoutStrategy(own_collective_bytes))
     state = FSDPState(platform, unit_name, modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         object.__setattr__(m, STATE_ATTR, state)
