@@ -20,8 +20,12 @@ the target in the failed rank's traceback.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,6 +60,15 @@ def register(owner: str, key: str, world_size: int, target: str,
         raise ValueError(f"shared_launch: job {key!r} is registered by {known.owner} already")
     _JOBS.setdefault(key, Job(owner, key, world_size, target, args, tuple(backends),
                               dict(env or {}), timeout_s))
+
+
+@functools.lru_cache(maxsize=None)
+def directory(name: str) -> str:
+    """A directory for the files a job writes: the same for ``name`` all session, as a
+    launch may run before the test that reads it; removed when the test process exits."""
+    path = tempfile.mkdtemp(prefix=f"hp-{name}-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def select(modules: set) -> None:
