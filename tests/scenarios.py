@@ -312,11 +312,12 @@ def run_prefetch_trace() -> dict:
             events.append(record.getMessage())
 
     logger = logging.getLogger("hyper_parallel.fully_shard")
-    handler = Collect()
+    handler, level = Collect(), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     for step, (x, y) in enumerate(make_batches(3, GLOBAL_BATCH, D_IN, D_OUT)):
         events.clear()
         kit.train_step(model, opt, x, y)
     logger.removeHandler(handler)
+    logger.setLevel(level)  # later jobs of a shared launch log as before
     return {"events": list(events), "can_release": hp.get_platform().capabilities.can_release_storage}

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from hyper_parallel.platform import resolve_backend_name
-from tests.multirank import run_ranks
+from tests import shared_launch
 
 BACKENDS = ["torch", "mindspore"]
 
 
-@functools.lru_cache(maxsize=None)
+shared_launch.register(__name__, "bad_input", 2, "tests.bad_input:run_checks", timeout_s=200)
+
+
 def _checks(backend):
-    return run_ranks("tests.bad_input:run_checks", 2, backend, timeout_s=200)[0]
+    return shared_launch.results("bad_input", backend)[0]
 
 
 @pytest.mark.parametrize("value", ["jax", "", "tensorflow "])

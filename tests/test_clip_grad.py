@@ -2,19 +2,18 @@
 returns the single-process norm of the full gradients (2-norm and inf-norm) and clips like
 the framework's own whole-model clipping, so the model trains like the single-process
 reference; on torch ``torch.nn.utils.clip_grad_norm_`` on hyper_parallel's DTensor gradients
-and under FSDP2 gives the same. One 2-rank launch per backend; the HSDP 2 x 2 layout runs in
-the 4-rank launch of tests/test_hsdp.py.
+and under FSDP2 gives the same. The 2-rank layouts run in the suite's shared 2-rank launch
+(tests/shared_launch.py), the HSDP 2 x 2 layout in the 4-rank one, as a config of
+tests/test_hsdp.py.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
+from tests import shared_launch
 from tests.clip_grad_scenarios import CLIP_BY, MAX_NORM
-from tests.multirank import run_ranks
 
 BACKENDS = ["torch", "mindspore"]
 ATOL = 2e-5
@@ -22,9 +21,12 @@ NORM_RTOL = 1e-5
 LAYOUTS_2 = ["fsdp", "outside"]
 
 
-@functools.lru_cache(maxsize=None)
+shared_launch.register(__name__, "clip_grad", 2, "tests.clip_grad_scenarios:run_all",
+                       lambda backend: (LAYOUTS_2,), timeout_s=400)
+
+
 def _results(backend: str) -> list:
-    return run_ranks("tests.clip_grad_scenarios:run_all", 2, backend, LAYOUTS_2, timeout_s=400)
+    return shared_launch.results("clip_grad", backend)
 
 
 def _assert_trains_like_reference(run: dict, ref: dict) -> None:

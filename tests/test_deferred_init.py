@@ -3,7 +3,7 @@
 values through a supported path and trained; parameters replaced after fully_shard; peak
 host memory while building and sharding a 1 GiB model.
 
-One 2-rank launch per backend. Parity: the mean of the ranks' losses (the first loss
+Its jobs run in the suite's shared 2-rank launch (tests/shared_launch.py). Parity: the mean of the ranks' losses (the first loss
 included) equals the single-process reference's, and the gathered parameters equal its
 parameters; on torch each rank's losses and parameters also equal torch FSDP2's through the
 same meta flow.
@@ -11,13 +11,11 @@ same meta flow.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
+from tests import shared_launch
 from tests.deferred_init_scenarios import TORCH_FLOWS
-from tests.multirank import run_ranks
 
 BACKENDS = ["torch", "mindspore"]
 ATOL = 2e-5
@@ -26,9 +24,12 @@ ATOL = 2e-5
 MEMORY_SLACK = 64 << 20
 
 
-@functools.lru_cache(maxsize=None)
+shared_launch.register(__name__, "deferred_init", 2, "tests.deferred_init_scenarios:run_all",
+                       timeout_s=300)
+
+
 def _results(backend: str) -> list:
-    return run_ranks("tests.deferred_init_scenarios:run_all", 2, backend, timeout_s=300)
+    return shared_launch.results("deferred_init", backend)
 
 
 def _check_parity(per_rank: list) -> None:

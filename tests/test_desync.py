@@ -1,17 +1,22 @@
-"""Desync detection (HP_DEBUG=collectives): ranks that disagree about what to run raise a
-clear error instead of hanging or reducing mismatched tensors, and a run whose ranks agree
-trains exactly as without the check.
+"""Desync detection (HP_DEBUG=collectives, or init_distributed(debug_collectives=True)):
+ranks that disagree about what to run raise a clear error instead of hanging or reducing
+mismatched tensors, and a run whose ranks agree trains exactly as without the check.
 
-Two ranks per launch (tests/desync_scenarios.py); a short collective timeout bounds the case
-where a rank's peers issue nothing more.
+One 2-rank launch per backend runs every case (tests/desync_scenarios.py says in which
+order and why the idle case comes last); each test checks its case on every rank. A short
+collective timeout bounds the case where a rank's peers issue nothing more.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import pickle
 import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,41 +29,76 @@ DEBUG_ENV = {"HP_DEBUG": "collectives", "HP_TIMEOUT_S": str(TIMEOUT_S)}
 ATOL = 1e-5
 
 
-def _failure(backend: str, target: str, *args) -> str:
-    with pytest.raises(RankFailure) as failed:
-        run_ranks(f"tests.desync_scenarios:{target}", 2, backend, *args, timeout_s=90,
-                  env=DEBUG_ENV)
-    return str(failed.value)
+@functools.lru_cache(maxsize=None)
+def _launch(backend: str) -> tuple:
+    """(the launch's failure text, which the idle case ends it with; per-rank results of the
+    other cases)."""
+    with tempfile.TemporaryDirectory(prefix="hp-desync-") as results_dir:
+        with pytest.raises(RankFailure) as failed:
+            run_ranks("tests.desync_scenarios:run_all", 2, backend, results_dir, timeout_s=200,
+                      env=DEBUG_ENV)
+        per_rank = []
+        for rank in range(2):
+            path = Path(results_dir) / f"rank{rank}.pkl"
+            assert path.exists(), f"rank {rank} failed before the idle case:\n{failed.value}"
+            per_rank.append(pickle.loads(path.read_bytes()))
+    return str(failed.value), per_rank
+
+
+def _raised_on_every_rank(backend: str, case: str, key: str | None = None) -> list[str]:
+    """Each rank's CollectiveDesyncError message of ``case``."""
+    messages = []
+    for rank, results in enumerate(_launch(backend)[1]):
+        raised = results[case] if key is None else results[case][key]
+        assert raised is not None, f"rank {rank} did not raise in case {case!r}"
+        assert raised["type"] == "CollectiveDesyncError", (rank, raised)
+        messages.append(raised["message"])
+    return messages
+
+
+def _assert_names_both_ranks_of_the_skip(text: str) -> None:
+    assert ("unit 'blocks.1''s forward ran on rank 0 but rank 1 issued all_gather of unit "
+            "'blocks.2' in forward") in text, text
+    for rank, last in ((0, "blocks.1"), (1, "blocks.2")):
+        assert re.search(rf"rank {rank}, its collective #\d+: all_gather of unit 'blocks.2' in "
+                         rf"forward \(.*\), after 3 unit forward\(s\) this iteration, the last "
+                         rf"'{last}'", text), text
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_skipping_a_unit_raises_naming_both_ranks(backend):
     """Rank 1 skips block 1 in step 1 (the forward prefetch is on by then): both ranks raise
     at the next all-gather, with both versions in the message."""
-    text = _failure(backend, "run_skipping", 1, 1)
-    assert "CollectiveDesyncError" in text, text[-3000:]
-    assert ("unit 'blocks.1''s forward ran on rank 0 but rank 1 issued all_gather of unit "
-            "'blocks.2' in forward") in text, text[-3000:]
-    for rank, last in ((0, "blocks.1"), (1, "blocks.2")):
-        assert re.search(rf"rank {rank}, its collective #\d+: all_gather of unit 'blocks.2' in "
-                         rf"forward \(.*\), after 3 unit forward\(s\) this iteration, the last "
-                         rf"'{last}'", text), text[-3000:]
+    for text in _raised_on_every_rank(backend, "skipping"):
+        _assert_names_both_ranks_of_the_skip(text)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_debug_collectives_argument_detects_a_skip_without_hp_debug(backend):
+    """Without HP_DEBUG the check is off; init_distributed(debug_collectives=True) installs
+    it, and the same skip raises the same error on both ranks."""
+    for rank, results in enumerate(_launch(backend)[1]):
+        assert results["argument"]["off_without"], f"rank {rank}: check on without HP_DEBUG"
+        assert results["argument"]["on_with"], f"rank {rank}: debug_collectives=True ignored"
+    for text in _raised_on_every_rank(backend, "argument", "skipping"):
+        _assert_names_both_ranks_of_the_skip(text)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_running_one_step_more_meets_the_final_barrier(backend):
     """Rank 1 starts a step its peer never runs; the peer's destroy_distributed cross-checks
     its final barrier, so both raise instead of hanging."""
-    text = _failure(backend, "run_extra_step", 1, "leave")
-    assert ("unit 'root''s forward ran on rank 1 but rank 0 issued destroy_distributed's "
-            "final barrier") in text, text[-3000:]
+    for text in _raised_on_every_rank(backend, "extra_step"):
+        assert ("unit 'root''s forward ran on rank 1 but rank 0 issued destroy_distributed's "
+                "final barrier") in text, text
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_whose_peers_stay_idle_names_the_cross_checked_collective(backend):
     """Rank 1 starts a step while rank 0 stays idle: rank 1's watchdog (or gloo's own
     timeout, which the check turns into the same description) names what it cross-checked."""
-    text = _failure(backend, "run_extra_step", 1, "idle")
+    text = _launch(backend)[0]
+    assert "rank 1 failed" in text, text[-3000:]
     assert re.search(r"rank 1 of 2: the cross-check \(HP_DEBUG=collectives\) of all_gather of "
                      r"unit 'root' in forward over the 'shard' mesh dimension's group (did not "
                      rf"finish within {TIMEOUT_S} s|failed)", text), text[-3000:]
@@ -68,8 +108,7 @@ def test_a_rank_whose_peers_stay_idle_names_the_cross_checked_collective(backend
 def test_training_under_the_check_matches_the_reference(backend):
     """Every collective is cross-checked, its exchange is not counted as traffic, and the
     training matches the single-process reference."""
-    per_rank = run_ranks("tests.desync_scenarios:run_parity", 2, backend, timeout_s=200,
-                         env=DEBUG_ENV)
+    per_rank = [results["parity"] for results in _launch(backend)[1]]
     mean_losses = np.mean([r["losses"] for r in per_rank], axis=0)
     np.testing.assert_allclose(mean_losses, per_rank[0]["ref_losses"], atol=ATOL, rtol=0)
     for r in per_rank:

@@ -1,19 +1,17 @@
 """A sharded model's dtype changed with ``.to(dtype)``, and gradients delivered during backward.
 
-One launch per (backend, world size) runs its scenarios (tests/dtype_scenarios.py); each
-test reads its scenario's result. Parity: the mean of the ranks' losses equals the
+The suite's shared launch of each (backend, world size) (tests/shared_launch.py) runs its
+scenarios (tests/dtype_scenarios.py); each test reads its scenario's result. Parity: the mean of the ranks' losses equals the
 single-process reference's, gathered parameters equal the reference's; on torch the same
 holds against torch's own ``fully_shard``.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
-from tests.multirank import run_ranks
+from tests import shared_launch
 
 BACKENDS = ["torch", "mindspore"]
 TWO_RANKS = ("cast", "cast_reduce_float32", "optimizer_in_backward")
@@ -23,12 +21,16 @@ ATOL = 1e-5
 REDUCED_IN_FLOAT32_ATOL = 1e-5
 
 
-@functools.lru_cache(maxsize=None)
+NAMES = {2: TWO_RANKS, 4: FOUR_RANKS}
+shared_launch.register(__name__, "dtype_2", 2, "tests.dtype_scenarios:run_all",
+                       lambda backend: (list(TWO_RANKS),), timeout_s=500)
+shared_launch.register(__name__, "dtype_4", 4, "tests.dtype_scenarios:run_all",
+                       lambda backend: (list(FOUR_RANKS),), timeout_s=500)
+
+
 def _results(backend: str, world_size: int) -> dict:
-    names = TWO_RANKS if world_size == 2 else FOUR_RANKS
-    per_rank = run_ranks("tests.dtype_scenarios:run_all", world_size, backend, list(names),
-                         timeout_s=500)
-    return {name: [r[name] for r in per_rank] for name in names}
+    per_rank = shared_launch.results(f"dtype_{world_size}", backend)
+    return {name: [r[name] for r in per_rank] for name in NAMES[world_size]}
 
 
 def _dtypes(names: list) -> set:

@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from tests.export_scenarios import SMALL_SHARD_BYTES, example_batch, hf_batch
+from tests import shared_launch
 from tests.multirank import run_ranks
 
 RTOL = 1e-5
@@ -37,18 +38,24 @@ def _read(directory: str) -> tuple:
     return tensors, names
 
 
+# in the suite's shared 2-rank launch (tests/shared_launch.py), into a directory per backend
+shared_launch.register(__name__, "export", 2, "tests.export_scenarios:export_run",
+                       lambda backend: (shared_launch.directory(f"export-{backend}"),),
+                       timeout_s=240)
+
+
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
-def test_export_matches_reference(backend, tmp_path):
-    reference = run_ranks("tests.export_scenarios:export_run", 2, backend, str(tmp_path),
-                          timeout_s=240)[0]
+def test_export_matches_reference(backend):
+    reference = shared_launch.results("export", backend)[0]
+    exported = shared_launch.directory(f"export-{backend}")
     for layout, several in (("single", False), ("sharded", True)):
-        tensors, names = _read(str(tmp_path / layout))
+        tensors, names = _read(os.path.join(exported, layout))
         assert (len(names) > 1) == several, names
         assert set(tensors) == set(reference)
         for key, value in reference.items():
             np.testing.assert_allclose(tensors[key], value, rtol=RTOL, atol=1e-7, err_msg=key)
         if several:
-            assert all(os.path.getsize(tmp_path / layout / n) < SMALL_SHARD_BYTES + 4096
+            assert all(os.path.getsize(os.path.join(exported, layout, n)) < SMALL_SHARD_BYTES + 4096
                        for n in names)
 
 

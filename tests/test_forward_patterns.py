@@ -24,6 +24,9 @@ ATOL = 2e-5
 LOW_PRECISION_ATOL = 5e-2
 
 
+# Its own launch, not the suite's shared one (tests/shared_launch.py): the leak check counts
+# the full-parameter sets alive in the whole process, which earlier jobs' objects, freed
+# whenever their last reference goes, would shift.
 @functools.lru_cache(maxsize=None)
 def _results(backend: str) -> list:
     return run_ranks("tests.forward_pattern_scenarios:run_all", 2, backend, list(PATTERNS),

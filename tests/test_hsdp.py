@@ -1,19 +1,18 @@
 """The HSDP gradient pipeline: meshes, reduce ops and scaling, mixed precision, main_grad,
 gradient accumulation, small parameters, overlap vs synchronous, collective counts.
 
-Each (backend, world size) runs its configs in one launch (tests/hsdp_scenarios.py); each
-test reads its config's result. Reference: one process on the global batch, gradients
+Each (backend, world size) runs its configs in the suite's shared launch
+(tests/shared_launch.py, the scenarios in tests/hsdp_scenarios.py); each test reads its
+config's result. Reference: one process on the global batch, gradients
 scaled by what the config implies. SGD with momentum (kit.py says why).
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
-from tests.multirank import run_ranks
+from tests import shared_launch
 
 BACKENDS = ["torch", "mindspore"]
 ATOL = 1e-5
@@ -52,20 +51,26 @@ def _concrete(backend, config):
     return config
 
 
-@functools.lru_cache(maxsize=None)
-def _run(backend: str, world_size: int, names: tuple, sync: bool = False, configs_key: str = "4"):
-    table = CONFIGS_4 if configs_key == "4" else OTHER_CONFIGS
-    configs = [_concrete(backend, table[n]) for n in names]
+def _register(key: str, world_size: int, table: dict, names: tuple, sync: bool = False) -> None:
     # "0" keeps the overlapped pipeline even where the platform would reduce synchronously
     # (MindSpore on CPU), so both paths are compared on both backends.
-    env = {"HP_SYNC_COLLECTIVES": "1" if sync else "0"}
-    per_rank = run_ranks("tests.hsdp_scenarios:run_configs", world_size, backend, configs,
-                         timeout_s=500, env=env)
+    shared_launch.register(
+        __name__, key, world_size, "tests.hsdp_scenarios:run_configs",
+        lambda backend: ([_concrete(backend, table[n]) for n in names],),
+        env={"HP_SYNC_COLLECTIVES": "1" if sync else "0"}, timeout_s=500)
+
+
+def _run(backend: str, key: str, names: tuple) -> dict:
+    per_rank = shared_launch.results(key, backend)
     return {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
 
 
+_register("hsdp_4", 4, CONFIGS_4, tuple(CONFIGS_4))
+_register("hsdp_4_sync", 4, CONFIGS_4, tuple(SYNC_COMPARED), sync=True)
+
+
 def _four(backend):
-    return _run(backend, 4, tuple(CONFIGS_4))
+    return _run(backend, "hsdp_4", tuple(CONFIGS_4))
 
 
 def _assert_parity(per_rank, atol=ATOL):
@@ -167,7 +172,7 @@ def test_small_parameters_stay_whole(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_overlapped_and_synchronous_collectives_are_bitwise_identical(backend):
     overlapped = _four(backend)
-    synchronous = _run(backend, 4, tuple(SYNC_COMPARED), sync=True)
+    synchronous = _run(backend, "hsdp_4_sync", tuple(SYNC_COMPARED))
     for name in SYNC_COMPARED:
         for a, b in zip(overlapped[name], synchronous[name]):
             assert a["losses"] == b["losses"], name
@@ -180,27 +185,32 @@ OTHER_CONFIGS = {
     "mesh_2x1_scaled_sum": {"mesh": (2, 1), "scale": 0.25, "reduce_op": "sum"},
     "world_1_scaled": {"mesh": (1, 1), "scale": 3.0},
 }
+TWO_RANKS = ("mesh_2x1", "mesh_2x1_scaled_sum")
+_register("hsdp_2", 2, OTHER_CONFIGS, TWO_RANKS)
+_register("hsdp_1", 1, OTHER_CONFIGS, ("world_1_scaled",))
+shared_launch.register(__name__, "hsdp_fsdp2", 4, "tests.scenarios:run_fsdp2_compare",
+                       lambda backend: (True,), backends=("torch",), timeout_s=300)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["mesh_2x1", "mesh_2x1_scaled_sum"])
+@pytest.mark.parametrize("name", TWO_RANKS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parity_2_ranks(backend, name):
-    results = _run(backend, 2, ("mesh_2x1", "mesh_2x1_scaled_sum"), configs_key="other")
+    results = _run(backend, "hsdp_2", TWO_RANKS)
     _assert_parity(results[name])
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scaling_factor_applies_at_world_size_one(backend):
-    (result,) = _run(backend, 1, ("world_1_scaled",), configs_key="other")["world_1_scaled"]
+    (result,) = _run(backend, "hsdp_1", ("world_1_scaled",))["world_1_scaled"]
     _assert_parity([result])
     assert result["last_step_comms"] == [{}]
 
 
 @pytest.mark.timeout(600)
 def test_hsdp_parity_with_torch_fsdp2():
-    results = run_ranks("tests.scenarios:run_fsdp2_compare", 4, "torch", True, timeout_s=300)
+    results = shared_launch.results("hsdp_fsdp2", "torch")
     for r in results:
         np.testing.assert_allclose(r["losses"], r["their_losses"], atol=ATOL, rtol=0)
         assert r["param_diff"] <= ATOL

@@ -2,7 +2,8 @@
 mesh with more dims the data-parallel dims named by ``dp_mesh_dims`` (the others left
 to tensor parallelism), on both frameworks.
 
-All multi-rank scenarios of a backend run in one 4-rank launch (tests/mesh_scenarios.py);
+All multi-rank scenarios of a backend (tests/mesh_scenarios.py) run in the suite's shared
+4-rank launch (tests/shared_launch.py);
 each test reads its scenario. Parity: losses and gathered parameters against a
 single-process reference on the global batch. Groups: the ranks each unit's shard and
 replicate groups hold, gathered over the groups themselves, against the mesh geometry.
@@ -12,13 +13,11 @@ here in the test process on a mesh without groups.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
+from tests import shared_launch
 from tests.mesh_scenarios import SCENARIOS, TORCH_ONLY
-from tests.multirank import run_ranks
 
 BACKENDS = ["torch", "mindspore"]
 WORLD = 4
@@ -60,11 +59,13 @@ def _names(backend):
     return tuple(n for n in SCENARIOS if backend == "torch" or n not in TORCH_ONLY)
 
 
-@functools.lru_cache(maxsize=None)
+# MindSpore: 4 ranks on 2 cores take minutes, not seconds
+shared_launch.register(__name__, "meshes", WORLD, "tests.mesh_scenarios:run_all",
+                       lambda backend: (list(_names(backend)),), timeout_s=700)
+
+
 def _launch(backend):
-    # MindSpore: 4 ranks on 2 cores take minutes, not seconds
-    return run_ranks("tests.mesh_scenarios:run_all", WORLD, backend, list(_names(backend)),
-                     timeout_s=300 if backend == "torch" else 700)
+    return shared_launch.results("meshes", backend)
 
 
 def _results(backend, name):

@@ -2,7 +2,7 @@
 module, reset_iter_state, register_fsdp_forward_method and reshard_after_forward as an int
 or None.
 
-One launch of 2 ranks per backend runs every scenario (tests/module_api_scenarios.py);
+The suite's shared 2-rank launch (tests/shared_launch.py) runs every scenario (tests/module_api_scenarios.py);
 each test reads its part. Parity as in test_parity.py: the mean of the ranks' losses equals
 a single-process reference's loss on the global batch, gathered parameters equal the
 reference's (fp32, atol 1e-5). On torch the same calls are also made on torch's FSDP2.
@@ -10,22 +10,24 @@ reference's (fp32, atol 1e-5). On torch the same calls are also made on torch's 
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import numpy as np
 import pytest
 
 from hyper_parallel.fully_shard.fsdp_module import _resolve_reshard_after_forward
-from tests.multirank import run_ranks
+from tests import shared_launch
 
 BACKENDS = ["torch", "mindspore"]
 ATOL = 1e-5
 
 
-@functools.lru_cache(maxsize=None)
+shared_launch.register(__name__, "module_api", 2, "tests.module_api_scenarios:run_all",
+                       timeout_s=400)
+
+
 def _results(backend: str) -> list:
-    return run_ranks("tests.module_api_scenarios:run_all", 2, backend, timeout_s=400)
+    return shared_launch.results("module_api", backend)
 
 
 def _part(backend: str, name: str) -> list:

@@ -1,7 +1,7 @@
 """Parity: hyper_parallel on N ranks == a single-process reference on the global batch.
 
-One launch per (backend, world size) runs every scenario (tests/scenarios.py); each test
-reads its scenario's result. Losses: the mean of the ranks' local losses equals the
+The suite's shared launch of each (backend, world size) (tests/shared_launch.py) runs
+every scenario (tests/scenarios.py); each test reads its scenario's result. Losses: the mean of the ranks' local losses equals the
 reference loss (equal local batches, mean-reduced loss). Parameters: gathered full values
 after all steps equal the reference's. fp32, atol 1e-5, 5 optimizer steps (SGD with
 momentum; one scenario with AdamW).
@@ -9,12 +9,10 @@ momentum; one scenario with AdamW).
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
-from tests.multirank import run_ranks
+from tests import shared_launch
 
 BACKENDS = ["torch", "mindspore"]
 SCENARIOS = ("nested", "nested_adamw", "nested_keep", "list_unit", "tied", "twice", "ignored",
@@ -27,9 +25,24 @@ ATOL = 1e-5
 ADAMW_ATOL = 1e-4
 
 
-@functools.lru_cache(maxsize=None)
-def _results(backend: str, world_size: int, names: tuple) -> list:
-    return run_ranks("tests.scenarios:run_many", world_size, backend, list(names), timeout_s=400)
+def _register_jobs() -> None:
+    shared_launch.register(__name__, "parity_1", 1, "tests.scenarios:run_many",
+                           lambda backend: (["nested"],), timeout_s=200)
+    for world in (2, 4):
+        shared_launch.register(__name__, f"parity_{world}", world, "tests.scenarios:run_many",
+                               lambda backend: (list(SCENARIOS),), timeout_s=400)
+    for target in ("run_two_models", "run_memory", "run_prefetch_trace"):
+        shared_launch.register(__name__, target, 2, f"tests.scenarios:{target}", timeout_s=200)
+    shared_launch.register(__name__, "parity_fsdp2", 2, "tests.scenarios:run_fsdp2_compare",
+                           backends=("torch",), timeout_s=200)
+
+
+_register_jobs()
+
+
+def _results(backend: str, world_size: int) -> list:
+    """Per-rank results of the scenarios (only "nested" at world size 1)."""
+    return shared_launch.results(f"parity_{world_size}", backend)
 
 
 def _assert_parity(per_rank: list, atol: float = ATOL):
@@ -45,7 +58,7 @@ def _assert_parity(per_rank: list, atol: float = ATOL):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parity_with_single_process_reference(backend, world_size, scenario):
-    results = _results(backend, world_size, SCENARIOS)
+    results = _results(backend, world_size)
     per_rank = [r[scenario] for r in results]
     assert per_rank[0]["names_match"], "gathered state dict names differ from the reference's"
     _assert_parity(per_rank, ADAMW_ATOL if scenario == "nested_adamw" else ATOL)
@@ -54,7 +67,7 @@ def test_parity_with_single_process_reference(backend, world_size, scenario):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_world_size_one_issues_no_collective(backend):
-    (result,) = run_ranks("tests.scenarios:run_many", 1, backend, ["nested"], timeout_s=200)
+    (result,) = _results(backend, 1)
     _assert_parity([result["nested"]])
     assert result["nested"]["last_step_comms"] == {}
 
@@ -65,15 +78,15 @@ def test_collective_counts_per_step(backend):
     """2 blocks + root, reshard_after_forward=True: one all-gather per unit in forward, one
     per non-root unit before backward where memory can be released, one reduce-scatter per
     unit; with reshard_after_forward=False no backward all-gather at all."""
-    per_rank = [r["nested"] for r in _results(backend, 2, SCENARIOS)]
+    per_rank = [r["nested"] for r in _results(backend, 2)]
     comms = per_rank[0]["last_step_comms"]
     backward_gathers = 2 if per_rank[0]["can_release"] else 0
     assert comms == {"all_gather": 3 + backward_gathers, "reduce_scatter": 3}
-    keep = [r["nested_keep"] for r in _results(backend, 2, SCENARIOS)][0]["last_step_comms"]
+    keep = [r["nested_keep"] for r in _results(backend, 2)][0]["last_step_comms"]
     assert keep == {"all_gather": 3, "reduce_scatter": 3}
     # own_collective_bytes=0: one all-gather and one reduce-scatter per sharded parameter
     # (4 per block, 2 in the root)
-    own = [r["own_collectives"] for r in _results(backend, 2, SCENARIOS)][0]
+    own = [r["own_collectives"] for r in _results(backend, 2)][0]
     backward_gathers = 8 if own["can_release"] else 0
     assert own["last_step_comms"] == {"all_gather": 10 + backward_gathers, "reduce_scatter": 10}
     # MindSpore CPU has no reduce-scatter kernel: over two ranks it exchanges the chunks
@@ -92,7 +105,7 @@ def test_activation_checkpointing_adds_no_collective(backend):
     reentrant recomputations gather, as their first forward ran under no_grad and freed the
     parameters. One reduce-scatter per unit: nothing reduced twice or skipped."""
     units, blocks, recomputed = 4, 3, 2
-    for r in _results(backend, 2, SCENARIOS):
+    for r in _results(backend, 2):
         for name in ("recompute_reentrant", "recompute_non_reentrant"):
             result = r[name]
             if result["can_release"]:
@@ -111,7 +124,7 @@ def test_regather_writes_straight_into_dim0_sharded_parameters(backend, world_si
     not) is re-gathered before backward straight into its released full tensor, with no
     copy out of a gather buffer; dim-1 shards are copied in (which shows the count can
     fail)."""
-    results = _results(backend, world_size, SCENARIOS)
+    results = _results(backend, world_size)
     if not results[0]["nested"]["can_release"]:
         pytest.skip(f"{backend} cannot release memory autograd holds: no re-gather before "
                     "backward (docs/platforms.md, 'Memory')")
@@ -129,7 +142,7 @@ def test_padded_shards_stay_in_their_all_gather_input(backend):
     piece lives at the start of that piece, so its all-gather input needs no copy; after
     five optimizer steps (SGD, AdamW) every such parameter still lives there. MindSpore
     keeps the padding in the parameter itself (pads_local_shards) and has none."""
-    results = _results(backend, 2, SCENARIOS)
+    results = _results(backend, 2)
     for scenario in ("nested", "nested_adamw", "own_collectives"):
         backed = [b for r in results for b in r[scenario]["backed_shards"]]
         if backend == "mindspore":
@@ -146,7 +159,7 @@ def test_gradients_returned_by_backward_need_no_placeholder(backend):
     reduced shards: no zero placeholder to fill later. Elsewhere (torch; MindSpore with
     the pipeline, tested bitwise against this path in test_hsdp.py) every managed parameter
     gets one per backward."""
-    for r in _results(backend, 2, SCENARIOS):
+    for r in _results(backend, 2):
         nested = r["nested"]
         expected = 0 if nested["reduces_in_backward"] else nested["managed_params"]
         assert nested["managed_params"] > 0 and nested["placeholders"] == expected, nested
@@ -155,7 +168,7 @@ def test_gradients_returned_by_backward_need_no_placeholder(backend):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_models_in_one_process_train_independently(backend):
-    results = run_ranks("tests.scenarios:run_two_models", 2, backend, timeout_s=200)
+    results = shared_launch.results("run_two_models", backend)
     for i in (0, 1):
         mean_losses = np.mean([r["losses"][i] for r in results], axis=0)
         np.testing.assert_allclose(mean_losses, results[0]["ref_losses"][i], atol=ATOL, rtol=0)
@@ -165,7 +178,7 @@ def test_two_models_in_one_process_train_independently(backend):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reshard_after_forward_releases_full_parameters(backend):
-    results = run_ranks("tests.scenarios:run_memory", 2, backend, timeout_s=200)
+    results = shared_launch.results("run_memory", backend)
     for r in results:
         for mode in ("reshard", "keep"):
             np.testing.assert_allclose(np.mean([x[mode]["loss"] for x in results]),
@@ -183,7 +196,7 @@ def test_reshard_after_forward_releases_full_parameters(backend):
 
 @pytest.mark.timeout(300)
 def test_parity_with_torch_fsdp2():
-    results = run_ranks("tests.scenarios:run_fsdp2_compare", 2, "torch", timeout_s=200)
+    results = shared_launch.results("parity_fsdp2", "torch")
     for r in results:
         np.testing.assert_allclose(r["losses"], r["their_losses"], atol=ATOL, rtol=0)
         assert r["param_diff"] <= ATOL
@@ -193,7 +206,7 @@ def test_parity_with_torch_fsdp2():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_implicit_prefetch_issues_the_next_units_all_gather_early(backend):
-    result = run_ranks("tests.scenarios:run_prefetch_trace", 2, backend, timeout_s=200)[0]
+    result = shared_launch.results("run_prefetch_trace", backend)[0]
     events = result["events"]
 
     def first(fragment):

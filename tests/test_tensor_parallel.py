@@ -1,7 +1,8 @@
 """fully_shard over tensor parallelism (torch): parameters that ``parallelize_module`` made
 DTensors over the "tp" dim of a (dp, tp) mesh are sharded further over "dp".
 
-One 4-rank launch runs every scenario (tests/tp_scenarios.py); each test reads its part.
+The suite's shared 4-rank torch launch (tests/shared_launch.py) runs every scenario
+(tests/tp_scenarios.py); each test reads its part.
 Parity is against a single-process reference on the global batch and against torch FSDP2
 + TP on the same model and data: losses, full parameters, and the sharded parameters'
 layout (placements, mesh ranks, local values). DCP: a checkpoint saved from hyper_parallel
@@ -11,14 +12,12 @@ hyper_parallel no tensor-parallel layer there, so there is nothing to compose wi
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import tempfile
 
 import numpy as np
 import pytest
 
-from tests.multirank import run_ranks
+from tests import shared_launch
 
 WORLD = 4
 ATOL = 1e-5
@@ -35,13 +34,15 @@ PLACEMENTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+shared_launch.register(__name__, "tensor_parallel", WORLD, "tests.tp_scenarios:run_all",
+                       lambda backend: (shared_launch.directory("tp-dcp"),), backends=("torch",),
+                       timeout_s=120)
+
+
 def _launch() -> list:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")
-    with tempfile.TemporaryDirectory(prefix="hp-tp-dcp-") as checkpoint_dir:
-        return run_ranks("tests.tp_scenarios:run_all", WORLD, "torch", checkpoint_dir,
-                         timeout_s=120)
+    return shared_launch.results("tensor_parallel", "torch")
 
 
 @pytest.mark.timeout(180)
