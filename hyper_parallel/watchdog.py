@@ -83,6 +83,7 @@ class Watchdog:
                                                 f"{self.timeout_s:g} s") + "\n")
                 sys.stderr.flush()
                 os._exit(EXIT_CODE)
+            frames = None  # held until the next sample, they would keep the frames' locals alive
 
     def _describe(self, record, frames, what: str) -> str:
         op, dim, _, checking = record

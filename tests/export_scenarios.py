@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 import hyper_parallel as hp
-from tests.checkpoint_scenarios import STEPS, _reference, _sharded, _side, _train
+from tests.checkpoint_scenarios import STEPS, _sharded, _side, _train
 
 SMALL_SHARD_BYTES = 4096  # splits the decoder over several files
 
