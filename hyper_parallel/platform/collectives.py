@@ -80,7 +80,8 @@ class Collectives(abc.ABC):
         sample = pieces[0][0]
         self._issuing("reduce_scatter", dim, group, sample)
         handle = self._reduce_scatter(pieces, group, async_op)
-        self._count("reduce_scatter", handle, sum(self._nbytes(t) for ts in pieces for t in ts), dim)
+        numel = sum(int(np.prod(self.shape(t))) for parts in pieces for t in parts)
+        self._count("reduce_scatter", handle, numel * self.element_size(self.dtype_of(sample)), dim)
         return handle
 
     def all_reduce(self, tensor: Any, group: Any, op: str = "sum", async_op: bool = False,

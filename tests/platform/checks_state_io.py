@@ -20,12 +20,16 @@ def _state_io(ctx) -> None:
         raise Skip(f"{ctx.p.name} does not implement StateIO")
 
 
+def _adamw_on_two_params(ctx) -> tuple:
+    """(platform, two new parameters, an AdamW over them); skipped without StateIO."""
+    _state_io(ctx)
+    params = [ctx.side.new_param(_arange(3, 2), "a"), ctx.side.new_param(_arange(4), "b")]
+    return ctx.p, params, ctx.side.optimizer("adamw", params)
+
+
 @local_check
 def check_optimizer_state(ctx):
-    _state_io(ctx)
-    p = ctx.p
-    params = [ctx.side.new_param(_arange(3, 2), "a"), ctx.side.new_param(_arange(4), "b")]
-    opt = ctx.side.optimizer("adamw", params)
+    p, params, opt = _adamw_on_two_params(ctx)
     undo = p.create_optimizer_state(opt)
     state = p.optimizer_state(opt)
     for param in params:
@@ -57,10 +61,7 @@ def check_save_tensors_load_tensors(ctx):
 
 @local_check
 def check_adam_state(ctx):
-    _state_io(ctx)
-    p = ctx.p
-    params = [ctx.side.new_param(_arange(3, 2), "a"), ctx.side.new_param(_arange(4), "b")]
-    opt = ctx.side.optimizer("adamw", params)
+    p, params, opt = _adamw_on_two_params(ctx)
     _check([id(x) for x in p.adam_params(opt)] == [id(x) for x in params], "adam_params order")
     fresh = p.adam_state(opt, params[0])
     _check(fresh is None or fresh[0] == 0, f"state before any step: {fresh}")
