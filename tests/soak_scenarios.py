@@ -2,13 +2,16 @@
 
 The nested model (tests/scenarios.py) trains with AdamW (whose state the checkpoint keeps)
 for ``steps`` steps, saving a checkpoint half-way (hp.save_checkpoint) and sampling this
-process's resident memory, thread count and open file descriptors every ``every`` steps.
+process's resident memory, threads, open file descriptors and live Python objects every
+``every`` steps.
 Then a second model, initialised differently, loads that checkpoint and runs the second
 half on the same batches: its final parameters must equal the first run's.
 """
 
 from __future__ import annotations
 
+import collections
+import gc
 import os
 
 import numpy as np
@@ -18,12 +21,19 @@ from tests.kit import get_kit, make_batches
 from tests.scenarios import D_IN, D_OUT, GLOBAL_BATCH, _build, _wrap
 
 
-def resources() -> dict:
-    """This process's resident memory (bytes), threads and open file descriptors now."""
+def resources(records: list) -> dict:
+    """This process's resident memory (bytes), threads, open file descriptors and live
+    Python objects (after a collection) by type name, now, not counting the sampler's own
+    ``records``. A tensor or graph kept alive across steps is a live Python object on both
+    frameworks; memory a framework keeps in native code is seen only in resident memory."""
+    gc.collect()
+    own = {id(record) for record in records}
+    objects = collections.Counter(type(obj).__name__ for obj in gc.get_objects()
+                                  if id(obj) not in own)
     status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines()
                   if ":" in line)
     return {"rss": int(status["VmRSS"].split()[0]) * 1024, "threads": int(status["Threads"]),
-            "fds": len(os.listdir("/proc/self/fd"))}
+            "fds": len(os.listdir("/proc/self/fd")), "objects": dict(objects)}
 
 
 def run_soak(steps: int, every: int, checkpoint_dir: str) -> dict:
@@ -47,7 +57,7 @@ def run_soak(steps: int, every: int, checkpoint_dir: str) -> dict:
             if step + 1 == steps // 2 and first == 0:
                 hp.save_checkpoint(checkpoint_dir, model, opt, extra={"step": step + 1})
             if sample and (step + 1) % every == 0:
-                samples.append({"step": step + 1, **resources()})
+                samples.append({"step": step + 1, **resources(samples)})
         return samples
 
     model, opt = model_and_optimizer(0)
