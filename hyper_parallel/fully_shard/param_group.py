@@ -8,6 +8,7 @@ layout strategy made them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.fully_shard.layout import Leg, LayoutStrategy
@@ -17,6 +18,18 @@ from hyper_parallel.platform import Gathered, Handle, Platform
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.post_forward import PostForwardShards
+
+@dataclass
+class LegGather:
+    """One leg's all-gather: in flight on ``handle``, then, once finished, its per-rank
+    ``pieces`` and the ``whole`` flat buffer (None where the pieces are separate tensors)."""
+
+    leg: Leg
+    handle: Handle
+    into: Any = None  # the released full tensor the gather writes into, or None
+    pieces: list | None = None
+    whole: Any = None
+
 
 class FSDPParamGroup:
     """Gather shards into full parameters; lay gradients out for their reduction."""
@@ -30,7 +43,7 @@ class FSDPParamGroup:
         self.reduce_dtype = reduce_dtype
         self.legs = layout.legs(platform, params, mesh_info, self.compute_dtype)
         self.sharded_legs = [leg for leg in self.legs if leg.sharded]
-        self._pending_gather = None  # [(leg, handle, full)] in flight
+        self._pending_gather = None  # [LegGather] in flight
         self._pending_into = None    # the released fulls it gathers into, or None
         self._pending_post_forward = None  # the post-forward shards it gathers, or None
 
@@ -66,23 +79,23 @@ class FSDPParamGroup:
             self._pending_into = released
             self._pending_post_forward = post_forward
             if post_forward is not None:
-                self._pending_gather = [(leg, post_forward.issue_gather(i, async_op), None)
+                self._pending_gather = [LegGather(leg, post_forward.issue_gather(i, async_op))
                                         for i, leg in enumerate(self.sharded_legs)]
                 return
             self._pending_gather = [self._issue_leg_gather(leg, async_op, into)
                                     for leg in self.sharded_legs]
 
-    def _issue_leg_gather(self, leg: Leg, async_op: bool, into: dict) -> tuple:
-        """``(leg, handle, full)``: the handle's result is the leg's ``Gathered`` (None: no
-        collective, one rank); ``full`` is the released full tensor the gather writes into,
-        or None when it gathers into new memory."""
+    def _issue_leg_gather(self, leg: Leg, async_op: bool, into: dict) -> LegGather:
+        """The leg's gather: its handle's result is the leg's ``Gathered`` (no collective
+        with one rank); ``into`` the released full tensor it writes into, or None when it
+        gathers into new memory."""
         p, size = self.platform, self.mesh_info.shard_size
         order = leg.gather_orders[self.mesh_info.shard_rank if size > 1 else 0]
         pieces = [fp.padded_flat_shard(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
                   for fp in order]
         if size == 1:
             whole = p.cat(pieces, 0)  # cat copies: the fulls must not alias the shards
-            return leg, Handle(result=Gathered([whole], whole)), None
+            return LegGather(leg, Handle(result=Gathered([whole], whole)))
         flat = pieces[0] if len(pieces) == 1 else p.cat(pieces, 0)
         in_place = leg.in_place
         full = into.get(id(in_place)) if in_place is not None else None
@@ -93,7 +106,7 @@ class FSDPParamGroup:
             full = None
         handle = p.all_gather(flat, self.mesh_info.shard_group, async_op=async_op, dim="shard",
                               out=out)
-        return leg, handle, full
+        return LegGather(leg, handle, full)
 
     def has_pending_gather(self) -> bool:
         return self._pending_gather is not None
@@ -103,23 +116,24 @@ class FSDPParamGroup:
         a full tensor one was writing into is released again."""
         pending, self._pending_gather, self._pending_into = self._pending_gather, None, None
         self._pending_post_forward = None
-        for _, handle, full in pending or ():
-            handle.wait()
-            if full is not None:
-                self.platform.release_storage(full)
+        for gather in pending or ():
+            gather.handle.wait()
+            if gather.into is not None:
+                self.platform.release_storage(gather.into)
 
     def wait_gather(self) -> list:
         """Finish the all-gathers; return new full tensors in ``params`` order."""
         p = self.platform
         fulls = {}
-        for leg, pieces, whole, _ in self._finish_gather():
+        for gather in self._finish_gather():
+            leg, whole = gather.leg, gather.whole
             for fp in leg.params:
                 offsets = leg.gather_offsets_of(fp)
                 # read in place where it is one contiguous stretch of ``whole`` (see the
                 # note "gather layout"; with one rank, every parameter), else concatenated
                 in_place = whole is not None and (fp is leg.in_place or self.mesh_info.shard_size == 1)
                 fulls[id(fp)] = (fp.full_from_whole(whole, offsets[0]) if in_place
-                                 else fp.full_from_pieces(pieces, offsets))
+                                 else fp.full_from_pieces(gather.pieces, offsets))
         return [fulls[id(fp)] if fp.is_sharded else
                 fp.full_from_local(p.local_tensor(fp.sharded_param), self.compute_dtype(fp))
                 for fp in self.params]
@@ -131,10 +145,11 @@ class FSDPParamGroup:
         a time."""
         p = self.platform
         sources = {}
-        for leg, pieces, _, into in self._finish_gather(released=fulls, post_forward=post_forward):
+        for gather in self._finish_gather(released=fulls, post_forward=post_forward):
+            leg = gather.leg
             for fp in leg.params:
-                if into is None or fp is not leg.in_place:
-                    sources[id(fp)] = (pieces, leg.gather_offsets_of(fp))
+                if gather.into is None or fp is not leg.in_place:
+                    sources[id(fp)] = (gather.pieces, leg.gather_offsets_of(fp))
         for fp, full in zip(self.params, fulls):
             p.restore_storage(full)
             if id(fp) in sources:
@@ -143,9 +158,9 @@ class FSDPParamGroup:
                 p.copy_into(full, p.cast(p.local_tensor(fp.sharded_param), self.compute_dtype(fp)))
 
     def _finish_gather(self, released: list | None = None,
-                       post_forward: PostForwardShards | None = None) -> list:
-        """[(leg, per-rank pieces, whole buffer or None, full gathered into or None)] of
-        finished all-gathers, issued synchronously if nobody prefetched them."""
+                       post_forward: PostForwardShards | None = None) -> list[LegGather]:
+        """The finished all-gathers (``pieces`` and ``whole`` filled in), issued
+        synchronously if nobody prefetched them."""
         if self._pending_into is not None and self._pending_into is not released:
             # in flight into other released fulls (a prefetch for another forward's): those
             # go back to released, and this gather starts over
@@ -154,11 +169,10 @@ class FSDPParamGroup:
             self.issue_gather(async_op=False, released=released, post_forward=post_forward)
         pending, self._pending_gather, self._pending_into = self._pending_gather or [], None, None
         gathered_post_forward, self._pending_post_forward = self._pending_post_forward, None
-        finished = []
-        for leg, handle, into in pending:
-            gathered = handle.wait()
-            pieces, whole = gathered.pieces, gathered.flat
+        for gather in pending:
+            gathered = gather.handle.wait()
+            gather.pieces, gather.whole = gathered.pieces, gathered.flat
             if gathered_post_forward is not None:
-                pieces, whole = gathered_post_forward.shard_rank_pieces(leg, pieces), None
-            finished.append((leg, pieces, whole, into))
-        return finished
+                gather.pieces = gathered_post_forward.shard_rank_pieces(gather.leg, gather.pieces)
+                gather.whole = None
+        return pending
