@@ -12,6 +12,11 @@ a test selected in this session run there (tests/conftest.py tells ``select``), 
 module imported but deselected costs nothing. Each job is one call of its target, with
 its own ``env`` set in the ranks' environment while it runs.
 
+MindSpore ranks of a shared launch run ``launch_blocking()`` (tests/multirank.py), as
+docs/platforms.md recommends for CPU runs with about one core per rank: on 2 cores the
+2-rank launch takes ~50 s instead of ~140 s in the default asynchronous pipeline, which
+other launches keep covering (tests/multirank.py).
+
 A job shares the process with the jobs before it, so it must not depend on starting in
 a fresh process (a job that needs that, or that ends the group, keeps its own launch).
 A failing job fails the launch: the RankFailure, kept for every job of the launch, names
@@ -99,7 +104,8 @@ def _launch(backend: str, wanted: Job) -> None:
     calls = [(j.key, j.target, j.args(backend), j.env) for j in jobs]
     try:
         per_rank = run_ranks("tests.shared_launch:run_jobs", wanted.world_size, backend, calls,
-                             timeout_s=sum(j.timeout_s for j in jobs))
+                             timeout_s=sum(j.timeout_s for j in jobs),
+                             env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
     except RankFailure as failure:
         for j in jobs:
             _DONE[(backend, j.key)] = failure
