@@ -9,7 +9,8 @@ them with ``results``. pytest imports every collected module before the first te
 so the first read for a (backend, world size) finds every job registered for it and runs
 them all in one ``run_ranks`` launch, in registration order. Only the jobs of modules with
 a test selected in this session run there (tests/conftest.py tells ``select``), so a
-module imported but deselected costs nothing. Each job is one call of its target, with
+module imported but deselected costs nothing; a job registered ``slow`` (cases kept out
+of the default run, ``-m slow``) runs only where a slow test of its module is selected. Each job is one call of its target, with
 its own ``env`` set in the ranks' environment while it runs.
 
 MindSpore ranks of a shared launch run ``launch_blocking()`` (tests/multirank.py), as
@@ -47,24 +48,27 @@ class Job:
     backends: tuple
     env: dict                         # added to the ranks' environment while it runs
     timeout_s: float
+    slow: bool                        # runs only where a slow test of its module is selected
 
 
 _JOBS: dict[str, Job] = {}
 _DONE: dict[tuple, object] = {}  # (backend, key) -> per-rank results, or the RankFailure
 _SELECTED: set = set()  # modules with a selected test; empty: every module's jobs run
+_SELECTED_SLOW: set = set()  # modules with a selected test marked slow
 
 
 def register(owner: str, key: str, world_size: int, target: str,
              args: Callable[[str], tuple] = lambda backend: (),
              backends: tuple = ("torch", "mindspore"), env: dict | None = None,
-             timeout_s: float = 240) -> None:
+             timeout_s: float = 240, slow: bool = False) -> None:
     """Declare job ``key`` of module ``owner``: ``target(*args(backend))`` on ``world_size``
-    ranks, with ``env`` added to the ranks' environment while it runs."""
+    ranks, with ``env`` added to the ranks' environment while it runs. A ``slow`` job runs
+    only in a session that selects one of ``owner``'s tests marked slow (``-m slow``)."""
     known = _JOBS.get(key)
     if known is not None and (known.owner, known.target) != (owner, target):
         raise ValueError(f"shared_launch: job {key!r} is registered by {known.owner} already")
     _JOBS.setdefault(key, Job(owner, key, world_size, target, args, tuple(backends),
-                              dict(env or {}), timeout_s))
+                              dict(env or {}), timeout_s, slow))
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,10 +80,13 @@ def directory(name: str) -> str:
     return path
 
 
-def select(modules: set) -> None:
-    """Only jobs of ``modules`` (and any job read) run in the shared launches."""
+def select(modules: set, slow_modules: set) -> None:
+    """Only jobs of ``modules`` (and any job read) run in the shared launches; slow jobs
+    only those of ``slow_modules``."""
     _SELECTED.clear()
     _SELECTED.update(modules)
+    _SELECTED_SLOW.clear()
+    _SELECTED_SLOW.update(slow_modules)
 
 
 def results(key: str, backend: str) -> list:
@@ -100,7 +107,8 @@ def _launch(backend: str, wanted: Job) -> None:
     jobs = [j for j in _JOBS.values()
             if j.world_size == wanted.world_size and backend in j.backends
             and (backend, j.key) not in _DONE
-            and (j is wanted or not _SELECTED or j.owner in _SELECTED)]
+            and (j is wanted or not _SELECTED or j.owner in _SELECTED)
+            and (j is wanted or not j.slow or j.owner in _SELECTED_SLOW)]
     calls = [(j.key, j.target, j.args(backend), j.env) for j in jobs]
     try:
         per_rank = run_ranks("tests.shared_launch:run_jobs", wanted.world_size, backend, calls,
