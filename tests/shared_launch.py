@@ -10,8 +10,9 @@ so the first read for a (backend, world size) finds every job registered for it 
 them all in one ``run_ranks`` launch, in registration order. Only the jobs of modules with
 a test selected in this session run there (tests/conftest.py tells ``select``), so a
 module imported but deselected costs nothing; a job registered ``slow`` (cases kept out
-of the default run, ``-m slow``) runs only where a slow test of its module is selected. Each job is one call of its target, with
-its own ``env`` set in the ranks' environment while it runs.
+of the default run, ``-m slow``) runs only where a slow test of its module is selected.
+Each job is one call of its target, with its own ``env`` set in the ranks' environment
+while it runs.
 
 MindSpore ranks of a shared launch run ``launch_blocking()`` (tests/multirank.py), as
 docs/platforms.md recommends for CPU runs with about one core per rank: on 2 cores the
