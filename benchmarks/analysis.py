@@ -49,8 +49,7 @@ def minimum_schedule(cfg: configs.Config) -> list[dict]:
         return []
     replicate = cfg.mesh[0] if cfg.is_hsdp else 1
     return workload.shard_schedule(cfg.dims, cfg.mesh[-1], replicate,
-                                   regather_in_backward=(cfg.reshard_after_forward
-                                                         and cfg.backend == "torch"),
+                                   regather_in_backward=cfg.reshard_after_forward,
                                    param_dtype=cfg.param_dtype, reduce_dtype="float32")
 
 

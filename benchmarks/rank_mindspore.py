@@ -154,7 +154,7 @@ def run(job: dict, rank: int, world: int) -> dict:
         def build_hp():
             model = build_model()
             for unit in units(model) + [model]:
-                hp.fully_shard(unit, mesh=hp_mesh)
+                hp.fully_shard(unit, mesh=hp_mesh, reshard_after_forward=cfg["reshard_after_forward"])
             return _step_fn(ms, model, data, loss_fn)
 
         def build_dp():

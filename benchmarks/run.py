@@ -40,6 +40,7 @@ import analysis  # noqa: E402
 import configs  # noqa: E402
 import launch_ranks  # noqa: E402
 import report  # noqa: E402
+import step_memory  # noqa: E402
 
 RANK_SCRIPTS = {"torch": "rank_torch.py", "mindspore": "rank_mindspore.py"}
 
@@ -70,6 +71,9 @@ def _parse_args(argv):
                         help="MindSpore PyNative execution, for every MindSpore phase alike: "
                              "blocking (default, ms.runtime.launch_blocking()) or async "
                              "(MindSpore's own default; see benchmarks/README.md)")
+    parser.add_argument("--no-step-memory", dest="step_memory", action="store_false",
+                        help="skip the per-block step memory measurement (step_memory.py; "
+                             "never in --quick)")
     parser.add_argument("--list", action="store_true", help="print the selected configurations and exit")
     return parser.parse_args(argv)
 
@@ -122,6 +126,21 @@ def _library_fingerprint() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return out
+
+
+def _run_step_memory(args) -> dict:
+    """What a training step adds to memory per added block, sharded against unsharded, on
+    each selected framework (step_memory.py; the full grid measures more depths)."""
+    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
+    blocks = [4, 8, 12] if args.full else [4, 8]
+    print(f"step memory: Linear(2048, 2048) blocks at depths {blocks}, plain and sharded, "
+          f"{', '.join(backends)}", flush=True)
+    try:
+        return step_memory.measure(backends, blocks, dim=2048, batch=8, steps=3, world=2,
+                                   timeout_s=900, ms_pipeline=args.ms_pipeline)
+    except launch_ranks.LaunchFailure as exc:
+        print(f"step memory: FAILED: {str(exc).splitlines()[0]}", flush=True)
+        return {"error": str(exc)}
 
 
 def _run_config(index: int, total: int, cfg, t_run: float, bind_cores: bool,
@@ -183,12 +202,17 @@ def main(argv=None) -> int:
         "library": {"start": library_at_start, "end": _library_fingerprint()},
         "configurations": rows,
     }
+    if args.step_memory and not args.quick:
+        doc["step_memory"] = _run_step_memory(args)
     doc["library"]["changed_during_run"] = (doc["library"]["start"]["sources_sha256"]
                                             != doc["library"]["end"]["sources_sha256"])
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
     report.write_json(doc, json_path)
     print()
     print(report.markdown(doc))
+    if "step_memory" in doc:
+        print()
+        print(doc["step_memory"].get("error") or step_memory.report(doc["step_memory"]))
     print()
     print(f"wrote {json_path}")
     print(report.write_png(doc, png_path))
@@ -196,7 +220,8 @@ def main(argv=None) -> int:
         print("WARNING: hyper_parallel's sources changed during the run; launches measured "
               "different versions of the library (see 'library' in the JSON)")
     print(f"total wall time {doc['wall_s']:.0f} s")
-    return 1 if any("error" in row for row in rows) else 0
+    failed = any("error" in row for row in rows) or "error" in doc.get("step_memory", {})
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

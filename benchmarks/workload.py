@@ -17,7 +17,7 @@ at minimum, in issue order, with the buffer sizes that ``hp.track_comms()`` reco
 
 * forward: one all-gather per unit of its padded parameters, in the parameter dtype;
 * backward, per unit in reverse: a re-gather first if the unit freed its parameters after
-  forward (torch, non-root, ``reshard_after_forward=True``), then one reduce-scatter of its
+  forward (non-root, ``reshard_after_forward=True``), then one reduce-scatter of its
   padded gradients in the reduce dtype, then (HSDP) one all-reduce of the shard's bytes over
   the replicate dim.
 

@@ -61,9 +61,6 @@ PATTERNS = {
     "root_reshards": {"root_raf": True},
 }
 TORCH_ONLY = {"accumulate", "accumulate_tied_recompute_keep"}
-# where full parameters are never released (MindSpore), keeping them after forward runs the
-# same code as resharding: these would repeat chunked and eval_between there
-RELEASE_ONLY = {"chunked_keep", "eval_between_keep"}
 
 
 def _shifted(kit, ids):
@@ -297,8 +294,6 @@ def run_all(names: list) -> dict:
     kit = get_kit()
     references: dict = {}
     skipped = set() if kit.name == "torch" else TORCH_ONLY
-    if not hp.get_platform().capabilities.can_release_storage:
-        skipped |= RELEASE_ONLY
     out = {name: run_pattern(name, references) for name in names if name not in skipped}
     out["registration"] = run_registration()
     return out

@@ -349,5 +349,5 @@ class MindSporeKit:
         return t.astype(self.ms.float32).asnumpy().copy()
 
     def storage_bytes(self, t):
-        """Bytes ``t`` holds (MindSpore never releases a tensor's memory)."""
-        return t.numel() * t.itemsize
+        """Bytes ``t``'s storage holds now (0 once ``release_storage`` freed it)."""
+        return t.untyped_storage().nbytes()

@@ -129,6 +129,9 @@ def run_reshard_to_pairs() -> dict:
     local = slice(rank * size, (rank + 1) * size)
     losses = [[] for _ in models]
     gathered = []  # per step: {dim: (calls, bytes)} of the all-gathers
+    kept = []  # per step: what each block keeps after the forward, and sends in its re-gather
+    model.register_forward_hook(lambda *_: kept.append(
+        [block.__dict__[STATE_ATTR]._full.memory.post_forward for block in model.blocks]))
     for x, y in make_batches(3, GLOBAL_BATCH, D_IN, D_OUT, seed=5):
         with hp.track_comms() as comms:
             losses[0].append(kit.train_step(model, opts[0], x[local], y[local]))
@@ -146,17 +149,11 @@ def run_reshard_to_pairs() -> dict:
         "param_diff": max(float(np.abs(full[k] - ref_full[k]).max()) for k in ref_full),
         "gathered": gathered, "units": len(states) + 1,
         "block_gathered_bytes": sum(state.group.gathered_bytes for state in states),
-        "can_release": platform.capabilities.can_release_storage,
-        "post_forward_ranks": _group_ranks(platform, info.post_forward_group(2), 2)
-        if platform.capabilities.can_release_storage else None,
+        "post_forward_ranks": _group_ranks(platform, info.post_forward_group(2), 2),
     }
-    if platform.capabilities.can_release_storage:
-        # what each rank keeps after a forward, and so sends in the re-gather before backward
-        model(kit.tensor(x[local]))
-        kept = [state._full.memory.post_forward for state in states]
-        result["kept_bytes"] = sum(math.prod(platform.shape(shard)) *
-                                   platform.element_size(platform.dtype_of(shard))
-                                   for pf in kept for shard in pf.shards)
+    result["kept_bytes"] = sum(math.prod(platform.shape(shard)) *
+                               platform.element_size(platform.dtype_of(shard))
+                               for pf in kept[-1] for shard in pf.shards)
     if on_torch:
         result["fsdp2_losses"] = losses[2]
         result["fsdp2_param_diff"] = max(float(np.abs(full[k] - v.full_tensor().detach().numpy()).max())

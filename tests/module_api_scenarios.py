@@ -389,18 +389,17 @@ def run_reshard_after_forward(kit) -> dict:
         group.mesh_info = real_info
     out["setter"] = setter
     # 1 keeps block full parameters: no re-gather in backward
-    if platform.capabilities.can_release_storage:
-        out["gathers"] = {}
-        for value in (1, world):
-            m = _build(kit)
-            for block in m.blocks:  # the root keeps its default
-                hp.fully_shard(block, reshard_after_forward=value)
-            hp.fully_shard(m)
-            opt = kit.optimizer(kit.params(m))
-            for x, y in make_batches(2, GLOBAL_BATCH, D_IN, D_OUT, seed=41):
-                with hp.track_comms() as comms:
-                    kit.train_step(m, opt, x[_local()], y[_local()])
-            out["gathers"][value] = comms.calls("all_gather")
+    out["gathers"] = {}
+    for value in (1, world):
+        m = _build(kit)
+        for block in m.blocks:  # the root keeps its default
+            hp.fully_shard(block, reshard_after_forward=value)
+        hp.fully_shard(m)
+        opt = kit.optimizer(kit.params(m))
+        for x, y in make_batches(2, GLOBAL_BATCH, D_IN, D_OUT, seed=41):
+            with hp.track_comms() as comms:
+                kit.train_step(m, opt, x[_local()], y[_local()])
+        out["gathers"][value] = comms.calls("all_gather")
     if kit.name == "torch":
         out["fsdp2"] = _fsdp2_reshard_after_forward(kit, world)
     return out

@@ -121,7 +121,7 @@ def run_scenario(name: str, seed: int = 0) -> dict:
         "names_match": sorted(full) == sorted(ref_full),
         "last_step_comms": {op: e["calls"] for op, e in comms.summary().items()},
         "wire": {op: e["wire"] for op, e in comms.summary().items()},
-        "can_release": platform.capabilities.can_release_storage,
+        "reads_views": platform.capabilities.kernels_read_views,
         "refill_copies": refill_copies[0],  # last step: rank pieces copied into fulls
         "backed_shards": _backed_shards(platform, model),
         "placeholders": placeholders[0],  # last step: gradients filled in after backward
@@ -247,8 +247,6 @@ def run_memory() -> dict:
         # what a step holds at once: the root's and every kept block's full parameters,
         # or the two largest blocks that reshard after forward
         expected = root_bytes + (sum(block_bytes) if keep else sum(sorted(block_bytes)[-2:]))
-        if not platform.capabilities.can_release_storage:
-            expected = None  # nothing is released, so nothing is asked to be kept
         out["keep" if keep else "reshard"] = {"held": held[0], "loss": loss, "ref_loss": ref_loss,
                                                "asked_to_keep": asked, "expected_keep": expected}
     return out
@@ -320,4 +318,4 @@ def run_prefetch_trace() -> dict:
         kit.train_step(model, opt, x, y)
     logger.removeHandler(handler)
     logger.setLevel(level)  # later jobs of a shared launch log as before
-    return {"events": list(events), "can_release": hp.get_platform().capabilities.can_release_storage}
+    return {"events": list(events)}

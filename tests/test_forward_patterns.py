@@ -16,7 +16,7 @@ import functools
 import numpy as np
 import pytest
 
-from tests.forward_pattern_scenarios import PATTERNS, RELEASE_ONLY, TORCH_ONLY
+from tests.forward_pattern_scenarios import PATTERNS, TORCH_ONLY
 from tests.multirank import run_ranks
 
 BACKENDS = ["torch", "mindspore"]
@@ -41,9 +41,6 @@ def test_pattern_matches_reference(backend, pattern):
     if backend == "mindspore" and pattern in TORCH_ONLY:
         pytest.skip("a MindSpore backward is one value_and_grad call over the whole loss: "
                     "there is no backward per chunk over a retained graph")
-    if backend == "mindspore" and pattern in RELEASE_ONLY:
-        pytest.skip("MindSpore never releases full parameters before backward: keeping them "
-                    "after forward runs the same code as the pattern that reshards")
     per_rank = [r[pattern] for r in _results(backend)]
     atol = LOW_PRECISION_ATOL if PATTERNS[pattern].get("mp") else ATOL
     mean_losses = np.mean([r["losses"] for r in per_rank], axis=0)

@@ -168,21 +168,16 @@ def test_reshard_after_forward_int_is_validated(backend, value, error_type, mess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reshard_after_forward_sub_group_needs_a_mesh_over_all_ranks(backend):
-    """A non-trivial factor of the shard size (2 of 4) makes new groups where full
-    parameters are freed (torch): on a mesh that does not cover the job that is refused
-    naming the fix, at fully_shard and at set_reshard_after_forward, changing nothing. On
-    MindSpore, which keeps full parameters until backward, it is stored as given."""
+    """A non-trivial factor of the shard size (2 of 4) makes new groups: on a mesh that does
+    not cover the job that is refused naming the fix, at fully_shard and at
+    set_reshard_after_forward, changing nothing."""
     r = _part(backend, "reshard_after_forward")[0]
     found_type, message, untouched = r["sub_group"]
     found_setter_type, setter_message, values = r["setter"]["sub_group"]
-    if backend == "torch":
-        assert found_type == "ValueError" and untouched, message
-        assert "needs a mesh over all 2 ranks" in message and "pass the whole mesh" in message
-        assert found_setter_type == "ValueError", setter_message
-        assert values == [False, False]
-    else:
-        assert found_type is None and found_setter_type is None, (message, setter_message)
-        assert values == [2, True]
+    assert found_type == "ValueError" and untouched, message
+    assert "needs a mesh over all 2 ranks" in message and "pass the whole mesh" in message
+    assert found_setter_type == "ValueError", setter_message
+    assert values == [False, False]
 
 
 @pytest.mark.timeout(600)
@@ -202,8 +197,8 @@ def test_reshard_after_forward_int_maps_to_bool(backend):
         assert setter[bad][0] == "ValueError" and setter[bad][2] == [False, False], setter[bad]
     if backend == "torch":
         assert (r["fsdp2"]["1"], r["fsdp2"]["2"]) == (False, True)
-        # blocks with 1 keep their full parameters: no re-gather before their backward
-        assert r["gathers"] == {1: 3, 2: 3 + 2}
+    # blocks with 1 keep their full parameters: no re-gather before their backward
+    assert r["gathers"] == {1: 3, 2: 3 + 2}
 
 
 def test_reshard_after_forward_resolution_over_a_larger_shard_group():

@@ -40,6 +40,13 @@ copies. The reduce-scatter keeps the ``params`` order on every rank (``offsets``
 layout is independent. A re-gather into a released junction (``refill``) writes the
 whole buffer into the junction's own memory, as for a lone parameter.
 
+[Note: views]
+Where the platform's kernels copy a view before reading it (``Capabilities.
+kernels_read_views`` False: MindSpore, whose autograd then keeps that copy until backward,
+beside the gather output the view keeps alive), nothing is read in place: every full
+parameter is copied out of the gather output into memory of its own, which is what autograd
+then keeps and what resharding releases.
+
 [Note: the strategy]
 ``LayoutStrategy`` makes a unit's legs. ``LayoutStrategy(None, junctions=False)`` is
 FSDP2's layout: one fused leg in ``params`` order, every full parameter copied out of the
@@ -72,7 +79,8 @@ JUNCTION_MAX_REST = 8
 class Leg:
     """Parameters that share a collective and a flat gradient buffer, with their offsets."""
 
-    def __init__(self, params: list, bucket: ReplicateBucket, sharded: bool, junctions: bool):
+    def __init__(self, params: list, bucket: ReplicateBucket, sharded: bool, junctions: bool,
+                 reads_views: bool = True):
         self.params = params
         self.bucket = bucket
         self.sharded = sharded  # gathered and reduce-scattered over the shard group
@@ -83,11 +91,13 @@ class Leg:
             total += fsdp_param.padded_numel
         self.total_numel = total
         size = params[0].shard_size if sharded else 1
-        # see the note "gather layout"; one rank: the params order, each read in place
+        # see the notes "gather layout" and "views"; one rank: the params order, each read
+        # in place
         self.in_place: FSDPParam | None = None
+        self._all_in_place = reads_views and size == 1
         order = list(params)
         largest = max(params, key=lambda fp: fp.padded_numel)
-        if junctions and (size == 2 or (size > 2 and len(params) == 1)) and \
+        if reads_views and junctions and (size == 2 or (size > 2 and len(params) == 1)) and \
                 (total - largest.padded_numel) * JUNCTION_MAX_REST <= largest.padded_numel:
             self.in_place = largest
             order = [fp for fp in params if fp is not largest] + [largest]
@@ -96,6 +106,11 @@ class Leg:
         self.gather_offsets = [_offsets_in(order, params) for order in self.gather_orders]
         self._gather_offsets_by_param = {
             id(fp): [offsets[i] for offsets in self.gather_offsets] for i, fp in enumerate(params)}
+
+    def read_in_place(self, fsdp_param: FSDPParam) -> bool:
+        """Whether ``fsdp_param``'s full tensor is read from the gather output as a view
+        (``full_from_whole``) rather than copied out of it (``full_from_pieces``)."""
+        return self._all_in_place or fsdp_param is self.in_place
 
     def gather_offsets_of(self, fsdp_param: FSDPParam) -> list:
         """Where ``fsdp_param`` sits in each rank's all-gather piece."""
@@ -125,6 +140,7 @@ class LayoutStrategy:
              compute_dtype: Callable[[FSDPParam], Any]) -> list:
         """The unit's legs: the fused one, then one per parameter alone, then the small one."""
         info, limit = mesh_info, self.own_collective_bytes
+        views = platform.capabilities.kernels_read_views
 
         def bucket():
             return ReplicateBucket(platform, info.replicate_group, info.replicate_size, "replicate")
@@ -133,11 +149,11 @@ class LayoutStrategy:
         alone = [fp for fp in sharded if limit is not None and
                  fp.padded_numel * platform.element_size(compute_dtype(fp)) >= limit]
         fused = [fp for fp in sharded if all(fp is not a for a in alone)]
-        legs = [Leg(fused, bucket(), True, self.junctions)] if fused else []
-        legs += [Leg([fp], bucket(), True, self.junctions) for fp in alone]
+        legs = [Leg(fused, bucket(), True, self.junctions, views)] if fused else []
+        legs += [Leg([fp], bucket(), True, self.junctions, views) for fp in alone]
         small = [fp for fp in params if not fp.is_sharded]
         if small:
             legs.append(Leg(small, ReplicateBucket(platform, info.data_parallel_group,
                                                    info.data_parallel_size, "data_parallel"),
-                            False, self.junctions))
+                            False, self.junctions, views))
         return legs

@@ -237,26 +237,27 @@ class FSDPParam:
         rank; see param_group.py, "gather layout"): a view of it where the layout allows
         (dim-0 shards), no copy."""
         p = self.platform
-        stretch = p.narrow(whole, 0, offset, self.shard_size * self.padded_numel)
-        return self._unpad(p.reshape(stretch, (self.shard_size * self.chunk_rows, *self.row_shape)))
+        stretch = p.narrow(whole, 0, offset, self.rows * self.row_numel)  # padding at the end
+        return self._rows_to_param(p.reshape(stretch, (self.rows, *self.row_shape)))
 
     def full_from_pieces(self, pieces: list, offsets: list) -> Any:
         """The full parameter out of a fused all-gather's per-rank pieces, where it sits at
         ``offsets[r]`` of rank r's piece: one concatenation of contiguous reads (reading
         columns of ``[shard_size, total]`` would be a strided copy)."""
         p = self.platform
-        rows = p.cat([p.reshape(p.narrow(piece, 0, offset, self.padded_numel),
-                                (self.chunk_rows, *self.row_shape))
-                      for piece, offset in zip(pieces, offsets)], 0)
-        return self._unpad(rows)
+        parts = []
+        for rank, (piece, offset) in enumerate(zip(pieces, offsets)):
+            rows = max(0, min(self.chunk_rows, self.rows - rank * self.chunk_rows))
+            if rows or not parts:  # the padding rows are left out: no view of the result
+                parts.append(p.reshape(p.narrow(piece, 0, offset, rows * self.row_numel),
+                                       (rows, *self.row_shape)))
+        return self._rows_to_param(p.cat(parts, 0))
 
-    def _unpad(self, rows: Any) -> Any:
-        """``[shard_size * chunk_rows, *row_shape]`` to the parameter's shape. Nothing is
-        done that is not needed: on MindSpore even asking ``contiguous()`` waits for the
-        asynchronous pipeline."""
+    def _rows_to_param(self, rows: Any) -> Any:
+        """``[rows, *row_shape]`` to the parameter's shape. Nothing is done that is not
+        needed: on MindSpore even asking ``contiguous()`` waits for the asynchronous
+        pipeline."""
         p = self.platform
-        if self.shard_size * self.chunk_rows != self.rows:
-            rows = p.narrow(rows, 0, 0, self.rows)
         if self.shard_dim == 0:
             return rows
         return p.contiguous(p.movedim(rows, 0, self.shard_dim))
@@ -264,8 +265,13 @@ class FSDPParam:
     def refill_from_gathered(self, full: Any, pieces: list, offsets: list) -> None:
         """Write the all-gather's pieces (this parameter at ``offsets[r]`` of rank r's)
         back into ``full`` (whose memory was restored), one rank's rows at a time straight
-        from the buffer: a single copy, no temporary."""
+        from the buffer: a single copy, no temporary. Where full parameters own their
+        memory (not ``kernels_read_views``, layout.py "views"), it is assembled as the first
+        gather assembled it and copied in whole."""
         p = self.platform
+        if not p.capabilities.kernels_read_views:
+            p.copy_into(full, self.full_from_pieces(pieces, offsets))
+            return
         for rank, (piece, offset) in enumerate(zip(pieces, offsets)):
             first = rank * self.chunk_rows
             rows = min(self.chunk_rows, self.rows - first)

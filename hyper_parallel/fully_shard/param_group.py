@@ -131,7 +131,7 @@ class FSDPParamGroup:
                 offsets = leg.gather_offsets_of(fp)
                 # read in place where it is one contiguous stretch of ``whole`` (see the
                 # note "gather layout"; with one rank, every parameter), else concatenated
-                in_place = whole is not None and (fp is leg.in_place or self.mesh_info.shard_size == 1)
+                in_place = whole is not None and leg.read_in_place(fp)
                 fulls[id(fp)] = (fp.full_from_whole(whole, offsets[0]) if in_place
                                  else fp.full_from_pieces(gather.pieces, offsets))
         return [fulls[id(fp)] if fp.is_sharded else

@@ -13,8 +13,8 @@ parameters are refilled as after any all-gather: the re-gather before backward c
 only the ``k`` ranks of the block, for ``n / k`` times the memory of a shard. Gradients
 are still reduce-scattered over the whole shard group.
 
-Only where the platform can release memory autograd holds: elsewhere the full
-parameters stay until backward (as with True) and nothing is kept.
+Only where the platform can release memory autograd holds (``can_release_storage``):
+elsewhere the full parameters would stay until backward (as with True) and nothing is kept.
 """
 
 from __future__ import annotations

@@ -15,15 +15,16 @@ its forward saved.
 
 [Note: freeing full parameters between forward and backward]
 Autograd keeps the full parameters alive (a Linear saves its weight). Where the platform can
-release a tensor's memory while autograd holds the object (torch), resharding releases it,
-and the memory is gathered again into the same tensors before autograd reads them. Every
-forward of a unit with gradients enabled hooks its outputs: when their gradient arrives,
-the full parameters *that forward used* are re-gathered if their memory was released. So
+release a tensor's memory while autograd holds the object (torch, MindSpore), resharding
+releases it, and the memory is gathered again into the same tensors before autograd reads
+them. Every forward of a unit with gradients enabled hooks its outputs: when their gradient
+arrives, the full parameters *that forward used* are re-gathered if their memory was
+released. So
 it does not matter what released them in between (``reshard_after_forward``, a second
 forward of the model, a ``no_grad`` forward of the unit, an explicit ``reshard()``, the end
-of an earlier backward over a retained graph): autograd never reads freed memory. Where the
-platform cannot release memory (MindSpore), the full parameters stay alive until the unit's
-backward and no second all-gather is issued (docs/platforms.md).
+of an earlier backward over a retained graph): autograd never reads freed memory. Where a
+platform cannot release memory, the full parameters stay alive until the unit's backward
+and no second all-gather is issued.
 
 [Note: roots]
 The first unit whose forward runs becomes the root: it creates the IterationContext shared

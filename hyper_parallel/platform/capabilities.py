@@ -23,6 +23,11 @@ class Capabilities:
     #: ``restore_storage`` gives it back: full parameters are freed between forward and
     #: backward and gathered again before backward.
     can_release_storage: bool = False
+    #: an operation reads a view of another tensor's memory in place. Where it does not
+    #: (MindSpore copies a view into new memory for each kernel, and autograd keeps that
+    #: copy for backward), full parameters are copied out of the gather output instead of
+    #: being read as views of it (layout.py, "views").
+    kernels_read_views: bool = True
     #: a sharded parameter keeps its padding rows, so it is never empty (MindSpore's
     #: optimizers cannot make state for an empty parameter).
     pads_local_shards: bool = False

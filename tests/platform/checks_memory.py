@@ -20,6 +20,16 @@ def _releases(ctx) -> None:
         raise Skip(f"{ctx.p.name}: can_release_storage is False (no StorageRelease)")
 
 
+def _writes_in_place(ctx) -> None:
+    """Skip unless the core writes into parts of a released full parameter
+    (``copy_into_slice``, ``restored_flat``), which it does only where kernels read views
+    (``kernels_read_views``)."""
+    _releases(ctx)
+    if not ctx.p.capabilities.kernels_read_views:
+        raise Skip(f"{ctx.p.name}: kernels_read_views is False (full parameters own their "
+                   f"memory and are refilled whole)")
+
+
 @local_check
 def check_copy_into(ctx):
     p = ctx.p
@@ -72,7 +82,7 @@ def check_copy_into_from_view(ctx):
 def check_copy_into_slice(ctx):
     """Every dim, at the start, the middle and the end, from a contiguous or strided read;
     the rest of ``dst`` keeps its values and ``src`` is not aliased."""
-    _releases(ctx)
+    _writes_in_place(ctx)
     p = ctx.p
     base = _arange(4, 6)
     for dim, start, length in ((0, 0, 2), (0, 1, 2), (0, 3, 1), (1, 0, 6), (1, 2, 3), (1, 5, 1)):
@@ -289,7 +299,7 @@ def check_restored_flat(ctx):
     buffer, as a unit's full parameters are): a 1-D tensor of ``numel`` elements that begins
     ``start`` elements before ``full``'s first one, ``full`` reading its elements ``start``
     on; more elements than the buffer had (the padding rows of a gather) included."""
-    _releases(ctx)
+    _writes_in_place(ctx)
     p = ctx.p
     f32 = p.dtype("float32")
     for offset, start, numel in ((0, 0, 6), (0, 0, 9), (3, 3, 10), (3, 1, 12)):
@@ -314,7 +324,7 @@ def check_all_gather_into_restored_flat(ctx):
     Padded: the full tensor is a prefix of the gathered rows (the last rank's row is
     padding). With ``start``: the full tensor begins one row into the gathered buffer
     (another tensor's row before it), and ``flat`` is the whole buffer."""
-    _releases(ctx)
+    _writes_in_place(ctx)
     p, w, r = ctx.p, ctx.world, ctx.rank
     rows = np.stack([_arange(3, start=10 * k) for k in range(w)])   # rank k's row
     cases = [(async_op, kept, 0) for async_op in (False, True) for kept in (w, w - 1)]

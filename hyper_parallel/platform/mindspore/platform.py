@@ -16,11 +16,10 @@
   float16 and int32 (bfloat16 among them), where a list ``all_gather`` and a
   concatenation stand in. Both allocate their output: ``all_gather(out=...)`` then copies it
   into the caller's buffer. On Ascend the native kernel is used.
-- In-place arithmetic and views do not write through: the only writes used are a
-  whole-tensor ``copy_`` and the collectives' own output buffers.
-- Tensor memory cannot be released while autograd holds it: ``can_release_storage`` is
-  False in its ``capabilities``, it does not implement ``StorageRelease``, and the core
-  keeps full parameters alive between forward and backward (docs/platforms.md, "Memory").
+- In-place arithmetic does not write through: the only writes used are ``copy_into`` (a
+  whole-storage ``copy_``) and the collectives' own output buffers.
+- Memory autograd holds is released and restored through the tensors' storages
+  (storage_release.py).
 - No ``autograd.Function``: ``differentiable_call`` is a Cell with a custom ``bprop``
   (unshard_cell.py).
 """
@@ -45,6 +44,7 @@ from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.mindspore import adam_state
 from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
+from hyper_parallel.platform.mindspore.storage_release import MindSporeStorageRelease
 from hyper_parallel.platform.mindspore.jit_guard import refuse_jitted_construct
 from hyper_parallel.platform.mindspore.unshard_cell import run_differentiable
 
@@ -70,7 +70,7 @@ def _check_version() -> None:
             f"install it with: pip install 'mindspore=={SUPPORTED_MINOR}.*' 'numpy<2'")
 
 
-class MindSporePlatform(MindSporeStateIO, Platform):
+class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, Platform):
     name = "mindspore"
 
     def __init__(self) -> None:
@@ -81,13 +81,16 @@ class MindSporePlatform(MindSporeStateIO, Platform):
 
     @functools.cached_property
     def capabilities(self) -> Capabilities:
-        # Memory autograd holds cannot be freed; its optimizers cannot make state for an
-        # empty parameter; value_and_grad returns what the bprops returned; one Adam step
-        # for every parameter. On CPU async_op changes nothing: sync and async collectives
-        # are queued alike on the kernel pipeline, so a reduction pipeline would only add
-        # the placeholder copies. On Ascend HCCL runs on its own stream.
+        # A kernel copies a view it reads (storage_release.py has the reproducer's
+        # facts); its optimizers cannot make state for an empty parameter; value_and_grad
+        # returns what the bprops returned; one Adam step for every parameter. On CPU
+        # async_op changes nothing: sync and async collectives are queued alike on the
+        # kernel pipeline, so a reduction pipeline would only add the placeholder copies.
+        # On Ascend HCCL runs on its own stream.
         return Capabilities(device_type="cpu" if self._on_cpu else "npu",
-                            pads_local_shards=True, returns_grads_from_backward=True,
+                            can_release_storage=True, kernels_read_views=False,
+                            pads_local_shards=True,
+                            returns_grads_from_backward=True,
                             collectives_overlap_compute=not self._on_cpu,
                             adam_step_per_param=False)
 
@@ -182,7 +185,8 @@ class MindSporePlatform(MindSporeStateIO, Platform):
             return Handle(native, result=gathered, wire=wire)
 
         def copy_out():
-            out.copy_(gathered.flat if gathered.flat is not None else ops.cat(gathered.pieces, 0))
+            self.copy_into(out, gathered.flat if gathered.flat is not None
+                           else ops.cat(gathered.pieces, 0))
             return Gathered(_pieces_of(out, group_size, numel), out)
 
         handle = Handle(native, on_done=copy_out, wire=wire)
@@ -267,10 +271,6 @@ class MindSporePlatform(MindSporeStateIO, Platform):
 
     def alias(self, tensor):
         return tensor  # a Cell may output an existing tensor as its own output
-
-    def copy_into(self, dst, src) -> None:
-        # copy_ from a view of a larger tensor launches a wrong kernel on CPU: snapshot first.
-        dst.copy_(src + 0)
 
     def no_grad(self):
         from mindspore.common.api import _no_grad
