@@ -290,8 +290,11 @@ class FSDPParam:
         are made once and reused every step (the parts are read-only to the collectives):
         on MindSpore each ``zeros`` is an op launch per parameter and step. They exist only
         for parameters whose rows do not divide evenly, and hold less than two padded
-        pieces (two shards) per such parameter."""
+        pieces (two shards) per such parameter. ``full_grad`` None (a parameter this
+        rank's backward did not reach) takes part as zeros, one padded piece made once."""
         p = self.platform
+        if full_grad is None:
+            return [[self._zeros(self.padded_numel, dtype)] for _ in range(self.shard_size)]
         moved = p.movedim(p.cast(full_grad, dtype), self.shard_dim, 0)
         if self.shard_dim != 0:  # dim 0 is contiguous already (and asking waits on MindSpore)
             moved = p.contiguous(moved)

@@ -94,6 +94,7 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform)
         # and out about as much (make bench); CUDA keeps FSDP2's fused layout
         self._capabilities = Capabilities(
             device_type=device, can_release_storage=True, registers_full_tensors=True,
+            reports_unused_grads=True,
             default_own_collective_bytes=1 << 20 if device == "cpu" else None)
 
     @property
