@@ -19,6 +19,10 @@ BACKENDS = ["torch", "mindspore"]
 ATOL = 1e-5
 ADAMW_PARAM_ATOL = 1e-4  # AdamW amplifies rounding in near-zero gradients (tests/kit.py)
 MODES = ["plain", "no_sync", "defer_all_reduce"]
+# what FSDP2's error for a parameter shared across units says, which ours says too
+# (checked on ranks by tests/test_bad_input.py)
+FSDP2_SHARED_PARAMETER_WORDING = ("parameter already managed by another FSDP group",
+                                  "fully_shard([module_a, module_b])")
 
 shared_launch.register(__name__, "fsdp2_surface", 2, "tests.fsdp2_surface_scenarios:run_all",
                        timeout_s=300)
@@ -80,3 +84,16 @@ def test_ranks_that_use_different_experts_stay_in_step(mode):
         assert r["grads"] == r["ref_grads"]
         assert ["moe.experts.2.weight", "moe.experts.2.bias"] in r["grads"]
         assert [] in r["grads"]  # the step where rank 0 used expert 2
+
+
+# ---------------------------------------------------------------------------- error messages
+def test_shared_parameter_error_carries_fsdp2s_wording():
+    """Code that matches FSDP2's message for a parameter shared across two units finds it
+    in ours (the rank-side check is tests/test_bad_input.py's "tied_across_units")."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    theirs = inspect.getsource(FSDPState._validate_no_duplicate_params)
+    for phrase in FSDP2_SHARED_PARAMETER_WORDING:
+        assert phrase in theirs, f"FSDP2's message no longer says {phrase!r}"
