@@ -203,6 +203,49 @@ def run_routed(kit, mode: str) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- unshard first
+def _unshard_blocks(model, how: str) -> None:
+    """Before the root's first forward: unshard every block, waited ("async_wait") or not
+    ("async") or blocking ("sync")."""
+    handles = [block.unshard(async_op=how != "sync") for block in model.blocks]
+    if how == "async_wait":
+        for handle in handles:
+            handle.wait()
+
+
+def run_unshard_before_first_forward(kit, how: str) -> dict:
+    """The blocks are unsharded explicitly before the root's first forward (overlapping the
+    first all-gathers with data loading), and again between steps 2 and 3: training is at
+    parity, and on torch equals FSDP2's with the same calls."""
+    model, ref = _build_spare(kit), _build_spare(kit)
+    kit.load(model, 0)
+    kit.load(ref, 0)
+    _wrap(model)
+    opt, ref_opt = kit.optimizer(kit.params(model)), kit.optimizer(kit.params(ref))
+    _unshard_blocks(model, how)
+    out = {"losses": [], "ref_losses": []}
+    for step, (x, y) in enumerate(make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=41)):
+        if step == 2:
+            _unshard_blocks(model, how)
+        out["losses"].append(kit.train_step(model, opt, x[_local()], y[_local()]))
+        out["ref_losses"].append(kit.train_step(ref, ref_opt, x, y))
+    out["param_diff"] = _param_diff(kit, model, ref)
+    if kit.name == "torch":
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        theirs = _build_spare(kit)
+        kit.load(theirs, 0)
+        _wrap(theirs, torch_fully_shard)
+        their_opt = kit.optimizer(kit.params(theirs))
+        _unshard_blocks(theirs, how)
+        out["their_losses"] = []
+        for step, (x, y) in enumerate(make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=41)):
+            if step == 2:
+                _unshard_blocks(theirs, how)
+            out["their_losses"].append(kit.train_step(theirs, their_opt, x[_local()], y[_local()]))
+    return out
+
+
 # ---------------------------------------------------------------------------- entry point
 def run_all() -> dict:
     kit = get_kit()
@@ -211,4 +254,6 @@ def run_all() -> dict:
         out[f"spare_{mode}"] = run_spare(kit, mode)
         if kit.name == "torch":
             out[f"routed_{mode}"] = run_routed(kit, mode)
+    for how in ("async_wait", "async", "sync"):
+        out[f"unshard_first_{how}"] = run_unshard_before_first_forward(kit, how)
     return out

@@ -86,6 +86,23 @@ def test_ranks_that_use_different_experts_stay_in_step(mode):
         assert [] in r["grads"]  # the step where rank 0 used expert 2
 
 
+# ---------------------------------------------------------------------------- explicit unshard
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["async_wait", "async", "sync"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unshard_before_the_first_forward_is_not_a_replacement(backend, how):
+    """Blocks unsharded before the root's first forward (and between two later steps):
+    async and waited, async and left to the forward, or blocking. The root's lazy init
+    does not take the registered full parameters for replacements, and the gathered
+    parameters are used by the forward's own node (on MindSpore one made inside
+    value_and_grad): training at parity, on torch equal to FSDP2's."""
+    per_rank = _part(backend, f"unshard_first_{how}")
+    _assert_parity(per_rank)
+    if backend == "torch":
+        for r in per_rank:
+            np.testing.assert_allclose(r["losses"], r["their_losses"], atol=ATOL, rtol=0)
+
+
 # ---------------------------------------------------------------------------- error messages
 def test_shared_parameter_error_carries_fsdp2s_wording():
     """Code that matches FSDP2's message for a parameter shared across two units finds it

@@ -26,7 +26,7 @@ class FSDPModule:
         state = _state_of(self)
         state.keep_until_next_forward()  # the next forward uses these, gathered or in flight
         if not async_op:
-            state.unshard()
+            _unshard_explicitly(state)
             return None
         state.prefetch()
         return _UnshardHandle(state)
@@ -148,7 +148,18 @@ class _UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        self._state.unshard()
+        _unshard_explicitly(self._state)
+
+
+def _unshard_explicitly(state: FSDPState) -> None:
+    """``unshard()``: full parameters that no forward holds yet are gathered through a node
+    no forward will differentiate (MindSpore records only what runs inside
+    ``value_and_grad``), so they are marked ``spent``: the next forward makes its own node
+    over the same tensors, with no all-gather, as after ``reshard_after_backward=False``."""
+    fresh = state._full is None
+    state.unshard()
+    if fresh and state._full is not None:
+        state._full.spent = True
 
 
 def _as_scalar(value):

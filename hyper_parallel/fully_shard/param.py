@@ -123,13 +123,15 @@ class FSDPParam:
         return p.contiguous(p.movedim(local, 0, self.shard_dim)), padded
 
     # ---------------------------------------------------------------- replaced parameters
-    def reset_sharded_param(self) -> None:
+    def reset_sharded_param(self, pick_up: bool = True) -> None:
         """At the root's lazy init, as FSDP2's: take a parameter that replaced the sharded
-        one (``pick_up_replacement``), insist that it holds values now, and give a shard
-        materialised since ``fully_shard`` (``to_empty`` after a meta build) its padded
-        piece back, so the all-gather reads it in place."""
+        one (``pick_up_replacement``; not while the unit's full parameters are attached,
+        ``pick_up`` False), insist that it holds values now, and give a shard materialised
+        since ``fully_shard`` (``to_empty`` after a meta build) its padded piece back, so
+        the all-gather reads it in place."""
         p = self.platform
-        self.pick_up_replacement()
+        if pick_up:
+            self.pick_up_replacement()
         if p.is_deferred(p.local_tensor(self.sharded_param)):
             raise RuntimeError(
                 f"parameter {self.fqn!r} has no values at the first forward (built on the meta "

@@ -106,7 +106,9 @@ class FSDPState:
                 prefix = names.get(id(module))
                 if prefix is not None:  # errors name the parameter as the user does
                     fsdp_param.fqn = f"{prefix}.{attr}" if prefix else attr
-                fsdp_param.reset_sharded_param()
+                # a unit unsharded explicitly before this forward registers its full
+                # parameters (torch): they are not replacements
+                fsdp_param.reset_sharded_param(pick_up=state._full is None)
         context = IterationContext(self.platform, states)
         for state in states:
             state.is_root = state is self
