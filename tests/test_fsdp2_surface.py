@@ -114,3 +114,138 @@ def test_shared_parameter_error_carries_fsdp2s_wording():
     theirs = inspect.getsource(FSDPState._validate_no_duplicate_params)
     for phrase in FSDP2_SHARED_PARAMETER_WORDING:
         assert phrase in theirs, f"FSDP2's message no longer says {phrase!r}"
+
+
+# ---------------------------------------------------------------------------- FSDPModule methods
+def _assert_same_as_fsdp2(per_rank: list) -> None:
+    for r in per_rank:
+        np.testing.assert_allclose(r["losses"], r["their_losses"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reduce_scatter_divide_factor_is_the_deprecated_gradient_divide_factor(backend):
+    """set_reduce_scatter_divide_factor(4) on 2 ranks warns (FutureWarning, naming
+    set_gradient_divide_factor) and halves the gradients, like FSDP2."""
+    per_rank = _part(backend, "divide_factor")
+    _assert_parity(per_rank)
+    for r in per_rank:
+        assert r["factors"] == [4.0, 4.0, 4.0]
+        assert [w[0] for w in r["warnings"]] == ["FutureWarning"]
+        assert "set_gradient_divide_factor" in r["warnings"][0][1]
+    if backend == "torch":
+        _assert_same_as_fsdp2(per_rank)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unshard_in_backward_false_skips_the_gather_before_backward(backend):
+    """A unit whose backward reads none of its parameters (a first layer, whose input is
+    the data): with set_unshard_in_backward(False) no all-gather before its backward (one
+    per step, on torch; MindSpore frees nothing after forward), at parity and as FSDP2."""
+    per_rank = _part(backend, "unshard_in_backward")
+    _assert_parity(per_rank)
+    for r in per_rank:
+        saved = 5 if backend == "torch" else 0  # one per step
+        assert r["gathers"]["True"] - r["gathers"]["False"] == saved, r["gathers"]
+    if backend == "torch":
+        _assert_same_as_fsdp2(per_rank)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_reduce_hook_sees_and_changes_the_reduced_gradients(backend):
+    """A hook halving every unit's reduced gradients (in place on torch, returning a new
+    tensor on MindSpore) trains like the reference with halved gradients, and on torch
+    like FSDP2 with the same hook; bad hooks and a stream are refused by name."""
+    per_rank = _part(backend, "all_reduce_hook")
+    _assert_parity(per_rank)
+    for r in per_rank:
+        assert r["calls"] == 15  # 3 units x 5 steps, one leg each
+        assert r["not_callable"][0] == "TypeError"
+        assert r["stream"][0] == "NotImplementedError" and "leave stream out" in r["stream"][1]
+        assert r["bad_shape"][0] == "ValueError" and "must return None or a tensor" in r["bad_shape"][1]
+    if backend == "torch":
+        _assert_same_as_fsdp2(per_rank)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_post_optim_event_is_waited_once_by_the_next_forward(backend):
+    per_rank = _part(backend, "post_optim_event")
+    _assert_parity(per_rank)
+    for r in per_rank:
+        assert r["waited"] == [1, 1, 1, 1]
+        assert r["nested"][0] == "ValueError" and "call it on the root" in r["nested"][1]
+        assert r["no_event"][0] == "TypeError"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_separate_reduce_scatter_group(backend):
+    """Reduce-scatters over a communicator of their own (the shard ranks), at parity and,
+    on torch, like FSDP2 with the same call; False puts them back on the shard group."""
+    per_rank = _part(backend, "separate_reduce_scatter_group")
+    _assert_parity(per_rank)
+    for r in per_rank:
+        assert r["separate"] and r["reset"]
+        assert r["reduce_scatters"] == 15
+    if backend == "torch":
+        _assert_same_as_fsdp2(per_rank)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reduce_scatter_unused_params_gives_zero_gradients(backend):
+    """With it, the layer nobody calls gets zero gradients, so AdamW's weight decay moves
+    it: on torch exactly as FSDP2 with the same setting; the single-process reference,
+    whose layer gets no gradient on torch, differs there by that layer only."""
+    per_rank = _part(backend, "reduce_scatter_unused_params")
+    mean_losses = np.mean([r["losses"] for r in per_rank], axis=0)
+    np.testing.assert_allclose(mean_losses, per_rank[0]["ref_losses"], atol=ATOL, rtol=0)
+    for r in per_rank:
+        assert r["spare_moved"] > 0.0
+        if backend == "torch":
+            assert r["spare_moved"] == pytest.approx(r["their_spare_moved"], abs=1e-6)
+        else:  # the reference's zeros move it the same
+            assert r["param_diff"] <= ADAMW_PARAM_ATOL
+    if backend == "torch":
+        _assert_same_as_fsdp2(per_rank)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reduce_scatter_max_input_buffers_is_validated_like_fsdp2(backend):
+    r = _part(backend, "method_checks")[0]
+    expected = {2: None, 0: "ValueError", -1: "ValueError", True: "TypeError",
+                1.5: "TypeError", "2": "TypeError"}
+    for value, error in expected.items():
+        assert r[f"max_input_buffers {value!r}"][0] == error, value
+        if backend == "torch":
+            assert r[f"fsdp2 max_input_buffers {value!r}"] == error, value
+    assert r["max_input_buffers stored"] == [2, 2, 2]
+    assert r["max_input_buffers not recursed"] == [3, 2, 2]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("check, reason", [
+    ("allocate True", "never from a process group's own allocator"),
+    ("symm_mem", "not into symmetric memory"),
+    ("custom_all_gather", "FSDP2's AllGather protocol"),
+    ("custom_reduce_scatter", "FSDP2's ReduceScatter protocol"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_methods_without_meaning_here_say_why(backend, check, reason):
+    r = _part(backend, "method_checks")[0]
+    assert r[check][0] == "NotImplementedError"
+    assert reason in r[check][1]
+    assert r["allocate False"] == (None, "")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_share_comm_ctx_takes_units_only(backend):
+    r = _part(backend, "method_checks")[0]
+    assert r["share_comm_ctx"] == (None, "") and r["share_comm_ctx empty"] == (None, "")
+    assert r["share_comm_ctx plain"][0] == "ValueError"
+    assert "call fully_shard on it first" in r["share_comm_ctx plain"][1]

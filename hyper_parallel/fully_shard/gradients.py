@@ -130,9 +130,12 @@ def reduce_gradients(state: FSDPState, full_grads: list) -> list:
     placeholders = None if returned else [fp.grad_placeholder() for fp in group.params]
     used = ([g is not None for g in full_grads] if p.capabilities.reports_unused_grads
             else None)
+    if state.reduce_scatter_unused_params:  # FSDP2's: every parameter gets a gradient
+        used = None
     reduction = UnitReduction(state.name, state.path, group, full_grads, dtype, plan,
                               placeholders, state.to_main_grad, async_op=not sync,
-                              requires_all_reduce=state.requires_all_reduce, used=used)
+                              requires_all_reduce=state.requires_all_reduce, used=used,
+                              hook=state.all_reduce_hook)
     delivered = state.iteration.enqueue(reduction)
     return delivered if returned else placeholders
 
@@ -158,7 +161,8 @@ class UnitReduction:
 
     def __init__(self, name: str, path: str, group: FSDPParamGroup, full_grads: list, dtype: Any,
                  plan: ReducePlan, placeholders: list | None, to_main_grad: bool, async_op: bool,
-                 requires_all_reduce: bool = True, used: list | None = None):
+                 requires_all_reduce: bool = True, used: list | None = None,
+                 hook: Any = None):
         self.name = name
         self.path = path  # the unit's module path, which errors name (watchdog.py)
         self.group = group
@@ -167,6 +171,7 @@ class UnitReduction:
         self.to_main_grad = to_main_grad
         self.async_op = async_op
         self.requires_all_reduce = requires_all_reduce  # False: step 4 defers (HSDP)
+        self.hook = hook  # set_all_reduce_hook: called on each leg's reduced gradients
         p, info = group.platform, group.mesh_info
         by_param = {id(fp): g for fp, g in zip(group.params, full_grads)}
         # ``used``: whether this rank's backward reached each parameter; None where the
@@ -187,7 +192,8 @@ class UnitReduction:
                     pieces = [[p.scale(part, plan.pre_scale) for part in parts] for parts in pieces]
                 if leg is flag_leg:  # every rank's piece: each rank's counts summed
                     pieces = [[*parts, counts] for parts in pieces]
-                handle = p.reduce_scatter(pieces, info.shard_group, async_op=async_op, dim="shard")
+                handle = p.reduce_scatter(pieces, info.reduce_scatter_group, async_op=async_op,
+                                          dim="shard")
                 self.leg_grads.append(LegGradients(leg, None, handle))
             else:
                 # no reduce-scatter: a buffer of the core's own, all-reduced in place
@@ -255,6 +261,8 @@ class UnitReduction:
             lg.settled = True
             if lg.deferred:
                 continue
+            if self.hook is not None:
+                self._run_hook(lg)
             if lg is self.flag_leg:
                 counts = p.to_numpy(p.narrow(lg.buffer, 0, lg.leg.total_numel,
                                              len(self.group.params)))
@@ -274,6 +282,23 @@ class UnitReduction:
             if id(fp) in delivered:
                 p.write_grad(fp.sharded_param, placeholder, delivered[id(fp)], self.to_main_grad)
         return None
+
+    def _run_hook(self, lg: LegGradients) -> None:
+        """``set_all_reduce_hook``: the hook gets the leg's reduced gradients (the usage
+        counts left out) and may change them in place (torch) or return new ones."""
+        p = self.group.platform
+        numel = lg.leg.total_numel
+        whole = lg is not self.flag_leg
+        grads = lg.buffer if whole else p.narrow(lg.buffer, 0, 0, numel)
+        returned = self.hook(grads)
+        if returned is None:
+            return
+        if tuple(p.shape(returned)) != tuple(p.shape(grads)):
+            raise ValueError(f"{self.name}: the all-reduce hook returned a tensor of shape "
+                             f"{tuple(p.shape(returned))}; it must return None or a tensor of "
+                             f"the shape it was given, {tuple(p.shape(grads))}")
+        tail = p.narrow(lg.buffer, 0, numel, p.shape(lg.buffer)[0] - numel)
+        lg.buffer = returned if whole else p.cat([returned, tail], 0)
 
     def abandon(self) -> None:
         """Wait the collectives still in flight and deliver nothing (an aborted

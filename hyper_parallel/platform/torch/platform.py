@@ -132,8 +132,8 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform)
         return MeshDescription(tuple(native_mesh.mesh.shape), tuple(names), groups,
                                native_mesh.device_type, native_mesh.mesh.tolist())
 
-    def new_group(self, ranks):
-        if len(ranks) == self.world_size():
+    def new_group(self, ranks, distinct=False):
+        if len(ranks) == self.world_size() and not distinct:
             return dist.group.WORLD
         return dist.new_group(list(ranks))
 
