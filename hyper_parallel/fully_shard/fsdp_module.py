@@ -29,7 +29,7 @@ class FSDPModule:
             _unshard_explicitly(state)
             return None
         state.prefetch()
-        return _UnshardHandle(state)
+        return UnshardHandle(state)
 
     def reshard(self) -> None:
         """Free this unit's full parameters; the module sees its sharded parameters."""
@@ -272,7 +272,10 @@ def share_comm_ctx(modules: list) -> None:
                              f"{type(module).__name__}; call fully_shard on it first")
 
 
-class _UnshardHandle:
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns: ``wait()`` finishes the all-gather and
+    makes the full parameters the module's attributes."""
+
     def __init__(self, state: FSDPState):
         self._state = state
 
