@@ -482,6 +482,84 @@ def run_method_checks(kit) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- AC + chunked loss
+def _build_checkpointed(kit, shard=None):
+    """torch: torchtitan's pattern. Pre-norm residual blocks (an RMSNorm-like scale, so
+    the recomputation multiplies by a parameter), each wrapped by checkpoint_wrapper and
+    then (``shard``) fully_shard applied to the wrapper; the head a unit of its own; the
+    model's forward stops before the head."""
+    torch, nn = kit.torch, kit.nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    class Block(nn.Module):
+        def __init__(self, dim, hidden):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(dim))
+            self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+        def forward(self, x):
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.scale
+            return x + self.down(torch.relu(self.up(h)))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(D_IN, D_HID)
+            self.blocks = nn.ModuleList([Block(D_HID, 41) for _ in range(3)])
+            self.head = nn.Linear(D_HID, D_OUT)
+
+        def forward(self, x):
+            x = self.inp(x)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model = Model()
+    kit.load(model, 0)
+    if shard is not None:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+            shard(model.blocks[i])
+        shard(model.head)
+        shard(model)
+    return model
+
+
+def _chunked_step(kit, model, opt, x, y) -> float:
+    """torchtitan's chunked loss: the head's backward alone (which ends a backward, so
+    every unit reshards), then the trunk's with the gradient it produced."""
+    h = model(kit.tensor(x))
+    hd = h.detach().requires_grad_()
+    loss = ((model.head(hd) - kit.tensor(y)) ** 2).mean()
+    loss.backward()
+    h.backward(hd.grad)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def run_checkpointed_chunked_loss(kit) -> dict:
+    """torch: blocks under checkpoint_wrapper with fully_shard on the wrapper, and the loss
+    through a head-only backward first: the recomputation in the trunk's backward reads
+    the re-gathered parameters. At parity with the reference and equal to FSDP2."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    out = {"losses": [], "ref_losses": [], "their_losses": []}
+    model = _build_checkpointed(kit, hp.fully_shard)
+    ref = _build_checkpointed(kit)
+    theirs = _build_checkpointed(kit, torch_fully_shard)
+    opts = [kit.optimizer(kit.params(m)) for m in (model, ref, theirs)]
+    for x, y in make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=61):
+        out["losses"].append(_chunked_step(kit, model, opts[0], x[_local()], y[_local()]))
+        out["ref_losses"].append(_chunked_step(kit, ref, opts[1], x, y))
+        out["their_losses"].append(_chunked_step(kit, theirs, opts[2], x[_local()], y[_local()]))
+    full = hp.gather_full_state_dict(model)
+    unwrapped = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in full.items()}
+    out["param_diff"] = max(float(np.abs(unwrapped[k] - kit.to_numpy(v)).max())
+                            for k, v in _named(kit, ref).items())
+    return out
+
+
 # ---------------------------------------------------------------------------- entry point
 def run_all() -> dict:
     kit = get_kit()
@@ -499,4 +577,6 @@ def run_all() -> dict:
     out["separate_reduce_scatter_group"] = run_separate_reduce_scatter_group(kit)
     out["reduce_scatter_unused_params"] = run_reduce_scatter_unused_params(kit)
     out["method_checks"] = run_method_checks(kit)
+    if kit.name == "torch":
+        out["checkpointed_chunked_loss"] = run_checkpointed_chunked_loss(kit)
     return out

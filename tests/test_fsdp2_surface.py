@@ -302,3 +302,15 @@ def test_the_left_out_names_are_documented():
     api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
     for name in [*LEFT_OUT, *METHODS_LEFT_OUT]:
         assert f"`{name}`" in api, f"docs/api.md does not name {name} among the left-out names"
+
+
+# ---------------------------------------------------------------------------- torchtitan's pattern
+@pytest.mark.timeout(600)
+def test_checkpoint_wrapper_with_a_chunked_loss_trains_like_fsdp2():
+    """torch: torchtitan's default wrapping (checkpoint_wrapper on each block, fully_shard
+    on the wrapper) with its chunked loss (a head-only backward, whose end reshards every
+    unit, then the trunk's backward, whose recomputations read the blocks' parameters):
+    at parity with the reference and equal to FSDP2."""
+    per_rank = _part("torch", "checkpointed_chunked_loss")
+    _assert_parity(per_rank)
+    _assert_same_as_fsdp2(per_rank)
