@@ -146,7 +146,7 @@ def _build_routed(kit):
 
         def forward(self, x):
             route = x[:, 0].long()
-            h = torch.zeros(x.shape[0], D_HID)
+            h = torch.zeros(x.shape[0], D_HID, dtype=x.dtype)
             for i, expert in enumerate(self.experts):
                 rows = (route == i).nonzero().flatten()
                 if rows.numel():
@@ -171,9 +171,13 @@ def run_routed(kit, mode: str) -> dict:
     model, ref = _build_routed(kit), _build_routed(kit)
     kit.load(model, 0)
     kit.load(ref, 0)
-    hp.fully_shard(model.moe, mesh=_mesh(kit, mode))
-    hp.fully_shard(model.block, mesh=_mesh(kit, mode))
-    hp.fully_shard(model, mesh=_mesh(kit, mode))
+    options = {"mesh": _mesh(kit, mode)}
+    if mode == "bf16":  # the usage counts travel in the reduce dtype
+        options["mp_policy"] = hp.MixedPrecisionPolicy(param_dtype="bfloat16",
+                                                       reduce_dtype="bfloat16")
+    hp.fully_shard(model.moe, **options)
+    hp.fully_shard(model.block, **options)
+    hp.fully_shard(model, **options)
     opt = kit.optimizer(kit.params(model), kind="adamw")
     ref_opt = kit.optimizer(kit.params(ref), kind="adamw")
     micro, sync_fn = _accumulation(mode, model)
@@ -187,7 +191,7 @@ def run_routed(kit, mode: str) -> dict:
         for i, (mx, my) in enumerate(zip(xs, ys)):
             if sync_fn is not None:
                 sync_fn(i, i == micro - 1)
-            step_loss = ((model(kit.tensor(mx)) - kit.tensor(my)) ** 2).mean() / micro
+            step_loss = ((model(kit.tensor(mx)).float() - kit.tensor(my)) ** 2).mean() / micro
             step_loss.backward()
             loss += step_loss.item()
         ref_loss = ((ref(kit.tensor(x)) - kit.tensor(y)) ** 2).mean()
@@ -568,6 +572,8 @@ def run_all() -> dict:
         out[f"spare_{mode}"] = run_spare(kit, mode)
         if kit.name == "torch":
             out[f"routed_{mode}"] = run_routed(kit, mode)
+    if kit.name == "torch":
+        out["routed_bf16"] = run_routed(kit, "bf16")
     for how in ("async_wait", "async", "sync"):
         out[f"unshard_first_{how}"] = run_unshard_before_first_forward(kit, how)
     out["divide_factor"] = run_divide_factor(kit)

@@ -86,6 +86,17 @@ def test_ranks_that_use_different_experts_stay_in_step(mode):
         assert [] in r["grads"]  # the step where rank 0 used expert 2
 
 
+@pytest.mark.timeout(600)
+def test_ranks_that_use_different_experts_in_bfloat16():
+    """The same in bfloat16 (parameters and reduction), against the float32 reference:
+    the same parameters get no gradient, and the losses agree to bfloat16's precision."""
+    per_rank = _part("torch", "routed_bf16")
+    mean_losses = np.mean([r["losses"] for r in per_rank], axis=0)
+    np.testing.assert_allclose(mean_losses, per_rank[0]["ref_losses"], rtol=5e-2, atol=5e-2)
+    for r in per_rank:
+        assert r["grads"] == r["ref_grads"]
+
+
 # ---------------------------------------------------------------------------- explicit unshard
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("how", ["async_wait", "async", "sync"])

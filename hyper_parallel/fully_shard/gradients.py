@@ -264,8 +264,9 @@ class UnitReduction:
             if self.hook is not None:
                 self._run_hook(lg)
             if lg is self.flag_leg:
-                counts = p.to_numpy(p.narrow(lg.buffer, 0, lg.leg.total_numel,
-                                             len(self.group.params)))
+                counts = p.to_numpy(p.cast(p.narrow(lg.buffer, 0, lg.leg.total_numel,
+                                                    len(self.group.params)),
+                                           p.dtype("float32")))  # numpy has no bfloat16
                 self.unused = {id(fp) for fp, n in zip(self.group.params, counts) if n == 0}
             for fp, offset in zip(lg.leg.params, lg.leg.offsets):
                 if p.param_requires_grad(fp.sharded_param) and id(fp) not in self.unused:
