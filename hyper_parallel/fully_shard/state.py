@@ -293,16 +293,13 @@ class FSDPState:
         be there before autograd reads it (see the note "freeing full parameters")."""
         if self.iteration is not None:
             self.iteration.ensure_final_callback()
-        if full is not None and self.unshard_in_backward:
-            refilled = not full.live
-            if refilled:
-                self._refill(full)
+        if full is not None and not full.live and self.unshard_in_backward:
+            self._refill(full)
             if self._full is None and not full.spent:
                 # resharded since that forward (an earlier backward's end): a recomputation
                 # in this backward (activation checkpointing) reads the module's attributes
                 self._full = full
-                refilled = True
-            if refilled and full is self._full:
+            if full is self._full:
                 for fsdp_param, tensor in zip(self.group.params, full.tensors):
                     fsdp_param.attach(tensor)
                 self._enter(UnitState.UNSHARDED)
