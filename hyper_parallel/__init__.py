@@ -11,7 +11,8 @@ from hyper_parallel.distributed import destroy_distributed, init_distributed
 from hyper_parallel.export import export_full
 from hyper_parallel.fully_shard import (
     CPUOffloadPolicy, DataParallelMeshDims, DeviceMesh, FSDPModule, MixedPrecisionPolicy,
-    OffloadPolicy, fully_shard, init_device_mesh, register_fsdp_forward_method,
+    OffloadPolicy, UnshardHandle, fully_shard, init_device_mesh, register_fsdp_forward_method,
+    share_comm_ctx,
 )
 from hyper_parallel.full_state import gather_full_state_dict, get_full_state_dict
 from hyper_parallel.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
@@ -27,5 +28,5 @@ __all__ = [
     "get_full_state_dict", "get_platform", "get_state_dict", "init_device_mesh",
     "init_distributed", "load_checkpoint", "load_sharded_checkpoint",
     "register_fsdp_forward_method", "save_checkpoint", "save_sharded_checkpoint",
-    "set_state_dict", "track_comms",
+    "set_state_dict", "share_comm_ctx", "track_comms", "UnshardHandle",
 ]

@@ -6,6 +6,7 @@ import pytest
 
 from hyper_parallel.platform import resolve_backend_name
 from tests import shared_launch
+from tests.test_fsdp2_surface import FSDP2_SHARED_PARAMETER_WORDING
 
 BACKENDS = ["torch", "mindspore"]
 
@@ -39,6 +40,7 @@ def test_backend_name_is_case_insensitive(monkeypatch):
     ("twice", "ValueError", "already applied"),
     ("top_down", "ValueError", "apply it to the blocks first"),
     ("tied_across_units", "ValueError", "common ancestor"),
+    *[("tied_across_units", "ValueError", phrase) for phrase in FSDP2_SHARED_PARAMETER_WORDING],
     ("unknown_reduce_op", "ValueError", "one of ('avg', 'sum')"),
     ("non_scalar_scaling", "ValueError", "one-element tensor, got shape (2,)"),
     ("negative_threshold", "ValueError", "shard_threshold_bytes must be an int >= 0"),

@@ -164,10 +164,12 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         owner = getattr(param, _SHARDED_BY, None) or getattr(param, _REPLACED_BY, None)
         if owner is not None:
             raise ValueError(
-                f"parameter {fqn!r} is already managed by the fully_shard unit {owner}: either "
-                f"fully_shard was applied top-down (apply it to the blocks first, then the root) "
-                f"or the parameter is shared with modules of another unit (wrap only their "
-                f"common ancestor, so one unit owns it)")
+                f"Parameter {fqn!r} is shared with a parameter already managed by another "
+                f"FSDP group (the fully_shard unit {owner}): either fully_shard was applied "
+                f"top-down (apply it to the blocks first, then the root) or the parameter is "
+                f"shared with modules of another unit (wrap only their common ancestor, or "
+                f"both modules as one unit, fully_shard([module_a, module_b]), so one unit "
+                f"owns it)")
         local = platform.param_local_values(param)  # what this rank shards (tensor parallel)
         nbytes = math.prod(platform.shape(local)) * platform.element_size(platform.dtype_of(local))
         plan.append((fqn, param, slots, _shard_dim(param, fqn, len(platform.shape(param)),

@@ -26,10 +26,10 @@ class FSDPModule:
         state = _state_of(self)
         state.keep_until_next_forward()  # the next forward uses these, gathered or in flight
         if not async_op:
-            state.unshard()
+            _unshard_explicitly(state)
             return None
         state.prefetch()
-        return _UnshardHandle(state)
+        return UnshardHandle(state)
 
     def reshard(self) -> None:
         """Free this unit's full parameters; the module sees its sharded parameters."""
@@ -121,6 +121,115 @@ class FSDPModule:
         for state in _states_under(self, recurse):
             state.force_sum_reduction = bool(force_sum)
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2 for ``set_gradient_divide_factor``, which it calls."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use "
+                      "set_gradient_divide_factor instead", FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: this unit's backward reads none of its full parameters (an embedding's),
+        so full parameters freed after forward are not gathered again before its backward.
+        This unit only, as FSDP2's."""
+        _state_of(self).unshard_in_backward = bool(unshard_in_backward)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """True: a parameter no rank's backward reached gets a zero gradient (FSDP2's
+        behaviour with it); False (default): it gets none. Ranks stay in step either way."""
+        for state in _states_under(self, recurse):
+            state.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        """How many reduce-scatter inputs may be in flight at once (>= 1). Validated and
+        kept; one reduce-scatter is in flight at a time here, whose input is freed when it
+        completes, so larger values change nothing (docs/api.md)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got "
+                            f"{type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for state in _states_under(self, recurse):
+            state.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        """``hook(reduced)`` runs on each of this unit's reduced gradient buffers (after the
+        reduce-scatter, and the replicate all-reduce with HSDP), before they are delivered.
+        It may change the tensor in place (torch) or return a new one of the same shape."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook takes a callable hook(tensor), got "
+                            f"{type(hook).__name__}")
+        if stream is not None:
+            raise NotImplementedError(
+                "set_all_reduce_hook(stream=...): hyper_parallel runs its collectives and the "
+                "hook in the order of the backward pass, on no side stream; leave stream out")
+        _state_of(self).all_reduce_hook = hook
+
+    def set_post_optim_event(self, event) -> None:
+        """An event recorded after the optimizer step (torch.Event, mindspore.runtime.Event):
+        the root's next forward waits for it (``event.wait()``) before its all-gathers,
+        then forgets it; set a new one each iteration."""
+        if not callable(getattr(event, "wait", None)):
+            raise TypeError(f"set_post_optim_event takes an event with a wait() method "
+                            f"(torch.Event, mindspore.runtime.Event), got {type(event).__name__}")
+        state = _state_of(self)
+        if state.iteration is not None and not state.is_root:
+            raise ValueError("set_post_optim_event applies to the root's next forward: call it "
+                             "on the root module, not on a nested fully_shard unit")
+        state.post_optim_event = event
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """False is what hyper_parallel does (its buffers come from the framework's
+        allocator); True raises NotImplementedError."""
+        _state_of(self)
+        if enable:
+            raise NotImplementedError(
+                "set_allocate_memory_from_process_group_for_comm(True): hyper_parallel's "
+                "communication buffers come from the framework's allocator (the gradients "
+                "and shards themselves where they can), never from a process group's own "
+                "allocator (NCCL zero-copy); leave it False")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Raises NotImplementedError: no symmetric-memory all-gather buffers."""
+        _state_of(self)
+        raise NotImplementedError(
+            f"set_symm_mem_for_comm({backend!r}): hyper_parallel all-gathers into buffers from "
+            f"the framework's allocator (or into the full parameters themselves), not into "
+            f"symmetric memory (torch.distributed._symmetric_memory over NCCL)")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
+        """True: gradients are reduce-scattered over a process group of their own (the
+        same ranks as the shard group), so they can progress beside all-gathers; made once
+        per mesh, so call it on every rank. False: back to the shard group."""
+        states = [s for s in _states_under(self, recurse) if s.group is not None]
+        platform = get_platform()
+        for state in states:  # every check before any group is made
+            info = state.group.mesh_info
+            if enable and info.shard_size > 1 and info.source.size() != platform.world_size():
+                raise ValueError(
+                    f"set_separate_reduce_scatter_group makes new process groups, which needs "
+                    f"a mesh over all {platform.world_size()} ranks; {state.name} is on one of "
+                    f"{info.source.size()}: pass the whole mesh to fully_shard (with "
+                    f"dp_mesh_dims)")
+        for state in states:
+            info = state.group.mesh_info
+            separate = enable and info.shard_size > 1
+            info.reduce_scatter_group = info.separate_shard_group() if separate else info.shard_group
+
+    def set_custom_all_gather(self, comm) -> None:
+        """Raises NotImplementedError (see docs/api.md)."""
+        _state_of(self)
+        raise NotImplementedError(_CUSTOM_COMM.format(name="set_custom_all_gather",
+                                                      kind="AllGather"))
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Raises NotImplementedError (see docs/api.md)."""
+        _state_of(self)
+        raise NotImplementedError(_CUSTOM_COMM.format(name="set_custom_reduce_scatter",
+                                                      kind="ReduceScatter"))
+
     def reset_iter_state(self) -> None:
         """Recover from an exception that aborted a forward or backward mid-flight: wait the
         collectives in flight, drop the gradient reductions pending (that iteration's
@@ -143,12 +252,46 @@ class FSDPModule:
         _state_of(self).backward_prefetch = [_state_of(m) for m in modules]
 
 
-class _UnshardHandle:
+_CUSTOM_COMM = (
+    "{name}: hyper_parallel's collectives lay out their buffers their own way (a parameter "
+    "of its own collective is gathered into and reduced from its own tensors, the rest "
+    "fused; ranks' parts are passed without being joined), which FSDP2's {kind} protocol "
+    "(allocate, then call on one flat buffer) does not describe. For lower-precision "
+    "communication use MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...); to change "
+    "reduced gradients, set_all_reduce_hook")
+
+
+def share_comm_ctx(modules: list) -> None:
+    """FSDP2's: roots (pipeline-parallel stages) share their communication streams. Here
+    collectives run on the framework's own communication streams, which every root
+    already shares, so after checking that every module is a unit there is nothing to
+    do."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects a list of fully_shard modules, got "
+                             f"{type(module).__name__}; call fully_shard on it first")
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns: ``wait()`` finishes the all-gather and
+    makes the full parameters the module's attributes."""
+
     def __init__(self, state: FSDPState):
         self._state = state
 
     def wait(self) -> None:
-        self._state.unshard()
+        _unshard_explicitly(self._state)
+
+
+def _unshard_explicitly(state: FSDPState) -> None:
+    """``unshard()``: full parameters that no forward holds yet are gathered through a node
+    no forward will differentiate (MindSpore records only what runs inside
+    ``value_and_grad``), so they are marked ``spent``: the next forward makes its own node
+    over the same tensors, with no all-gather, as after ``reshard_after_backward=False``."""
+    fresh = state._full is None
+    state.unshard()
+    if fresh and state._full is not None:
+        state._full.spent = True
 
 
 def _as_scalar(value):

@@ -34,7 +34,7 @@ class FullParams:
     def __init__(self, memory: Memory | None = None):
         self.tensors: list = []
         self.memory = memory if memory is not None else Memory()
-        self.spent = False  # the node's backward ran
+        self.spent = False  # the node's backward ran, or no forward will (an explicit unshard)
 
     @property
     def live(self) -> bool:

@@ -26,6 +26,19 @@ of backward. Synchronous collectives go through the same steps, so both modes pr
 bitwise-identical gradients. Every collective SUMs and every division is an explicit
 multiplication (reduce_op.py explains why).
 
+[Note: unused parameters]
+Where backward gives None for a full parameter nothing used (``Capabilities.
+reports_unused_grads``, torch), such a parameter gets no gradient, as in a single process
+over the global batch and in FSDP2, if no rank's backward reached it: otherwise an
+optimizer with weight decay or moments moves it where the reference leaves it alone. A rank
+that did not use it still takes part in every collective with zeros, so ranks that used
+different parameters (experts no token was routed to on one rank) stay in step. Whether any
+rank used it travels with the gradients: one leg's buffer (``_flag_leg``, one that is
+concatenated anyway where there is one) carries one count per parameter of the unit after
+its padded pieces, a 1 from each rank that used it, summed by the same reduce-scatter and
+all-reduce (and deferred sum) as the gradients; a count of 0 is delivered as nothing. With
+gradient sync off, a parameter counts as used if any accumulated backward used it.
+
 [Note: deferred all-reduce]
 With ``set_requires_all_reduce(False)`` a micro-batch's buffer is not all-reduced: it is
 added to the leg's ``ReplicateBucket.deferred`` (kept across micro-batches). The next
@@ -38,6 +51,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from hyper_parallel.fully_shard.reduce_op import ReducePlan, plan_reduction, resolve_reduce_dtype
 
@@ -94,10 +109,12 @@ def reduce_gradients(state: FSDPState, full_grads: list) -> list:
     autograd receives for the local shards: placeholders, the reduced shards themselves
     (see the note), or Nones while gradient sync is off (accumulated unsharded here)."""
     p, group = state.platform, state.group
-    dtype = resolve_reduce_dtype(group.reduce_dtype, group.param_dtype, p.dtype_of(full_grads[0]))
-    full_grads = [p.cast(g, dtype) for g in full_grads]
+    present = [g for g in full_grads if g is not None]  # None: unused (see the note)
+    grad_dtype = p.dtype_of(present[0]) if present else group.params[0].orig_dtype
+    dtype = resolve_reduce_dtype(group.reduce_dtype, group.param_dtype, grad_dtype)
+    full_grads = [None if g is None else p.cast(g, dtype) for g in full_grads]
     if state.unsharded_grads is not None:
-        full_grads = [p.add(acc, g) for acc, g in zip(state.unsharded_grads, full_grads)]
+        full_grads = [_accumulate(p, acc, g) for acc, g in zip(state.unsharded_grads, full_grads)]
         state.unsharded_grads = None
     if not state.requires_gradient_sync:
         logger.debug("%s: gradient sync off, accumulating unsharded gradients", state.name)
@@ -111,11 +128,32 @@ def reduce_gradients(state: FSDPState, full_grads: list) -> list:
     sync = state.iteration.sync_collectives
     returned = sync and p.capabilities.returns_grads_from_backward and not state.to_main_grad
     placeholders = None if returned else [fp.grad_placeholder() for fp in group.params]
+    used = ([g is not None for g in full_grads] if p.capabilities.reports_unused_grads
+            else None)
+    if state.reduce_scatter_unused_params:  # FSDP2's: every parameter gets a gradient
+        used = None
     reduction = UnitReduction(state.name, state.path, group, full_grads, dtype, plan,
                               placeholders, state.to_main_grad, async_op=not sync,
-                              requires_all_reduce=state.requires_all_reduce)
+                              requires_all_reduce=state.requires_all_reduce, used=used,
+                              hook=state.all_reduce_hook)
     delivered = state.iteration.enqueue(reduction)
     return delivered if returned else placeholders
+
+
+def _accumulate(platform: Platform, acc: Any, grad: Any) -> Any:
+    if acc is None or grad is None:
+        return grad if acc is None else acc
+    return platform.add(acc, grad)
+
+
+def _flag_leg(group: FSDPParamGroup) -> Leg:
+    """The leg whose buffer carries the unit's usage counts (see the note "unused
+    parameters"): one whose parts are concatenated anyway (the small leg, or a fused leg
+    of several parameters) where there is one, so no own leg's gradient is copied for it."""
+    for leg in group.legs:
+        if not leg.sharded or len(leg.params) > 1:
+            return leg
+    return group.legs[-1]
 
 
 class UnitReduction:
@@ -123,7 +161,8 @@ class UnitReduction:
 
     def __init__(self, name: str, path: str, group: FSDPParamGroup, full_grads: list, dtype: Any,
                  plan: ReducePlan, placeholders: list | None, to_main_grad: bool, async_op: bool,
-                 requires_all_reduce: bool = True):
+                 requires_all_reduce: bool = True, used: list | None = None,
+                 hook: Any = None):
         self.name = name
         self.path = path  # the unit's module path, which errors name (watchdog.py)
         self.group = group
@@ -132,8 +171,16 @@ class UnitReduction:
         self.to_main_grad = to_main_grad
         self.async_op = async_op
         self.requires_all_reduce = requires_all_reduce  # False: step 4 defers (HSDP)
+        self.hook = hook  # set_all_reduce_hook: called on each leg's reduced gradients
         p, info = group.platform, group.mesh_info
         by_param = {id(fp): g for fp, g in zip(group.params, full_grads)}
+        # ``used``: whether this rank's backward reached each parameter; None where the
+        # platform cannot tell (every parameter is delivered), see the note
+        flag_leg = _flag_leg(group) if used is not None else None
+        if flag_leg is not None:
+            counts = p.cast(p.from_numpy(np.array(used, dtype=np.float32)), dtype)
+        self.flag_leg: LegGradients | None = None
+        self.unused: set = set()  # ids of the FSDPParams no rank used, once counted
         self.leg_grads = []
         for leg in group.legs:
             per_param = [fp.gradient_pieces(by_param[id(fp)], dtype) for fp in leg.params]
@@ -143,14 +190,20 @@ class UnitReduction:
             if leg.sharded and info.shard_size > 1:
                 if plan.pre_scale != 1.0:
                     pieces = [[p.scale(part, plan.pre_scale) for part in parts] for parts in pieces]
-                handle = p.reduce_scatter(pieces, info.shard_group, async_op=async_op, dim="shard")
+                if leg is flag_leg:  # every rank's piece: each rank's counts summed
+                    pieces = [[*parts, counts] for parts in pieces]
+                handle = p.reduce_scatter(pieces, info.reduce_scatter_group, async_op=async_op,
+                                          dim="shard")
                 self.leg_grads.append(LegGradients(leg, None, handle))
-                continue
-            # no reduce-scatter: a buffer of the core's own, all-reduced in place
-            flat = p.cat([part for parts in pieces for part in parts], 0)
-            if plan.pre_scale != 1.0:
-                flat = p.scale(flat, plan.pre_scale, may_overwrite=True)
-            self.leg_grads.append(LegGradients(leg, flat, None))
+            else:
+                # no reduce-scatter: a buffer of the core's own, all-reduced in place
+                parts = [part for parts in pieces for part in parts]
+                flat = p.cat([*parts, counts] if leg is flag_leg else parts, 0)
+                if plan.pre_scale != 1.0:
+                    flat = p.scale(flat, plan.pre_scale, may_overwrite=True)
+                self.leg_grads.append(LegGradients(leg, flat, None))
+            if leg is flag_leg:
+                self.flag_leg = self.leg_grads[-1]
         if group.sharded_legs and info.shard_size > 1:
             logger.debug("%s: reduce-scatter issued (%s)", name, "async" if async_op else "sync")
 
@@ -196,8 +249,11 @@ class UnitReduction:
     def _deliver(self, wait: bool) -> list | None:
         p = self.group.platform
         delivered = {}
-        for lg in self.leg_grads:
+        # the leg with the usage counts first: the others' delivery needs them
+        for lg in sorted(self.leg_grads, key=lambda lg: lg is not self.flag_leg):
             if lg.settled or (lg.handle is not None and not wait):
+                if lg is self.flag_leg and not lg.settled:
+                    break
                 continue
             if lg.handle is not None:
                 lg.handle.wait()
@@ -205,8 +261,15 @@ class UnitReduction:
             lg.settled = True
             if lg.deferred:
                 continue
+            if self.hook is not None:
+                self._run_hook(lg)
+            if lg is self.flag_leg:
+                counts = p.to_numpy(p.cast(p.narrow(lg.buffer, 0, lg.leg.total_numel,
+                                                    len(self.group.params)),
+                                           p.dtype("float32")))  # numpy has no bfloat16
+                self.unused = {id(fp) for fp, n in zip(self.group.params, counts) if n == 0}
             for fp, offset in zip(lg.leg.params, lg.leg.offsets):
-                if p.param_requires_grad(fp.sharded_param):
+                if p.param_requires_grad(fp.sharded_param) and id(fp) not in self.unused:
                     delivered[id(fp)] = fp.sharded_grad_from(lg.buffer, offset)
         if delivered:
             logger.debug("%s: %d gradient shards delivered", self.name, len(delivered))
@@ -220,6 +283,23 @@ class UnitReduction:
             if id(fp) in delivered:
                 p.write_grad(fp.sharded_param, placeholder, delivered[id(fp)], self.to_main_grad)
         return None
+
+    def _run_hook(self, lg: LegGradients) -> None:
+        """``set_all_reduce_hook``: the hook gets the leg's reduced gradients (the usage
+        counts left out) and may change them in place (torch) or return new ones."""
+        p = self.group.platform
+        numel = lg.leg.total_numel
+        whole = lg is not self.flag_leg
+        grads = lg.buffer if whole else p.narrow(lg.buffer, 0, 0, numel)
+        returned = self.hook(grads)
+        if returned is None:
+            return
+        if tuple(p.shape(returned)) != tuple(p.shape(grads)):
+            raise ValueError(f"{self.name}: the all-reduce hook returned a tensor of shape "
+                             f"{tuple(p.shape(returned))}; it must return None or a tensor of "
+                             f"the shape it was given, {tuple(p.shape(grads))}")
+        tail = p.narrow(lg.buffer, 0, numel, p.shape(lg.buffer)[0] - numel)
+        lg.buffer = returned if whole else p.cat([returned, tail], 0)
 
     def abandon(self) -> None:
         """Wait the collectives still in flight and deliver nothing (an aborted

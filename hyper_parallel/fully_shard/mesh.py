@@ -264,11 +264,13 @@ def _group_along(mesh: DeviceMesh, dims: tuple) -> Any:
 _POST_FORWARD_ATTR = "_hp_post_forward_groups"
 
 
-def post_forward_group(mesh: DeviceMesh, shard_dims: tuple, size: int) -> Any:
+def post_forward_group(mesh: DeviceMesh, shard_dims: tuple, size: int,
+                       distinct: bool = False) -> Any:
     """This rank's group for ``reshard_after_forward=size``: each line of shard ranks of
     ``mesh`` (along ``shard_dims``, ranks ascending) cut into contiguous blocks of ``size``,
     as FSDP2 builds its post-forward mesh. New groups, made once per mesh, dims and size,
-    by every rank in the same order: so ``mesh`` must span the whole job."""
+    by every rank in the same order: so ``mesh`` must span the whole job. ``distinct``: a
+    group over every rank is a communicator of its own too (``Platform.new_group``)."""
     platform = get_platform()
     if mesh.size() != platform.world_size():
         raise ValueError(f"reshard_after_forward={size} makes new groups, which needs a mesh over "
@@ -276,13 +278,13 @@ def post_forward_group(mesh: DeviceMesh, shard_dims: tuple, size: int) -> Any:
                          f"the whole mesh (with dp_mesh_dims), or use True or False")
     owner = mesh.native if mesh.native is not None else mesh
     made = owner.__dict__.setdefault(_POST_FORWARD_ATTR, {})
-    key = (shard_dims, size)
+    key = (shard_dims, size, distinct)
     if key not in made:
         me = platform.rank()
         for line in mesh._lines(shard_dims):
             for start in range(0, len(line), size):
                 block = list(line[start:start + size])
-                group = platform.new_group(block)
+                group = platform.new_group(block, distinct=distinct)
                 if me in block:
                     made[key] = group
     return made[key]
@@ -306,6 +308,7 @@ class MeshInfo:
         self.shard_rank = mesh.get_local_rank(self.shard_mesh_dim)
         self.replicate_size = mesh.shape[0] if mesh.ndim == 2 else 1
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.reduce_scatter_group = self.shard_group  # set_separate_reduce_scatter_group
 
     @property
     def data_parallel_size(self) -> int:
@@ -323,3 +326,9 @@ class MeshInfo:
     def post_forward_group(self, size: int) -> Any:
         """The group of ``size`` shard ranks this rank reshards to after forward."""
         return post_forward_group(self.source, self.source_shard_dims, size)
+
+    def separate_shard_group(self) -> Any:
+        """A second communicator over this rank's shard ranks (made once per mesh, on every
+        rank): the blocks of ``post_forward_group`` of the whole shard size."""
+        return post_forward_group(self.source, self.source_shard_dims, self.shard_size,
+                                  distinct=True)

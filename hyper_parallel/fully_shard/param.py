@@ -123,13 +123,15 @@ class FSDPParam:
         return p.contiguous(p.movedim(local, 0, self.shard_dim)), padded
 
     # ---------------------------------------------------------------- replaced parameters
-    def reset_sharded_param(self) -> None:
+    def reset_sharded_param(self, pick_up: bool = True) -> None:
         """At the root's lazy init, as FSDP2's: take a parameter that replaced the sharded
-        one (``pick_up_replacement``), insist that it holds values now, and give a shard
-        materialised since ``fully_shard`` (``to_empty`` after a meta build) its padded
-        piece back, so the all-gather reads it in place."""
+        one (``pick_up_replacement``; not while the unit's full parameters are attached,
+        ``pick_up`` False), insist that it holds values now, and give a shard materialised
+        since ``fully_shard`` (``to_empty`` after a meta build) its padded piece back, so
+        the all-gather reads it in place."""
         p = self.platform
-        self.pick_up_replacement()
+        if pick_up:
+            self.pick_up_replacement()
         if p.is_deferred(p.local_tensor(self.sharded_param)):
             raise RuntimeError(
                 f"parameter {self.fqn!r} has no values at the first forward (built on the meta "
@@ -296,8 +298,11 @@ class FSDPParam:
         are made once and reused every step (the parts are read-only to the collectives):
         on MindSpore each ``zeros`` is an op launch per parameter and step. They exist only
         for parameters whose rows do not divide evenly, and hold less than two padded
-        pieces (two shards) per such parameter."""
+        pieces (two shards) per such parameter. ``full_grad`` None (a parameter this
+        rank's backward did not reach) takes part as zeros, one padded piece made once."""
         p = self.platform
+        if full_grad is None:
+            return [[self._zeros(self.padded_numel, dtype)] for _ in range(self.shard_size)]
         moved = p.movedim(p.cast(full_grad, dtype), self.shard_dim, 0)
         if self.shard_dim != 0:  # dim 0 is contiguous already (and asking waits on MindSpore)
             moved = p.contiguous(moved)

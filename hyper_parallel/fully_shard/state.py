@@ -76,6 +76,11 @@ class FSDPState:
         self.divide_factor: float | None = None
         self.scaling_factor = 1.0
         self.force_sum_reduction = False
+        self.unshard_in_backward = True      # False: backward needs no full parameters
+        self.reduce_scatter_unused_params = False  # True: unused ones get zeros (gradients.py)
+        self.reduce_scatter_max_input_buffers = 1  # validated and kept (fsdp_module.py)
+        self.all_reduce_hook = None          # hook(reduced buffer), see gradients.py
+        self.post_optim_event = None         # the root waits it before its next forward
         self.to_main_grad = mp_policy.apply_grad_on_fp32_main_grad
         self.param_dtype = group.param_dtype if group is not None else None
         self.output_dtype = (platform.dtype(mp_policy.output_dtype)
@@ -107,7 +112,9 @@ class FSDPState:
                 prefix = names.get(id(module))
                 if prefix is not None:  # errors name the parameter as the user does
                     fsdp_param.fqn = f"{prefix}.{attr}" if prefix else attr
-                fsdp_param.reset_sharded_param()
+                # a unit unsharded explicitly before this forward registers its full
+                # parameters (torch): they are not replacements
+                fsdp_param.reset_sharded_param(pick_up=state._full is None)
         context = IterationContext(self.platform, states)
         for state in states:
             state.is_root = state is self
@@ -127,6 +134,9 @@ class FSDPState:
             self.unshard()
             return self._cast_inputs(args, kwargs)
         if self.is_root:
+            if self.post_optim_event is not None:  # set_post_optim_event: once
+                event, self.post_optim_event = self.post_optim_event, None
+                event.wait()
             self.iteration.begin_forward()
         self.iteration.record_forward(self)
         self.unshard()
@@ -284,8 +294,12 @@ class FSDPState:
         be there before autograd reads it (see the note "freeing full parameters")."""
         if self.iteration is not None:
             self.iteration.ensure_final_callback()
-        if full is not None and not full.live:
+        if full is not None and not full.live and self.unshard_in_backward:
             self._refill(full)
+            if self._full is None and not full.spent:
+                # resharded since that forward (an earlier backward's end): a recomputation
+                # in this backward (activation checkpointing) reads the module's attributes
+                self._full = full
             if full is self._full:
                 for fsdp_param, tensor in zip(self.group.params, full.tensors):
                     fsdp_param.attach(tensor)
@@ -299,7 +313,7 @@ class FSDPState:
     def _pre_backward_prefetch(self) -> None:
         full = self._full
         if self.group is not None and full is not None and not full.live \
-                and not self.group.has_pending_gather():
+                and self.unshard_in_backward and not self.group.has_pending_gather():
             logger.debug("%s: prefetch re-gather issued", self.name)
             # its own pre-backward waits for it
             self.group.issue_gather(async_op=True, released=full.tensors,

@@ -92,9 +92,10 @@ class Platform(Collectives):
         """Number of ranks in ``group`` (None: the default group)."""
 
     @abc.abstractmethod
-    def new_group(self, ranks: Sequence[int]) -> Any:
+    def new_group(self, ranks: Sequence[int], distinct: bool = False) -> Any:
         """A process group over the global ``ranks`` (ascending). Every rank calls this for
-        every group, in the same order, also the ranks outside ``ranks``."""
+        every group, in the same order, also the ranks outside ``ranks``. Over every rank
+        it may be the default group, unless ``distinct``: a communicator of its own."""
 
     def rank(self) -> int:
         """Global rank, 0 when not initialized."""

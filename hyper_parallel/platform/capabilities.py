@@ -45,5 +45,10 @@ class Capabilities:
     #: fused one (None: always share), weighing a collective call against the copies into
     #: and out of the fused buffer it saves (param_group.py).
     default_own_collective_bytes: int | None = None
+    #: backward gives no gradient (None) for a full parameter that nothing used, as torch's
+    #: autograd does; False where every output's gradient arrives as a tensor (MindSpore's
+    #: bprop receives zeros). Where True, a unit's ranks agree on which parameters some
+    #: rank used, and the others get no gradient (gradients.py, "unused parameters").
+    reports_unused_grads: bool = False
     #: the framework's Adam keeps a step per parameter (torch) or one for all (MindSpore).
     adam_step_per_param: bool = True

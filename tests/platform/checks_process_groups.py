@@ -145,6 +145,23 @@ def check_new_group(ctx):
                f"mesh_from_groups over {peers}: described as {described}")
 
 
+@collective_check()
+def check_distinct_new_group(ctx):
+    """``new_group(every rank, distinct=True)`` is a communicator of its own, not the default
+    group (set_separate_reduce_scatter_group reduces over it), and works as one."""
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    everyone = list(range(w))
+    group = p.new_group(everyone, distinct=True)
+    _check(group is not p.new_group(everyone), "new_group(every rank, distinct=True) is the "
+                                                "default group")
+    _check(p.group_size(group) == w and p.group_rank(group) == r,
+           f"new_group({everyone}, distinct=True): size {p.group_size(group)}, "
+           f"rank {p.group_rank(group)}")
+    probe = _f32(ctx, [float(r)])
+    p.all_reduce(probe, group)
+    _same(_values(ctx, probe), [float(sum(everyone))], "all_reduce over a distinct group")
+
+
 def _coords(ctx):
     s_size = ctx.world // 2
     return ctx.rank // s_size, ctx.rank % s_size, s_size

@@ -152,8 +152,8 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, Platform):
             while self._store.add(key + "_seen", 0) < world and time.monotonic() < deadline:
                 time.sleep(0.005)
 
-    def new_group(self, ranks):
-        if len(ranks) == self.world_size():
+    def new_group(self, ranks, distinct=False):
+        if len(ranks) == self.world_size() and not distinct:
             return GlobalComm.WORLD_COMM_GROUP
         return msdist.new_group(list(ranks), backend="mccl" if self._on_cpu else "hccl")
 

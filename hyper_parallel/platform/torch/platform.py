@@ -94,6 +94,7 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform)
         # and out about as much (make bench); CUDA keeps FSDP2's fused layout
         self._capabilities = Capabilities(
             device_type=device, can_release_storage=True, registers_full_tensors=True,
+            reports_unused_grads=True,
             default_own_collective_bytes=1 << 20 if device == "cpu" else None)
 
     @property
@@ -131,8 +132,8 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform)
         return MeshDescription(tuple(native_mesh.mesh.shape), tuple(names), groups,
                                native_mesh.device_type, native_mesh.mesh.tolist())
 
-    def new_group(self, ranks):
-        if len(ranks) == self.world_size():
+    def new_group(self, ranks, distinct=False):
+        if len(ranks) == self.world_size() and not distinct:
             return dist.group.WORLD
         return dist.new_group(list(ranks))
 

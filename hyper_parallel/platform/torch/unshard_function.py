@@ -19,6 +19,7 @@ class _CoreDefinedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, forward_fn, backward_fn, *inputs):
         ctx.backward_fn = backward_fn
+        ctx.set_materialize_grads(False)  # an output nothing used: None, not zeros
         outputs = forward_fn(list(inputs))
         return tuple(outputs)
 
