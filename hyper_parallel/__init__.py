@@ -4,7 +4,9 @@ Importing this package loads no framework; the first call that needs one picks i
 HP_BACKEND (see hyper_parallel.platform).
 """
 
-from hyper_parallel.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from hyper_parallel.checkpoint import (
+    CheckpointError, load_checkpoint, save_checkpoint, torch_nn_names,
+)
 from hyper_parallel.clip_grad import clip_grad_norm_
 from hyper_parallel.comm_stats import CommStats, comm_stats, track_comms
 from hyper_parallel.distributed import destroy_distributed, init_distributed
@@ -27,5 +29,5 @@ __all__ = [
     "get_full_state_dict", "get_platform", "get_state_dict", "init_device_mesh",
     "init_distributed", "load_checkpoint", "load_sharded_checkpoint",
     "register_fsdp_forward_method", "save_checkpoint", "save_sharded_checkpoint",
-    "set_state_dict", "track_comms",
+    "set_state_dict", "torch_nn_names", "track_comms",
 ]

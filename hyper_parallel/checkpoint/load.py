@@ -29,15 +29,16 @@ if TYPE_CHECKING:
     from hyper_parallel.platform import Platform
 
 
-def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> Any:
+def load_checkpoint(path: str, model: Any, optimizer: Any = None, key_map: Any = None) -> Any:
     """Load the checkpoint at directory ``path`` into ``model`` (and an Adam/AdamW
     ``optimizer``, which must update the same parameters); return its ``extra``. Every rank
-    calls it. On any error no rank changes anything."""
+    calls it. ``key_map``: the stored name of each model name (names.py). On any error no
+    rank changes anything."""
     platform = get_platform()
     path = os.path.abspath(path)
     failure, plan = None, None
     try:
-        plan = _read_everything(platform, path, model, optimizer)
+        plan = _read_everything(platform, path, model, optimizer, key_map)
     except (CheckpointError, TypeError) as error:
         failure = error
     except (KeyError, ValueError, IndexError) as error:  # an index of the wrong structure
@@ -61,11 +62,12 @@ def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> Any:
     return index.get("extra")
 
 
-def _read_everything(platform: Platform, path: str, model: Any, optimizer: Any) -> tuple:
+def _read_everything(platform: Platform, path: str, model: Any, optimizer: Any,
+                     key_map: Any) -> tuple:
+    held = held_params(platform, model, key_map)
     index = read_index(path)
     tensors = index["tensors"]
-    held = held_params(platform, model)
-    names = {h.name for h in held}
+    names = {h.key for h in held}
     model_keys = {key for key in tensors if not key.startswith("optim.")}
     if names != model_keys:
         missing, unknown = sorted(names - model_keys), sorted(model_keys - names)
@@ -75,7 +77,7 @@ def _read_everything(platform: Platform, path: str, model: Any, optimizer: Any) 
                 f"missing {', '.join(missing[:5])}" if missing else "",
                 f"not in this model {', '.join(unknown[:5])}" if unknown else "") if part))
     reader = SliceReader(path)
-    values = [(h, _read_region(reader, path, h.name, tensors[h.name], h)) for h in held]
+    values = [(h, _read_region(reader, path, h.key, tensors[h.key], h)) for h in held]
     states = [] if optimizer is None else _read_optimizer(platform, path, index, reader, held,
                                                           optimizer)
     return index, values, states
@@ -89,18 +91,18 @@ def _read_optimizer(platform: Platform, path: str, index: dict, reader: SliceRea
                               f"optimizer); load it without one")
     steps, states = index["optimizer"]["step"], []
     for h in held:
-        if id(h.param) not in optimized or h.name not in steps:
+        if id(h.param) not in optimized or h.key not in steps:
             continue
-        stored = {m: index["tensors"].get(moment_key(m, h.name)) for m in MOMENTS}
+        stored = {m: index["tensors"].get(moment_key(m, h.key)) for m in MOMENTS}
         moments = {}
         for moment, entry in stored.items():
             if entry is None:
                 if moment != "max_exp_avg_sq":
                     raise CheckpointError(f"{os.path.join(path, INDEX_FILE)}: tensor "
-                                          f"{moment_key(moment, h.name)!r} is missing")
+                                          f"{moment_key(moment, h.key)!r} is missing")
                 continue
-            moments[moment] = _read_region(reader, path, moment_key(moment, h.name), entry, h)
-        states.append((h, int(steps[h.name]), moments))
+            moments[moment] = _read_region(reader, path, moment_key(moment, h.key), entry, h)
+        states.append((h, int(steps[h.key]), moments))
     if (not platform.capabilities.adam_step_per_param
             and len({step for _, step, _ in states}) > 1):
         raise CheckpointError(

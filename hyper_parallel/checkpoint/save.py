@@ -31,16 +31,18 @@ if TYPE_CHECKING:
     from hyper_parallel.platform import Platform
 
 
-def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = None) -> None:
-    """Write ``model``'s parameters (and an Adam/AdamW ``optimizer``'s state, and
-    JSON-serialisable ``extra``) to directory ``path``, replacing what is there only once
-    every rank has written its part. Every rank calls it, between steps."""
+def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = None,
+                    key_map: Any = None) -> None:
+    """Write ``model``'s parameters and buffers (and an Adam/AdamW ``optimizer``'s state,
+    and JSON-serialisable ``extra``) to directory ``path``, replacing what is there only
+    once every rank has written its part. ``key_map``: the stored name of each model name
+    (names.py). Every rank calls it, between steps."""
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as error:
         raise TypeError(f"save_checkpoint(extra=...) must be JSON-serialisable: {error}") from None
     platform = get_platform()
-    held = held_params(platform, model)
+    held = held_params(platform, model, key_map)
     if optimizer is not None:
         platform.adam_params(optimizer)  # TypeError for an optimizer we cannot store
     path = os.path.abspath(path)
@@ -96,14 +98,14 @@ def _write_own(platform: Platform, staging: str, rank: int, held: list, optimize
         for h in held:
             if not h.writes:
                 continue
-            entries.append((h.name, h, h.dtype, to_array(platform, h, h.local(platform))))
+            entries.append((h.key, h, h.dtype, to_array(platform, h, h.local(platform))))
             state = platform.adam_state(optimizer, h.param) if id(h.param) in optimized else None
             if state is None:
                 continue
             step, moments = state
-            partial["step"][h.name] = step
+            partial["step"][h.key] = step
             for moment, tensor in moments.items():
-                entries.append((moment_key(moment, h.name), h,
+                entries.append((moment_key(moment, h.key), h,
                                 dtype_name(platform, platform.dtype_of(tensor)),
                                 to_array(platform, h, tensor)))
     file = rank_file(rank, ".safetensors")

@@ -33,6 +33,13 @@ class StateIO(abc.ABC):
         a framework whose optimizers create their state on construction)."""
         return None
 
+    def buffers(self, module: Any) -> list:
+        """``[(attr_name, tensor), ...]``: the state registered directly on ``module`` that
+        is not a parameter and that a checkpoint stores (torch's persistent buffers); the
+        default, none, is for a framework that keeps such state in parameters (MindSpore's
+        ``requires_grad=False`` Parameters)."""
+        return []
+
     @abc.abstractmethod
     def save_tensors(self, tensors: dict, path: str) -> None:
         """Write ``{name: tensor or numpy array}`` to ``path`` in the framework's own format."""

@@ -80,3 +80,23 @@ def check_adam_state(ctx):
     except TypeError:
         return
     raise AssertionError("adam_params accepted SGD")
+
+
+@local_check
+def check_buffers(ctx):
+    """What a BatchNorm's training forward writes is a parameter (updated_in_forward) or a
+    listed buffer, so a checkpoint stores all of it; a non-persistent buffer is not listed."""
+    _state_io(ctx)
+    p = ctx.p
+    bn = ctx.side.batchnorm()
+    buffers = p.buffers(bn)
+    _check(all(p.is_tensor(t) for _, t in buffers), "buffers lists something not a tensor")
+    before = [(name, t, p.to_numpy(t).copy()) for name, t in buffers + p.direct_params(bn)]
+    bn(p.from_numpy(_arange(4, 3) * 0.1))
+    written = {name for name, t, value in before if not np.array_equal(p.to_numpy(t), value)}
+    kept = {name for name, _ in buffers}
+    listed = kept | {name for name, t in p.direct_params(bn)
+                     if any(t is u for u in p.updated_in_forward(bn))}
+    _check(written and written <= listed, f"a BatchNorm's forward wrote {sorted(written)}; "
+                                          f"buffers and updated_in_forward list {sorted(listed)}")
+    _check("scratch" not in kept, "buffers lists a non-persistent buffer")

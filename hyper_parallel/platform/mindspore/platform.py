@@ -39,6 +39,7 @@ from mindspore.common.tensor import swap_tensors
 from mindspore.communication import GlobalComm
 from mindspore.common.initializer import initializer
 from mindspore.mint import distributed as msdist
+from mindspore.nn.layer.normalization import _BatchNorm
 
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.collectives import Gathered, Handle
@@ -298,6 +299,11 @@ class MindSporePlatform(MindSporeStateIO, Platform):
 
     def register_param(self, module, attr_name, param) -> None:
         module._params[attr_name] = param
+
+    def updated_in_forward(self, module):
+        if isinstance(module, _BatchNorm):  # training writes the batch statistics into them
+            return [module.moving_mean, module.moving_variance]
+        return []
 
     def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
                            shard_dim, full_shape, backing=None):

@@ -24,6 +24,10 @@ class TorchStateIO(StateIO):
                         state.append((name, param, local))
         return state
 
+    def buffers(self, module):
+        return [(n, b) for n, b in module._buffers.items()
+                if b is not None and n not in module._non_persistent_buffers_set]
+
     def save_tensors(self, tensors, path):
         torch.save({k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v.detach()
                     for k, v in tensors.items()}, path)
