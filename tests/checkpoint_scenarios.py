@@ -4,8 +4,10 @@ The model is a small decoder written once per framework with the same parameter 
 (``embed_tokens.weight``, ``layers.0.attn_norm.weight``, ``layers.0.up.bias``, ...), the same
 math and the same initial values (seeded by name), so a checkpoint written by one loads
 into the other. Sizes are uneven over 2 and 4 ranks (vocabulary 37, hidden 24 + bias).
-Every run trains with AdamW on slices of the same global batches: rank r of W takes rows
-``[r * B / W, (r + 1) * B / W)``, so the mean of the ranks' losses is the global loss.
+Every run trains with AdamW (``kind="sgd"``: SGD with momentum 0.9, torch's
+``torch.optim.SGD`` and MindSpore's ``mindspore.experimental.optim.SGD``) on slices of the
+same global batches: rank r of W takes rows ``[r * B / W, (r + 1) * B / W)``, so the mean
+of the ranks' losses is the global loss.
 
 - ``save_run`` (torch, 2 ranks, FSDP): the single-process reference over every step;
   ``STEPS`` steps, checkpoint A, ``STEPS`` more steps (the uninterrupted curve).
@@ -33,6 +35,7 @@ from tests.kit import get_kit
 VOCAB, DIM, HIDDEN, LAYERS, SEQ, BATCH = 37, 16, 24, 2, 8, 4
 STEPS = 2  # per phase: the resumed curve covers STEPS optimizer steps after the load
 LR = 0.01
+SGD_LR = 0.1
 
 
 def _batches() -> list:
@@ -49,11 +52,11 @@ def _initial(name: str, shape: tuple) -> np.ndarray:
 
 
 class _Torch:
-    def __init__(self):
+    def __init__(self, kind: str = "adamw"):
         import torch
         from torch import nn
 
-        self.torch = torch
+        self.torch, self.kind = torch, kind
 
         class RMSNorm(nn.Module):
             def __init__(self, dim):
@@ -101,6 +104,8 @@ class _Torch:
         return list(model.layers)
 
     def optimizer(self, model):
+        if self.kind == "sgd":
+            return self.torch.optim.SGD(model.parameters(), lr=SGD_LR, momentum=0.9)
         return self.torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
 
     def step(self, model, opt, ids, targets):
@@ -114,12 +119,12 @@ class _Torch:
 
 
 class _MindSpore:
-    def __init__(self):
+    def __init__(self, kind: str = "adamw"):
         import mindspore as ms
         from mindspore import Parameter, Tensor, nn, ops
 
         ms.set_context(mode=ms.PYNATIVE_MODE)
-        self.ms = ms
+        self.ms, self.kind = ms, kind
 
         class RMSNorm(nn.Cell):
             def __init__(self, dim):
@@ -178,8 +183,10 @@ class _MindSpore:
         return list(model.layers)
 
     def optimizer(self, model):
-        from mindspore.experimental.optim import AdamW
+        from mindspore.experimental.optim import SGD, AdamW
 
+        if self.kind == "sgd":
+            return SGD(model.trainable_params(), lr=SGD_LR, momentum=0.9)
         return AdamW(model.trainable_params(), lr=LR, weight_decay=0.01)
 
     def step(self, model, opt, ids, targets):
@@ -196,8 +203,8 @@ class _MindSpore:
         return float(loss.asnumpy())
 
 
-def _side():
-    return _Torch() if get_kit().name == "torch" else _MindSpore()
+def _side(kind: str = "adamw"):
+    return _Torch(kind) if get_kit().name == "torch" else _MindSpore(kind)
 
 
 def _sharded(side, mesh_shape):
@@ -228,8 +235,8 @@ def _reference(side) -> list:
     return _train(side, model, side.optimizer(model), 0, 3 * STEPS, sliced=False)
 
 
-def save_run(dir_a: str) -> dict:
-    side = _side()
+def save_run(dir_a: str, kind: str = "adamw") -> dict:
+    side = _side(kind)
     model, opt = _sharded(side, (hp.get_platform().world_size(),))
     losses = _train(side, model, opt, 0, STEPS)
     hp.save_checkpoint(dir_a, model, opt, extra={"step": STEPS, "framework": "torch"})
@@ -237,8 +244,8 @@ def save_run(dir_a: str) -> dict:
     return {"ref": _reference(side), "losses": losses}
 
 
-def cross_run(dir_a: str, dir_b: str) -> dict:
-    side = _side()
+def cross_run(dir_a: str, dir_b: str, kind: str = "adamw") -> dict:
+    side = _side(kind)
     world = hp.get_platform().world_size()
     model, opt = _sharded(side, (world, 1))
     extra = hp.load_checkpoint(dir_a, model, opt)
@@ -252,8 +259,9 @@ def cross_run(dir_a: str, dir_b: str) -> dict:
 
 
 def resume_run(dir_a: str, mesh_shape: tuple, dir_b: str | None = None,
-               checks_dir: str | None = None, crashed: str | None = None) -> dict:
-    side = _side()
+               checks_dir: str | None = None, crashed: str | None = None,
+               kind: str = "adamw") -> dict:
+    side = _side(kind)
     model, opt = _sharded(side, mesh_shape)
     result = {"extra": hp.load_checkpoint(dir_a, model, opt),
               "resumed": _train(side, model, opt, STEPS, STEPS)}
@@ -301,12 +309,8 @@ def crashed_checkpoint_loads(path: str) -> dict:
 # ------------------------------------------------------------------ bad checkpoints
 def _snapshot(model, opt) -> list:
     platform = hp.get_platform()
-    values = [platform.to_numpy(platform.local_tensor(p)) for p in platform.adam_params(opt)]
-    for p in platform.adam_params(opt):
-        state = platform.adam_state(opt, p)
-        if state is not None:
-            values += [state[0]] + [platform.to_numpy(t) for t in state[1].values()]
-    return values
+    values = [platform.to_numpy(platform.local_tensor(p)) for p in platform.optimizer_params(opt)]
+    return values + [platform.to_numpy(t) for _, _, t in platform.optimizer_state(opt)]
 
 
 def _corrupt(dir_a: str, work: str, how: str) -> str:
@@ -356,6 +360,8 @@ def _error_checks(side, dir_a: str, work: str) -> dict:
     cases["key_map_unknown"] = lambda: hp.load_checkpoint(
         dir_a, model, opt, key_map={"layers.0.up.weight": "layers.0.up.weight", "nope": "x"})
     cases["key_map_not_a_map"] = lambda: hp.load_checkpoint(dir_a, model, opt, key_map="weight")
+    cases["optimizer_without_mapping"] = lambda: hp.load_checkpoint(
+        dir_a, model, _side("sgd").optimizer(model))
     for how, call in cases.items():
         before = _snapshot(model, opt)
         try:
@@ -581,4 +587,50 @@ def bn_resume_run(dir_a: str, dir_native: str, dir_b: str) -> dict:
     model, opt = _sharded(side, (world,))
     hp.load_checkpoint(dir_b, model, opt, key_map=hp.torch_nn_names)
     out["from_mindspore"] = _bn_train(side, model, opt, 2 * STEPS, STEPS)
+    return out
+
+
+# ------------------------------------------------------------------ any optimizer
+def _optimizers() -> dict:
+    """Optimizer factories of this framework: name -> function of the model."""
+    if get_kit().name == "torch":
+        import torch
+
+        def torch_opt(cls, **kwargs):
+            return lambda model: cls(model.parameters(), **kwargs)
+
+        return {"SGD": torch_opt(torch.optim.SGD, lr=SGD_LR),
+                "Adam": torch_opt(torch.optim.Adam, lr=LR, amsgrad=True),
+                "Adagrad": torch_opt(torch.optim.Adagrad, lr=LR),
+                "RMSprop": torch_opt(torch.optim.RMSprop, lr=LR, momentum=0.9, centered=True)}
+    from mindspore import nn
+    from mindspore.experimental import optim
+
+    def ms_opt(cls, *args, **kwargs):
+        return lambda model: cls(model.trainable_params(), *args, **kwargs)
+
+    return {"experimental.Adam": ms_opt(optim.Adam, lr=LR),
+            "experimental.Adagrad": ms_opt(optim.Adagrad, lr=LR),
+            "nn.SGD": ms_opt(nn.SGD, learning_rate=SGD_LR, momentum=0.9),
+            "nn.Momentum": ms_opt(nn.Momentum, SGD_LR, 0.9),
+            "nn.Adam": ms_opt(nn.Adam, learning_rate=LR)}
+
+
+def optimizer_round_trips(work: str) -> dict:
+    """Per optimizer of this framework: (the uninterrupted curve, the one resumed from a
+    checkpoint into a fresh model and optimizer of the same class), ``STEPS`` steps each."""
+    side = _side()
+    mesh = (hp.get_platform().world_size(),)
+    out = {}
+    for name, make in _optimizers().items():
+        model, _ = _sharded(side, mesh)
+        opt = make(model)
+        _train(side, model, opt, 0, STEPS)
+        path = os.path.join(work, name)
+        hp.save_checkpoint(path, model, opt)
+        uninterrupted = _train(side, model, opt, STEPS, STEPS)
+        model, _ = _sharded(side, mesh)
+        opt = make(model)
+        hp.load_checkpoint(path, model, opt)
+        out[name] = (uninterrupted, _train(side, model, opt, STEPS, STEPS))
     return out

@@ -62,7 +62,10 @@ def _jobs(world_size: int, backend: str, *calls, timeout_s: float) -> list:
 @functools.lru_cache(maxsize=None)
 def _launch_saving() -> list:
     return _jobs(2, "torch", ("lm", "save_run", (_dir("A"),)),
-                 ("bn", "bn_save_run", (_dir("bn-A"), _dir("bn-native"))), timeout_s=180)
+                 ("bn", "bn_save_run", (_dir("bn-A"), _dir("bn-native"))),
+                 ("sgd", "save_run", (_dir("sgd-A"), "sgd")),
+                 ("optimizers", "optimizer_round_trips", (_dir("optimizers-torch"),)),
+                 timeout_s=300)
 
 
 def _saved() -> list:
@@ -77,7 +80,10 @@ def _bn_saved() -> list:
 def _launch_crossing() -> list:
     _launch_saving()
     return _jobs(2, "mindspore", ("lm", "cross_run", (_dir("A"), _dir("B"))),
-                 ("bn", "bn_cross_run", (_dir("bn-A"), _dir("bn-B"))), timeout_s=420)
+                 ("bn", "bn_cross_run", (_dir("bn-A"), _dir("bn-B"))),
+                 ("sgd", "cross_run", (_dir("sgd-A"), _dir("sgd-B"), "sgd")),
+                 ("optimizers", "optimizer_round_trips", (_dir("optimizers-mindspore"),)),
+                 timeout_s=660)
 
 
 def _crossed() -> list:
@@ -104,7 +110,8 @@ def _launch_resuming() -> dict:
     return _jobs(1, "torch", ("lm", "resume_run", (_dir("A"), (1,), _dir("B"), _dir("checks"),
                                                    _dir("C"))),
                  ("bn", "bn_resume_run", (_dir("bn-A"), _dir("bn-native"), _dir("bn-B"))),
-                 timeout_s=180)[0]
+                 ("sgd", "resume_run", (_dir("sgd-A"), (1,), _dir("sgd-B"), None, None, "sgd")),
+                 timeout_s=240)[0]
 
 
 def _resumed_on_one() -> dict:
@@ -151,6 +158,54 @@ def test_mindspore_checkpoint_resumes_on_torch():
     diff = _rel(_resumed_on_one()["resumed_b"], _mean(_crossed(), "after_save"))
     assert diff <= tolerance, (f"torch resumed from MindSpore differs by {diff:.2e}; the "
                                f"references agree to {tolerance / 2:.2e}")
+
+
+def _sgd(launch) -> list:
+    return [r["sgd"] for r in launch]
+
+
+@pytest.mark.timeout(600)
+def test_sgd_momentum_resumes_at_one_rank_on_torch():
+    """torch.optim.SGD(momentum=0.9) saved at 2 ranks, its momentum_buffer resharded to 1."""
+    saved, r = _sgd(_launch_saving()), _launch_resuming()["sgd"]
+    diff = _rel(r["resumed"], _mean(saved, "losses")[STEPS:])
+    assert diff <= SAME_FRAMEWORK_RTOL, f"resumed at 1 rank differs by {diff:.2e}"
+
+
+@pytest.mark.timeout(600)
+def test_sgd_momentum_resumes_on_mindspore_resharded():
+    per_rank = _sgd(_launch_crossing())
+    diff = _rel(_mean(per_rank, "resumed_same"), _mean(per_rank, "after_save"))
+    assert diff <= SAME_FRAMEWORK_RTOL, f"MindSpore SGD resumed (2x1 -> 2) differs by {diff:.2e}"
+
+
+@pytest.mark.timeout(600)
+def test_sgd_momentum_moves_between_the_frameworks():
+    """torch's momentum_buffer into MindSpore's accum (stat: stepped), and back."""
+    saved, crossed = _sgd(_launch_saving()), _sgd(_launch_crossing())
+    tolerance = 2 * _rel(crossed[0]["ref"], saved[0]["ref"])
+    diff = _rel(_mean(crossed, "resumed"), _mean(saved, "losses")[STEPS:])
+    assert diff <= tolerance, (f"MindSpore SGD resumed from torch differs by {diff:.2e}; the "
+                               f"references agree to {tolerance / 2:.2e}")
+    diff = _rel(_launch_resuming()["sgd"]["resumed_b"], _mean(crossed, "after_save"))
+    assert diff <= tolerance, (f"torch SGD resumed from MindSpore differs by {diff:.2e}; the "
+                               f"references agree to {tolerance / 2:.2e}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("launch", ["torch", "mindspore"])
+def test_any_optimizer_resumes_as_itself(launch):
+    """Optimizers with other state than Adam's (torch: SGD without momentum, Adam with
+    amsgrad, Adagrad, centered RMSprop with momentum; MindSpore: nn.SGD, nn.Momentum,
+    nn.Adam with its own beta powers and global step, experimental Adam and Adagrad), each
+    saved at 2 ranks and resumed into a fresh optimizer of its class."""
+    per_rank = (_launch_saving if launch == "torch" else _launch_crossing)()
+    curves = [r["optimizers"] for r in per_rank]
+    for name in curves[0]:
+        uninterrupted = np.mean([c[name][0] for c in curves], axis=0)
+        resumed = np.mean([c[name][1] for c in curves], axis=0)
+        diff = _rel(resumed, uninterrupted)
+        assert diff <= SAME_FRAMEWORK_RTOL, f"{name} resumed differs by {diff:.2e}"
 
 
 def _bn_uninterrupted_after_a() -> np.ndarray:
@@ -241,6 +296,8 @@ EXPECTED_ERRORS = {
     "key_map_collision": ["key_map gives", "the same stored name 'weight'"],
     "key_map_unknown": ["key_map names 'nope'", "does not have"],
     "key_map_not_a_map": ["TypeError", "key_map must be a dict"],
+    "optimizer_without_mapping": ["torch.optim.adamw.AdamW", "does not map to",
+                                  "torch.optim.sgd.SGD"],
 }
 
 
@@ -248,7 +305,8 @@ EXPECTED_ERRORS = {
 @pytest.mark.parametrize("how", sorted(EXPECTED_ERRORS))
 def test_bad_checkpoint_is_a_clear_error_and_changes_nothing(how):
     assert set(EXPECTED_ERRORS) == {*CORRUPTIONS, "not_a_checkpoint", "extra_not_json",
-                                    "key_map_collision", "key_map_unknown", "key_map_not_a_map"}
+                                    "key_map_collision", "key_map_unknown", "key_map_not_a_map",
+                                    "optimizer_without_mapping"}
     r = _resumed_on_one()["errors"][how]
     assert r["message"] is not None, f"{how}: no error"
     for part in EXPECTED_ERRORS[how]:
@@ -276,7 +334,7 @@ def test_regions_straddling_stored_slices(tmp_path):
                          & 0xFFFF0000).view(np.float32)}
     partials = []
     for rank, (start, rows) in enumerate([(0, 19), (19, 18)]):
-        partial, file = new_partial(False), f"rank-{rank:05d}.safetensors"
+        partial, file = new_partial(None), f"rank-{rank:05d}.safetensors"
         for dtype, array in full.items():
             add_slice(partial, dtype, dtype, (37, 5), file, (start, 0), (rows, 5))
         write_file(str(tmp_path / file), {d: (d, a[start:start + rows]) for d, a in full.items()})

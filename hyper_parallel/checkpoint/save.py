@@ -25,6 +25,7 @@ from hyper_parallel.checkpoint.index import (
     write_json,
 )
 from hyper_parallel.checkpoint.layout import dtype_name, held_params, to_array
+from hyper_parallel.checkpoint.optimizers import optimizer_type, read_state
 from hyper_parallel.platform import get_platform
 
 if TYPE_CHECKING:
@@ -33,8 +34,8 @@ if TYPE_CHECKING:
 
 def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = None,
                     key_map: Any = None) -> None:
-    """Write ``model``'s parameters and buffers (and an Adam/AdamW ``optimizer``'s state,
-    and JSON-serialisable ``extra``) to directory ``path``, replacing what is there only
+    """Write ``model``'s parameters and buffers (and ``optimizer``'s state, and
+    JSON-serialisable ``extra``) to directory ``path``, replacing what is there only
     once every rank has written its part. ``key_map``: the stored name of each model name
     (names.py). Every rank calls it, between steps."""
     try:
@@ -43,15 +44,16 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = N
         raise TypeError(f"save_checkpoint(extra=...) must be JSON-serialisable: {error}") from None
     platform = get_platform()
     held = held_params(platform, model, key_map)
-    if optimizer is not None:
-        platform.adam_params(optimizer)  # TypeError for an optimizer we cannot store
+    # state an optimizer keeps that a checkpoint cannot store is an error before any write
+    state = None if optimizer is None else read_state(platform, optimizer, held)
     path = os.path.abspath(path)
     staging, rank = path + ".saving", platform.rank()
     failure = _attempt(lambda: _make_staging(staging)) if rank == 0 else None
     failed = agree_on_failure(platform, failure is not None)
     if not failed:
         failure = _attempt(lambda: write_json(os.path.join(staging, rank_file(rank, ".json")),
-                                              _write_own(platform, staging, rank, held, optimizer)))
+                                              _write_own(platform, staging, rank, held, optimizer,
+                                                         state)))
         failed = agree_on_failure(platform, failure is not None)
     if not failed:
         if rank == 0:
@@ -89,23 +91,26 @@ def agree_on_failure(platform: Platform, failed: bool) -> int:
     return int(round(float(platform.to_numpy(flag)[0])))
 
 
-def _write_own(platform: Platform, staging: str, rank: int, held: list, optimizer) -> dict:
-    """Write this rank's file; return its partial index."""
+def _write_own(platform: Platform, staging: str, rank: int, held: list, optimizer: Any,
+               state: tuple | None) -> dict:
+    """Write this rank's file; return its partial index. ``state``: ``read_state``'s."""
     entries = []  # (stored name, Held, dtype name, this rank's region as numpy)
-    optimized = set() if optimizer is None else {id(p) for p in platform.adam_params(optimizer)}
-    partial = new_partial(optimizer is not None)
+    partial = new_partial(None if optimizer is None else optimizer_type(optimizer))
+    per_param = {}
+    if state is not None:
+        per_param, partial["optimizer"]["own"] = state
     with platform.no_grad():
         for h in held:
             if not h.writes:
                 continue
             entries.append((h.key, h, h.dtype, to_array(platform, h, h.local(platform))))
-            state = platform.adam_state(optimizer, h.param) if id(h.param) in optimized else None
-            if state is None:
+            if id(h.param) not in per_param:
                 continue
-            step, moments = state
-            partial["step"][h.key] = step
-            for moment, tensor in moments.items():
-                entries.append((moment_key(moment, h.key), h,
+            tensors, numbers = per_param[id(h.param)]
+            partial["optimizer"]["state"][h.key] = {"tensors": sorted(tensors),
+                                                    "scalars": numbers}
+            for name, tensor in sorted(tensors.items()):
+                entries.append((moment_key(name, h.key), h,
                                 dtype_name(platform, platform.dtype_of(tensor)),
                                 to_array(platform, h, tensor)))
     file = rank_file(rank, ".safetensors")

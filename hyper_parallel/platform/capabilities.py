@@ -40,5 +40,3 @@ class Capabilities:
     #: fused one (None: always share), weighing a collective call against the copies into
     #: and out of the fused buffer it saves (param_group.py).
     default_own_collective_bytes: int | None = None
-    #: the framework's Adam keeps a step per parameter (torch) or one for all (MindSpore).
-    adam_step_per_param: bool = True

@@ -49,14 +49,17 @@ class StateIO(abc.ABC):
         """Read a file ``save_tensors`` wrote: ``{name: tensor}``."""
 
     @abc.abstractmethod
-    def adam_params(self, optimizer: Any) -> list:
-        """The parameters an Adam/AdamW ``optimizer`` updates; TypeError for another kind."""
+    def optimizer_params(self, optimizer: Any) -> list:
+        """The parameters ``optimizer`` updates, in its order; TypeError for an object that
+        is not one of this framework's optimizers."""
 
     @abc.abstractmethod
-    def adam_state(self, optimizer: Any, param: Any) -> tuple | None:
-        """``(step, {"exp_avg": t, "exp_avg_sq": t[, "max_exp_avg_sq": t]})`` of ``param``,
-        each moment shaped like ``local_tensor(param)``; None before it has any."""
-
-    @abc.abstractmethod
-    def set_adam_state(self, optimizer: Any, param: Any, step: int, moments: dict) -> None:
-        """Replace ``param``'s state with ``step`` and ``moments`` (as ``adam_state`` gives)."""
+    def set_optimizer_state(self, optimizer: Any, param: Any, values: dict) -> None:
+        """Write ``values`` into ``optimizer``'s state. With a ``param``, its state becomes
+        ``{name: value}``: a tensor shaped like ``local_tensor(param)`` (cast to the state's
+        dtype), or a number for a per-parameter scalar (torch's ``step``, made as the
+        framework's optimizers make it); ``{}`` leaves it with none where a framework's
+        optimizers create state at their first step (torch). With ``param=None``, the
+        optimizer's own values named in ``values`` (numbers) are set. The names are those
+        ``optimizer_state`` lists; where an optimizer's state is fixed at construction
+        (MindSpore), another name is a KeyError and nothing is written."""

@@ -1,5 +1,5 @@
 """Conformance checks of the optional ``StateIO`` part of the contract (platform/state_io.py):
-optimizer state, Adam's moments, the framework's own tensor files.
+optimizer state read and written, buffers, the framework's own tensor files.
 
 The harness (context, registry, assertion helpers) is conformance.py."""
 
@@ -60,26 +60,36 @@ def check_save_tensors_load_tensors(ctx):
 
 
 @local_check
-def check_adam_state(ctx):
+def check_set_optimizer_state(ctx):
+    """optimizer_params in order; what set_optimizer_state writes, optimizer_state reads back
+    (tensors shaped like the parameter, per-parameter numbers, the optimizer's own numbers)."""
     p, params, opt = _adamw_on_two_params(ctx)
-    _check([id(x) for x in p.adam_params(opt)] == [id(x) for x in params], "adam_params order")
-    fresh = p.adam_state(opt, params[0])
-    _check(fresh is None or fresh[0] == 0, f"state before any step: {fresh}")
+    _check([id(x) for x in p.optimizer_params(opt)] == [id(x) for x in params],
+           "optimizer_params order")
+    p.create_optimizer_state(opt)
+    listed = p.optimizer_state(opt)
     for param in params:
-        moments = {"exp_avg": p.from_numpy(_arange(*p.shape(param), start=1.0)),
-                   "exp_avg_sq": p.from_numpy(_arange(*p.shape(param), start=2.0))}
-        p.set_adam_state(opt, param, 3, moments)
-    for param in params:
-        step, moments = p.adam_state(opt, param)
-        _check(step == 3, f"step read back as {step}")
-        for name, start in (("exp_avg", 1.0), ("exp_avg_sq", 2.0)):
-            _same(_values(ctx, moments[name]), _arange(*p.shape(param), start=start),
-                  f"{name} read back")
+        values = {}
+        for name, owner, tensor in listed:
+            if owner is param:
+                values[name] = (p.from_numpy(_arange(*p.shape(param), start=1.0))
+                                if p.shape(tensor) == p.shape(param) else 3)
+        _check("exp_avg" in values, f"optimizer_state lists {sorted(values)} for a parameter")
+        p.set_optimizer_state(opt, param, values)
+    own = {name: 3 for name, owner, tensor in listed if owner is None
+           and int(np.prod(p.shape(tensor))) == 1 and name != "learning_rate"}
+    p.set_optimizer_state(opt, None, own)
+    for name, owner, tensor in p.optimizer_state(opt):
+        if owner is not None and p.shape(tensor) == p.shape(owner):
+            _same(_values(ctx, tensor), _arange(*p.shape(owner), start=1.0), f"{name} read back")
+        elif owner is not None or name in own:
+            _check(float(np.asarray(_values(ctx, tensor)).reshape(-1)[0]) == 3.0,
+                   f"{name} read back as {_values(ctx, tensor)}")
     try:
-        p.adam_params(ctx.side.optimizer("sgd", params))
+        p.optimizer_params(ctx.side.model())
     except TypeError:
         return
-    raise AssertionError("adam_params accepted SGD")
+    raise AssertionError("optimizer_params accepted a model")
 
 
 @local_check

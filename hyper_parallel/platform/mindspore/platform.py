@@ -44,7 +44,6 @@ from mindspore.nn.layer.normalization import _BatchNorm
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
-from hyper_parallel.platform.mindspore import adam_state
 from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
 from hyper_parallel.platform.mindspore.jit_guard import refuse_jitted_construct
 from hyper_parallel.platform.mindspore.unshard_cell import run_differentiable
@@ -83,14 +82,13 @@ class MindSporePlatform(MindSporeStateIO, Platform):
     @functools.cached_property
     def capabilities(self) -> Capabilities:
         # Memory autograd holds cannot be freed; its optimizers cannot make state for an
-        # empty parameter; value_and_grad returns what the bprops returned; one Adam step
-        # for every parameter. On CPU async_op changes nothing: sync and async collectives
+        # empty parameter; value_and_grad returns what the bprops returned. On CPU
+        # async_op changes nothing: sync and async collectives
         # are queued alike on the kernel pipeline, so a reduction pipeline would only add
         # the placeholder copies. On Ascend HCCL runs on its own stream.
         return Capabilities(device_type="cpu" if self._on_cpu else "npu",
                             pads_local_shards=True, returns_grads_from_backward=True,
-                            collectives_overlap_compute=not self._on_cpu,
-                            adam_step_per_param=False)
+                            collectives_overlap_compute=not self._on_cpu)
 
     @property
     def _on_cpu(self) -> bool:
@@ -380,7 +378,3 @@ class MindSporePlatform(MindSporeStateIO, Platform):
 
         _pynative_executor.queue_backward_final_callback(fn)
 
-    # the module's functions (the last line rebinds the name adam_state in this class)
-    adam_params = staticmethod(adam_state.adam_params)
-    set_adam_state = staticmethod(adam_state.set_adam_state)
-    adam_state = staticmethod(adam_state.adam_state)

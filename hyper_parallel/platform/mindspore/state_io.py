@@ -13,6 +13,8 @@ from hyper_parallel.platform.state_io import StateIO
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor
+from mindspore.experimental.optim import Optimizer as ExperimentalOptimizer
+from mindspore.nn import Optimizer
 
 
 class MindSporeStateIO(StateIO):
@@ -34,6 +36,26 @@ class MindSporeStateIO(StateIO):
             else:
                 state.append((value.name, None, value))
         return state
+
+    def optimizer_params(self, optimizer):
+        if not isinstance(optimizer, (Optimizer, ExperimentalOptimizer)):
+            raise TypeError(f"expected a mindspore.nn.Optimizer or a mindspore.experimental."
+                            f"optim.Optimizer, got {type(optimizer).__name__}")
+        return list(optimizer.parameters)
+
+    def set_optimizer_state(self, optimizer, param, values):
+        by_name = {value.name: value for _, value in optimizer.parameters_and_names()}
+        targets = {}
+        for name in values:  # every name found before anything is written
+            stored = name if param is None else f"{name}.{param.name}"
+            if stored not in by_name:
+                raise KeyError(f"{type(optimizer).__name__} has no state {stored!r}")
+            targets[name] = by_name[stored]
+        for name, value in values.items():
+            target = targets[name]
+            if isinstance(value, (int, float)):
+                value = Tensor(np.full(target.shape, value), target.dtype)
+            target.set_data(value.astype(target.dtype))
 
     def save_tensors(self, tensors, path):
         ms.save_checkpoint(
