@@ -22,7 +22,7 @@ import numpy as np
 
 from hyper_parallel.checkpoint.index import DTYPES, CheckpointError
 from hyper_parallel.checkpoint.names import resolve
-from hyper_parallel.state_dict import slot_owners
+from hyper_parallel.checkpoint.state_dict import slot_owners
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.param import FSDPParam

@@ -1,9 +1,9 @@
-"""The optional part of the contract for state dicts and checkpoints: optimizer state and
-the framework's own tensor files.
+"""The optional part of the contract for state dicts and checkpoints: optimizer state read
+and written, and buffers.
 
 [Note: why a part of its own]
-``fully_shard`` never needs these: only ``hp.get_state_dict``/``hp.set_state_dict``, the
-sharded and portable checkpoints and the optimizer-state conversions do. A platform that
+``fully_shard`` never needs these: only the state dicts and the checkpoints
+(hyper_parallel/checkpoint/) do. A platform that
 implements ``StateIO`` gets them all; a new platform can train first and add this later.
 """
 
@@ -14,10 +14,7 @@ from typing import Any, Callable
 
 
 class StateIO(abc.ABC):
-    """Optimizer state and tensor files of one framework."""
-
-    #: the file extension ``save_tensors`` writes (the framework's own checkpoint format)
-    checkpoint_extension: str = "ckpt"
+    """Optimizer state and buffers of one framework."""
 
     @abc.abstractmethod
     def optimizer_state(self, optimizer: Any) -> list:
@@ -39,14 +36,6 @@ class StateIO(abc.ABC):
         default, none, is for a framework that keeps such state in parameters (MindSpore's
         ``requires_grad=False`` Parameters)."""
         return []
-
-    @abc.abstractmethod
-    def save_tensors(self, tensors: dict, path: str) -> None:
-        """Write ``{name: tensor or numpy array}`` to ``path`` in the framework's own format."""
-
-    @abc.abstractmethod
-    def load_tensors(self, path: str) -> dict:
-        """Read a file ``save_tensors`` wrote: ``{name: tensor}``."""
 
     @abc.abstractmethod
     def optimizer_params(self, optimizer: Any) -> list:

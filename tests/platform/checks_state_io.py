@@ -1,12 +1,9 @@
 """Conformance checks of the optional ``StateIO`` part of the contract (platform/state_io.py):
-optimizer state read and written, buffers, the framework's own tensor files.
+optimizer state read and written, buffers.
 
 The harness (context, registry, assertion helpers) is conformance.py."""
 
 from __future__ import annotations
-
-import os
-import tempfile
 
 import numpy as np
 
@@ -41,22 +38,6 @@ def check_optimizer_state(ctx):
         undo()
         _check(not [s for s in p.optimizer_state(opt) if s[1] is not None],
                "create_optimizer_state's undo left per-parameter state behind")
-
-
-@local_check
-def check_save_tensors_load_tensors(ctx):
-    _state_io(ctx)
-    p = ctx.p
-    saved = {"a.weight": p.from_numpy(_arange(3, 2)), "step": p.from_numpy(np.array(3, np.int32)),
-             "from_numpy": _arange(4)}
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, f"t.{p.checkpoint_extension}")
-        p.save_tensors(saved, path)
-        back = p.load_tensors(path)
-    _check(sorted(back) == sorted(saved), f"load_tensors keys {sorted(back)}")
-    for key, expected in (("a.weight", _arange(3, 2)), ("step", np.array(3, np.int32)),
-                          ("from_numpy", _arange(4))):
-        _same(p.to_numpy(back[key]), expected, f"save_tensors/load_tensors of {key}")
 
 
 @local_check

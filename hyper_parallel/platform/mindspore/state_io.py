@@ -1,4 +1,4 @@
-"""The MindSpore platform's state-dict primitives: optimizer state and checkpoint files.
+"""The MindSpore platform's state-dict primitives: optimizer state.
 
 A MindSpore optimizer is a Cell whose per-parameter state are Parameters cloned from the
 parameters it steps, named ``<state>.<parameter name>`` (``exp_avg.0.weight``,
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from hyper_parallel.platform.state_io import StateIO
 
-import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 from mindspore.experimental.optim import Optimizer as ExperimentalOptimizer
@@ -19,8 +18,6 @@ from mindspore.nn import Optimizer
 
 class MindSporeStateIO(StateIO):
     """Mixed into MindSporePlatform."""
-
-    checkpoint_extension = "ckpt"
 
     def optimizer_state(self, optimizer):
         stepped = {id(p) for p in optimizer.parameters}
@@ -56,11 +53,3 @@ class MindSporeStateIO(StateIO):
             if isinstance(value, (int, float)):
                 value = Tensor(np.full(target.shape, value), target.dtype)
             target.set_data(value.astype(target.dtype))
-
-    def save_tensors(self, tensors, path):
-        ms.save_checkpoint(
-            [{"name": k, "data": Tensor(v) if isinstance(v, np.ndarray) else v}
-             for k, v in tensors.items()], path)
-
-    def load_tensors(self, path):
-        return dict(ms.load_checkpoint(path))

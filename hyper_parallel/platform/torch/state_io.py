@@ -1,10 +1,9 @@
-"""The torch platform's state-dict primitives: optimizer state and checkpoint files."""
+"""The torch platform's state-dict primitives: optimizer state and buffers."""
 
 from __future__ import annotations
 
 from hyper_parallel.platform.state_io import StateIO
 
-import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
@@ -12,8 +11,6 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 class TorchStateIO(StateIO):
     """Mixed into TorchPlatform."""
-
-    checkpoint_extension = "pt"
 
     def optimizer_state(self, optimizer):
         state = []
@@ -57,13 +54,6 @@ class TorchStateIO(StateIO):
             optimizer.state[param] = state
         else:
             optimizer.state.pop(param, None)
-
-    def save_tensors(self, tensors, path):
-        torch.save({k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v.detach()
-                    for k, v in tensors.items()}, path)
-
-    def load_tensors(self, path):
-        return torch.load(path, weights_only=True)
 
     def create_optimizer_state(self, optimizer):
         # as torch.distributed.checkpoint does: one step on zero gradients at learning rate 0

@@ -10,7 +10,7 @@ as it arrives: no rank holds more than one full parameter. A file is written as
 the directory are removed first, other files (a tokenizer, say) are left alone.
 
 Names are the model's own qualified names, or what ``key_map`` makes of them
-(checkpoint/names.py: a name mapped to None is not written). A parameter reachable under two names (tied
+(names.py: a name mapped to None is not written). A parameter reachable under two names (tied
 weights, ``lm_head.weight`` is ``model.embed_tokens.weight``) is written once, under its
 first name in module order, which is what Hugging Face expects with
 ``tie_word_embeddings``; so a ``config`` that does not say so is refused for a tied model.
@@ -27,9 +27,9 @@ import numpy as np
 from hyper_parallel.checkpoint.layout import held_params
 from hyper_parallel.checkpoint.names import resolve
 from hyper_parallel.checkpoint.save import agree_on_failure
-from hyper_parallel.full_state import _full_value
+from hyper_parallel.checkpoint.full_state import _full_value
 from hyper_parallel.platform import get_platform
-from hyper_parallel.state_dict import state_entries, to_numpy
+from hyper_parallel.checkpoint.state_dict import state_entries, to_numpy
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,7 +43,7 @@ def export_full(path: str, model: Any, config: dict | None = None,
     """Write ``model``'s full parameters to directory ``path`` as ``model.safetensors`` (or
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` once over
     ``max_shard_bytes``), and ``config`` (a dict) as ``config.json``. ``key_map``: the
-    written name of each model name (checkpoint/names.py). Every rank calls it; rank 0
+    written name of each model name (names.py). Every rank calls it; rank 0
     writes."""
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"export_full(config=...) takes a dict (written as config.json), "
