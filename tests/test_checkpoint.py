@@ -26,6 +26,7 @@ import tempfile
 import numpy as np
 import pytest
 
+from hyper_parallel.checkpoint import CheckpointError
 from tests.checkpoint_scenarios import CORRUPTIONS, STEPS
 from tests.multirank import RankFailure, run_ranks
 
@@ -346,3 +347,23 @@ def test_regions_straddling_stored_slices(tmp_path):
             held = Held(dtype, None, None, dtype, (37, 5), 0, start, rows, rows, True)
             region = _read_region(reader, str(tmp_path), dtype, index["tensors"][dtype], held)
             np.testing.assert_array_equal(region, array[start:start + rows])
+
+
+def test_optimizer_state_without_counterpart_is_named():
+    """A move between corresponding optimizers (torch SGD -> MindSpore SGD) converts the
+    momentum and sets MindSpore's first-step flag; a state the table does not name is an
+    error naming both optimizers and the state."""
+    from hyper_parallel.checkpoint.optimizers import KINDS, _convert
+
+    torch_sgd, ms_sgd = "torch.optim.sgd.SGD", "mindspore.experimental.optim.sgd.SGD"
+    momentum = np.ones((3, 2), np.float32)
+    values, step = _convert("index.json", torch_sgd, ms_sgd, KINDS[torch_sgd], KINDS[ms_sgd],
+                            {"momentum_buffer": momentum}, {})
+    assert step is None and values["stat"] == 0 and values["accum"] is momentum
+    values, _ = _convert("index.json", ms_sgd, torch_sgd, KINDS[ms_sgd], KINDS[torch_sgd],
+                         {"accum": momentum, "stat": np.ones((3, 2), np.float32)}, {})
+    assert values == {}, "a MindSpore parameter that has not stepped has no torch state"
+    with pytest.raises(CheckpointError, match=r"torch.optim.sgd.SGD's state 'velocity' has no "
+                                              r"counterpart in mindspore.experimental"):
+        _convert("index.json", torch_sgd, ms_sgd, KINDS[torch_sgd], KINDS[ms_sgd],
+                 {"momentum_buffer": momentum, "velocity": momentum}, {})
