@@ -10,12 +10,15 @@ same global batches: rank r of W takes rows ``[r * B / W, (r + 1) * B / W)``, so
 of the ranks' losses is the global loss.
 
 - ``save_run`` (torch, 2 ranks, FSDP): the single-process reference over every step;
-  ``STEPS`` steps, checkpoint A, ``STEPS`` more steps (the uninterrupted curve).
+  ``STEPS`` steps, checkpoint A (saved asynchronously, written while the next steps
+  run), ``STEPS`` more steps (the uninterrupted curve).
 - ``cross_run`` (MindSpore, 2 ranks): its own single-process reference; A (written on
-  torch) loaded into an HSDP (2, 1) mesh, ``STEPS`` steps, checkpoint B, ``STEPS`` more; a
-  fresh FSDP model loads B and repeats those last steps.
+  torch) loaded into an HSDP (2, 1) mesh, ``STEPS`` steps, checkpoint B (asynchronous,
+  published by the next load), ``STEPS`` more; a fresh FSDP model loads B and repeats
+  those last steps.
 - ``crash_run`` (torch, 2 ranks): checkpoint C of the initial model, then a second save to
-  the same path during which rank 1 dies after writing its file.
+  the same path during which rank 1 dies after writing its file; ``crash_async_run`` the
+  same with the second save asynchronous.
 - ``resume_run`` (torch, 1 rank): A loaded, ``STEPS`` steps; B (written on MindSpore)
   loaded and its last steps; the error checks; C loaded (what the crash left).
 """
@@ -239,8 +242,11 @@ def save_run(dir_a: str, kind: str = "adamw") -> dict:
     side = _side(kind)
     model, opt = _sharded(side, (hp.get_platform().world_size(),))
     losses = _train(side, model, opt, 0, STEPS)
-    hp.save_checkpoint(dir_a, model, opt, extra={"step": STEPS, "framework": "torch"})
+    # written in the background while training goes on: A holds the state at this step
+    handle = hp.save_checkpoint(dir_a, model, opt, extra={"step": STEPS, "framework": "torch"},
+                                async_save=True)
     losses += _train(side, model, opt, STEPS, STEPS)
+    handle.wait()
     return {"ref": _reference(side), "losses": losses}
 
 
@@ -250,7 +256,8 @@ def cross_run(dir_a: str, dir_b: str, kind: str = "adamw") -> dict:
     model, opt = _sharded(side, (world, 1))
     extra = hp.load_checkpoint(dir_a, model, opt)
     resumed = _train(side, model, opt, STEPS, STEPS)
-    hp.save_checkpoint(dir_b, model, opt, extra={"step": 2 * STEPS})
+    # in the background; the load below waits for it and publishes it
+    hp.save_checkpoint(dir_b, model, opt, extra={"step": 2 * STEPS}, async_save=True)
     after_save = _train(side, model, opt, 2 * STEPS, STEPS)
     model, opt = _sharded(side, (world,))
     hp.load_checkpoint(dir_b, model, opt)
@@ -293,6 +300,28 @@ def crash_run(path: str) -> None:
 
         files.write_file = write_then_die
     hp.save_checkpoint(path, model, opt, extra={"checkpoint": "D"})
+
+
+def crash_async_run(path: str) -> None:
+    """As ``crash_run``, the second save asynchronous: rank 1 dies in its background write
+    while training goes on, and rank 0 waits in ``handle.wait()``."""
+    side = _side()
+    model, opt = _sharded(side, (hp.get_platform().world_size(),))
+    hp.save_checkpoint(path, model, opt, extra={"checkpoint": "C"})
+    _train(side, model, opt, 0, 1)
+    if hp.get_platform().rank() == 1:
+        from hyper_parallel.checkpoint import files
+
+        write_file = files.write_file
+
+        def write_then_die(*args, **kwargs):
+            write_file(*args, **kwargs)
+            os._exit(17)  # the whole process, from the writing thread
+
+        files.write_file = write_then_die
+    handle = hp.save_checkpoint(path, model, opt, extra={"checkpoint": "D"}, async_save=True)
+    _train(side, model, opt, 1, 1)
+    handle.wait()
 
 
 def crashed_checkpoint_loads(path: str) -> dict:

@@ -96,10 +96,11 @@ def _bn_crossed() -> list:
 
 
 @functools.lru_cache(maxsize=None)
-def _crashed() -> str:
+def _crashed(target: str = "crash_run", directory: str = "C") -> str:
     """The message of the save that lost rank 1 midway."""
     with pytest.raises(RankFailure) as failure:
-        run_ranks("tests.checkpoint_scenarios:crash_run", 2, "torch", _dir("C"), timeout_s=60)
+        run_ranks(f"tests.checkpoint_scenarios:{target}", 2, "torch", _dir(directory),
+                  timeout_s=60)
     return str(failure.value)
 
 
@@ -107,11 +108,13 @@ def _crashed() -> str:
 def _launch_resuming() -> dict:
     _launch_crossing()
     _crashed()
+    _crashed("crash_async_run", "C-async")
     os.makedirs(_dir("checks"), exist_ok=True)
     return _jobs(1, "torch", ("lm", "resume_run", (_dir("A"), (1,), _dir("B"), _dir("checks"),
                                                    _dir("C"))),
                  ("bn", "bn_resume_run", (_dir("bn-A"), _dir("bn-native"), _dir("bn-B"))),
                  ("sgd", "resume_run", (_dir("sgd-A"), (1,), _dir("sgd-B"), None, None, "sgd")),
+                 ("crashed_async", "crashed_checkpoint_loads", (_dir("C-async"),)),
                  timeout_s=240)[0]
 
 
@@ -282,6 +285,15 @@ def test_crash_mid_save_leaves_previous_checkpoint():
     assert ("rank 1 failed with exit code 17" in message
             or ("rank 0 failed" in message and "ended ranks []" in message)), message
     assert _resumed_on_one()["crashed"] == {"extra": {"checkpoint": "C"}, "initial": True}
+
+
+@pytest.mark.timeout(600)
+def test_rank_dying_in_an_async_write_leaves_previous_checkpoint():
+    message = _crashed("crash_async_run", "C-async")
+    assert ("rank 1 failed with exit code 17" in message
+            or ("rank 0 failed" in message and "ended ranks []" in message)), message
+    assert _launch_resuming()["crashed_async"] == {"extra": {"checkpoint": "C"}, "initial": True}
+    assert os.path.isdir(_dir("C-async") + ".saving")  # the unpublished write, cleared next save
 
 
 EXPECTED_ERRORS = {

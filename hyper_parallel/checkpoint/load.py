@@ -20,7 +20,7 @@ from hyper_parallel.checkpoint.files import SliceReader
 from hyper_parallel.checkpoint.index import INDEX_FILE, CheckpointError, overlaps, read_index
 from hyper_parallel.checkpoint.layout import from_array, held_params
 from hyper_parallel.checkpoint.optimizers import read_for_load
-from hyper_parallel.checkpoint.save import agree_on_failure
+from hyper_parallel.checkpoint.save import agree_on_failure, finish_pending_saves
 from hyper_parallel.platform import get_platform
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ def load_checkpoint(path: str, model: Any, optimizer: Any = None, key_map: Any =
     calls it. ``key_map``: the stored name of each model name (names.py). On any error no
     rank changes anything."""
     platform = get_platform()
+    finish_pending_saves()
     path = os.path.abspath(path)
     failure, plan = None, None
     try:
