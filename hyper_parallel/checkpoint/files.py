@@ -39,7 +39,7 @@ def write_file(path: str, tensors: dict) -> None:
             data = np.asarray((array.astype(np.float32).view(np.uint32) >> 16)
                               .astype(np.uint16), order="C")
         else:
-            data = np.asarray(array.astype(_NUMPY[dtype]), order="C")
+            data = np.asarray(array, dtype=_NUMPY[dtype], order="C")  # a copy only if needed
         keep_alive.append(data)
         if TensorSpec is None:
             specs[key] = {"dtype": _numpy_dtype_name(dtype), "shape": data.shape,
