@@ -82,10 +82,10 @@ class MindSporePlatform(MindSporeStateIO, Platform):
     @functools.cached_property
     def capabilities(self) -> Capabilities:
         # Memory autograd holds cannot be freed; its optimizers cannot make state for an
-        # empty parameter; value_and_grad returns what the bprops returned. On CPU
-        # async_op changes nothing: sync and async collectives
-        # are queued alike on the kernel pipeline, so a reduction pipeline would only add
-        # the placeholder copies. On Ascend HCCL runs on its own stream.
+        # empty parameter; value_and_grad returns what the bprops returned. On CPU async_op
+        # changes nothing: sync and async collectives are queued alike on the kernel
+        # pipeline, so a reduction pipeline would only add the placeholder copies. On
+        # Ascend HCCL runs on its own stream.
         return Capabilities(device_type="cpu" if self._on_cpu else "npu",
                             pads_local_shards=True, returns_grads_from_backward=True,
                             collectives_overlap_compute=not self._on_cpu)
@@ -377,4 +377,3 @@ class MindSporePlatform(MindSporeStateIO, Platform):
         from mindspore.common.api import _pynative_executor
 
         _pynative_executor.queue_backward_final_callback(fn)
-

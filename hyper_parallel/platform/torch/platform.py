@@ -392,4 +392,3 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform)
 
     def queue_backward_final_callback(self, fn) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: call_eagerly(fn))
-
