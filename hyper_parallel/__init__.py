@@ -4,19 +4,18 @@ Importing this package loads no framework; the first call that needs one picks i
 HP_BACKEND (see hyper_parallel.platform).
 """
 
-from hyper_parallel.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from hyper_parallel.checkpoint import (
+    CheckpointError, ShardedValue, export_full, gather_full_state_dict, get_full_state_dict,
+    get_state_dict, load_checkpoint, save_checkpoint, set_state_dict, torch_nn_names,
+)
 from hyper_parallel.clip_grad import clip_grad_norm_
 from hyper_parallel.comm_stats import CommStats, comm_stats, track_comms
 from hyper_parallel.distributed import destroy_distributed, init_distributed
-from hyper_parallel.export import export_full
 from hyper_parallel.fully_shard import (
     CPUOffloadPolicy, DataParallelMeshDims, DeviceMesh, FSDPModule, MixedPrecisionPolicy,
     OffloadPolicy, UnshardHandle, fully_shard, init_device_mesh, register_fsdp_forward_method,
     share_comm_ctx,
 )
-from hyper_parallel.full_state import gather_full_state_dict, get_full_state_dict
-from hyper_parallel.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-from hyper_parallel.state_dict import ShardedValue, get_state_dict, set_state_dict
 from hyper_parallel.platform import get_platform
 
 __version__ = "0.1.0"
@@ -26,7 +25,6 @@ __all__ = [
     "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "ShardedValue", "clip_grad_norm_",
     "comm_stats", "destroy_distributed", "export_full", "fully_shard", "gather_full_state_dict",
     "get_full_state_dict", "get_platform", "get_state_dict", "init_device_mesh",
-    "init_distributed", "load_checkpoint", "load_sharded_checkpoint",
-    "register_fsdp_forward_method", "save_checkpoint", "save_sharded_checkpoint",
-    "set_state_dict", "share_comm_ctx", "track_comms", "UnshardHandle",
+    "init_distributed", "load_checkpoint", "register_fsdp_forward_method", "save_checkpoint",
+    "set_state_dict", "share_comm_ctx", "torch_nn_names", "track_comms", "UnshardHandle",
 ]

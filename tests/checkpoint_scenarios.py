@@ -4,16 +4,21 @@ The model is a small decoder written once per framework with the same parameter 
 (``embed_tokens.weight``, ``layers.0.attn_norm.weight``, ``layers.0.up.bias``, ...), the same
 math and the same initial values (seeded by name), so a checkpoint written by one loads
 into the other. Sizes are uneven over 2 and 4 ranks (vocabulary 37, hidden 24 + bias).
-Every run trains with AdamW on slices of the same global batches: rank r of W takes rows
-``[r * B / W, (r + 1) * B / W)``, so the mean of the ranks' losses is the global loss.
+Every run trains with AdamW (``kind="sgd"``: SGD with momentum 0.9, torch's
+``torch.optim.SGD`` and MindSpore's ``mindspore.experimental.optim.SGD``) on slices of the
+same global batches: rank r of W takes rows ``[r * B / W, (r + 1) * B / W)``, so the mean
+of the ranks' losses is the global loss.
 
 - ``save_run`` (torch, 2 ranks, FSDP): the single-process reference over every step;
-  ``STEPS`` steps, checkpoint A, ``STEPS`` more steps (the uninterrupted curve).
+  ``STEPS`` steps, checkpoint A (saved asynchronously, written while the next steps
+  run), ``STEPS`` more steps (the uninterrupted curve).
 - ``cross_run`` (MindSpore, 2 ranks): its own single-process reference; A (written on
-  torch) loaded into an HSDP (2, 1) mesh, ``STEPS`` steps, checkpoint B, ``STEPS`` more; a
-  fresh FSDP model loads B and repeats those last steps.
+  torch) loaded into an HSDP (2, 1) mesh, ``STEPS`` steps, checkpoint B (asynchronous,
+  published by the next load), ``STEPS`` more; a fresh FSDP model loads B and repeats
+  those last steps.
 - ``crash_run`` (torch, 2 ranks): checkpoint C of the initial model, then a second save to
-  the same path during which rank 1 dies after writing its file.
+  the same path during which rank 1 dies after writing its file; ``crash_async_run`` the
+  same with the second save asynchronous.
 - ``resume_run`` (torch, 1 rank): A loaded, ``STEPS`` steps; B (written on MindSpore)
   loaded and its last steps; the error checks; C loaded (what the crash left).
 """
@@ -33,6 +38,7 @@ from tests.kit import get_kit
 VOCAB, DIM, HIDDEN, LAYERS, SEQ, BATCH = 37, 16, 24, 2, 8, 4
 STEPS = 2  # per phase: the resumed curve covers STEPS optimizer steps after the load
 LR = 0.01
+SGD_LR = 0.1
 
 
 def _batches() -> list:
@@ -49,11 +55,11 @@ def _initial(name: str, shape: tuple) -> np.ndarray:
 
 
 class _Torch:
-    def __init__(self):
+    def __init__(self, kind: str = "adamw"):
         import torch
         from torch import nn
 
-        self.torch = torch
+        self.torch, self.kind = torch, kind
 
         class RMSNorm(nn.Module):
             def __init__(self, dim):
@@ -101,6 +107,8 @@ class _Torch:
         return list(model.layers)
 
     def optimizer(self, model):
+        if self.kind == "sgd":
+            return self.torch.optim.SGD(model.parameters(), lr=SGD_LR, momentum=0.9)
         return self.torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
 
     def step(self, model, opt, ids, targets):
@@ -114,12 +122,12 @@ class _Torch:
 
 
 class _MindSpore:
-    def __init__(self):
+    def __init__(self, kind: str = "adamw"):
         import mindspore as ms
         from mindspore import Parameter, Tensor, nn, ops
 
         ms.set_context(mode=ms.PYNATIVE_MODE)
-        self.ms = ms
+        self.ms, self.kind = ms, kind
 
         class RMSNorm(nn.Cell):
             def __init__(self, dim):
@@ -178,8 +186,10 @@ class _MindSpore:
         return list(model.layers)
 
     def optimizer(self, model):
-        from mindspore.experimental.optim import AdamW
+        from mindspore.experimental.optim import SGD, AdamW
 
+        if self.kind == "sgd":
+            return SGD(model.trainable_params(), lr=SGD_LR, momentum=0.9)
         return AdamW(model.trainable_params(), lr=LR, weight_decay=0.01)
 
     def step(self, model, opt, ids, targets):
@@ -196,8 +206,8 @@ class _MindSpore:
         return float(loss.asnumpy())
 
 
-def _side():
-    return _Torch() if get_kit().name == "torch" else _MindSpore()
+def _side(kind: str = "adamw"):
+    return _Torch(kind) if get_kit().name == "torch" else _MindSpore(kind)
 
 
 def _sharded(side, mesh_shape):
@@ -228,22 +238,26 @@ def _reference(side) -> list:
     return _train(side, model, side.optimizer(model), 0, 3 * STEPS, sliced=False)
 
 
-def save_run(dir_a: str) -> dict:
-    side = _side()
+def save_run(dir_a: str, kind: str = "adamw") -> dict:
+    side = _side(kind)
     model, opt = _sharded(side, (hp.get_platform().world_size(),))
     losses = _train(side, model, opt, 0, STEPS)
-    hp.save_checkpoint(dir_a, model, opt, extra={"step": STEPS, "framework": "torch"})
+    # written in the background while training goes on: A holds the state at this step
+    handle = hp.save_checkpoint(dir_a, model, opt, extra={"step": STEPS, "framework": "torch"},
+                                async_save=True)
     losses += _train(side, model, opt, STEPS, STEPS)
+    handle.wait()
     return {"ref": _reference(side), "losses": losses}
 
 
-def cross_run(dir_a: str, dir_b: str) -> dict:
-    side = _side()
+def cross_run(dir_a: str, dir_b: str, kind: str = "adamw") -> dict:
+    side = _side(kind)
     world = hp.get_platform().world_size()
     model, opt = _sharded(side, (world, 1))
     extra = hp.load_checkpoint(dir_a, model, opt)
     resumed = _train(side, model, opt, STEPS, STEPS)
-    hp.save_checkpoint(dir_b, model, opt, extra={"step": 2 * STEPS})
+    # in the background; the load below waits for it and publishes it
+    hp.save_checkpoint(dir_b, model, opt, extra={"step": 2 * STEPS}, async_save=True)
     after_save = _train(side, model, opt, 2 * STEPS, STEPS)
     model, opt = _sharded(side, (world,))
     hp.load_checkpoint(dir_b, model, opt)
@@ -252,8 +266,9 @@ def cross_run(dir_a: str, dir_b: str) -> dict:
 
 
 def resume_run(dir_a: str, mesh_shape: tuple, dir_b: str | None = None,
-               checks_dir: str | None = None, crashed: str | None = None) -> dict:
-    side = _side()
+               checks_dir: str | None = None, crashed: str | None = None,
+               kind: str = "adamw") -> dict:
+    side = _side(kind)
     model, opt = _sharded(side, mesh_shape)
     result = {"extra": hp.load_checkpoint(dir_a, model, opt),
               "resumed": _train(side, model, opt, STEPS, STEPS)}
@@ -287,6 +302,28 @@ def crash_run(path: str) -> None:
     hp.save_checkpoint(path, model, opt, extra={"checkpoint": "D"})
 
 
+def crash_async_run(path: str) -> None:
+    """As ``crash_run``, the second save asynchronous: rank 1 dies in its background write
+    while training goes on, and rank 0 waits in ``handle.wait()``."""
+    side = _side()
+    model, opt = _sharded(side, (hp.get_platform().world_size(),))
+    hp.save_checkpoint(path, model, opt, extra={"checkpoint": "C"})
+    _train(side, model, opt, 0, 1)
+    if hp.get_platform().rank() == 1:
+        from hyper_parallel.checkpoint import files
+
+        write_file = files.write_file
+
+        def write_then_die(*args, **kwargs):
+            write_file(*args, **kwargs)
+            os._exit(17)  # the whole process, from the writing thread
+
+        files.write_file = write_then_die
+    handle = hp.save_checkpoint(path, model, opt, extra={"checkpoint": "D"}, async_save=True)
+    _train(side, model, opt, 1, 1)
+    handle.wait()
+
+
 def crashed_checkpoint_loads(path: str) -> dict:
     """The checkpoint left at ``path`` after ``crash_run``: its extra, and whether its
     parameters are the initial ones."""
@@ -301,12 +338,8 @@ def crashed_checkpoint_loads(path: str) -> dict:
 # ------------------------------------------------------------------ bad checkpoints
 def _snapshot(model, opt) -> list:
     platform = hp.get_platform()
-    values = [platform.to_numpy(platform.local_tensor(p)) for p in platform.adam_params(opt)]
-    for p in platform.adam_params(opt):
-        state = platform.adam_state(opt, p)
-        if state is not None:
-            values += [state[0]] + [platform.to_numpy(t) for t in state[1].values()]
-    return values
+    values = [platform.to_numpy(platform.local_tensor(p)) for p in platform.optimizer_params(opt)]
+    return values + [platform.to_numpy(t) for _, _, t in platform.optimizer_state(opt)]
 
 
 def _corrupt(dir_a: str, work: str, how: str) -> str:
@@ -351,6 +384,13 @@ def _error_checks(side, dir_a: str, work: str) -> dict:
     cases["not_a_checkpoint"] = lambda: hp.load_checkpoint(work, model, opt)
     cases["extra_not_json"] = lambda: hp.save_checkpoint(os.path.join(work, "x"), model, opt,
                                                          extra={"f": object()})
+    cases["key_map_collision"] = lambda: hp.save_checkpoint(
+        os.path.join(work, "y"), model, opt, key_map=lambda name: name.rpartition(".")[2])
+    cases["key_map_unknown"] = lambda: hp.load_checkpoint(
+        dir_a, model, opt, key_map={"layers.0.up.weight": "layers.0.up.weight", "nope": "x"})
+    cases["key_map_not_a_map"] = lambda: hp.load_checkpoint(dir_a, model, opt, key_map="weight")
+    cases["optimizer_without_mapping"] = lambda: hp.load_checkpoint(
+        dir_a, model, _side("sgd").optimizer(model))
     for how, call in cases.items():
         before = _snapshot(model, opt)
         try:
@@ -387,3 +427,239 @@ def _bf16_roundtrip(side, work: str) -> dict:
         header = file.read(4096)
     return {"equal": all(torch.equal(a[k], b[k]) for k in a), "dtypes": sorted(dtypes),
             "file_says_bf16": b'"BF16"' in header}
+
+
+# ------------------------------------------------------------------ BatchNorm, framework layers
+# A model written with each framework's own nn layers: torch's Embedding, LayerNorm, Linear
+# and BatchNorm1d (``weight``/``bias``, ``running_mean``/``running_var`` and the int64
+# 0-dim ``num_batches_tracked`` buffers); MindSpore's Embedding (``embedding_table``),
+# LayerNorm and BatchNorm1d (``gamma``/``beta``, the ``requires_grad=False`` Parameters
+# ``moving_mean``/``moving_variance``). They meet through ``key_map=hp.torch_nn_names``.
+# Every rank trains on the whole batch, so BatchNorm's statistics (each rank's own) are
+# the same on every rank and at every world size; each step records the training loss and
+# then an evaluation loss, which reads the running statistics.
+
+def _bn_initial(name: str, shape: tuple) -> np.ndarray:
+    """Initial value of the parameter with torch name ``name``."""
+    if name.endswith(("norm.weight", "bn.weight")):
+        return np.ones(shape, np.float32)
+    if name.endswith(("norm.bias", "bn.bias")):
+        return np.zeros(shape, np.float32)
+    return _initial(name, shape)
+
+
+def _bn_eval_batch() -> tuple:
+    ids = np.random.default_rng(11).integers(0, VOCAB, size=(BATCH, SEQ + 1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+class _TorchBN(_Torch):
+    def __init__(self):
+        super().__init__()
+        torch, nn = self.torch, self.torch.nn
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(VOCAB, DIM)
+                self.bn = nn.BatchNorm1d(DIM)
+                self.up = nn.Linear(DIM, HIDDEN)
+                self.norm = nn.LayerNorm(HIDDEN)
+                self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+            def forward(self, ids):
+                x = self.bn(self.embed(ids).reshape(-1, DIM))
+                return self.head(self.norm(torch.relu(self.up(x))))
+
+        self.Model = Model
+
+    def build(self):
+        model = self.Model()
+        with self.torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(self.torch.from_numpy(_bn_initial(name, tuple(p.shape))))
+        return model
+
+    def layers(self, model):
+        return [model.bn]
+
+    def evaluate(self, model, ids, targets) -> float:
+        torch = self.torch
+        model.eval()
+        with torch.no_grad():
+            logits = model(torch.from_numpy(ids.astype(np.int64)))
+            loss = torch.nn.functional.cross_entropy(
+                logits, torch.from_numpy(targets.astype(np.int64)).reshape(-1))
+        model.train()
+        return float(loss.item())
+
+    def buffers(self, model) -> dict:
+        return {k: v.numpy().copy() for k, v in model.named_buffers()}
+
+
+class _MindSporeBN(_MindSpore):
+    def __init__(self):
+        super().__init__()
+        from mindspore import nn, ops
+
+        class Model(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(VOCAB, DIM)
+                self.bn = nn.BatchNorm1d(DIM, eps=1e-5, momentum=0.9)
+                self.up = nn.Dense(DIM, HIDDEN)
+                self.norm = nn.LayerNorm((HIDDEN,), begin_norm_axis=-1, begin_params_axis=-1,
+                                         epsilon=1e-5)
+                self.head = nn.Dense(HIDDEN, VOCAB, has_bias=False)
+
+            def construct(self, ids):
+                x = self.bn(self.embed(ids).reshape(-1, DIM))
+                return self.head(self.norm(ops.relu(self.up(x))))
+
+        self.Model = Model
+
+    def build(self):
+        model = self.Model()
+        model.set_train(True)
+        for name, p in model.parameters_and_names():
+            if p.requires_grad:
+                p.set_data(self.ms.Tensor(_bn_initial(hp.torch_nn_names(name), tuple(p.shape))))
+        return model
+
+    def layers(self, model):
+        return [model.bn]
+
+    def evaluate(self, model, ids, targets) -> float:
+        ms = self.ms
+        model.set_train(False)
+        logits = model(ms.Tensor(ids.astype(np.int32)))
+        loss = ms.ops.cross_entropy(logits, ms.Tensor(targets.astype(np.int32)).reshape(-1))
+        model.set_train(True)
+        return float(loss.asnumpy())
+
+    def buffers(self, model) -> dict:
+        return {hp.torch_nn_names(k): v.asnumpy().copy()
+                for k, v in model.parameters_and_names() if not v.requires_grad}
+
+
+def _bn_side():
+    return _TorchBN() if get_kit().name == "torch" else _MindSporeBN()
+
+
+def _bn_train(side, model, opt, first: int, count: int) -> list:
+    """Per step: the training loss, then the evaluation loss after the step."""
+    eval_ids, eval_targets = _bn_eval_batch()
+    out = []
+    for ids, targets in _batches()[first:first + count]:
+        out.append(side.step(model, opt, ids, targets))
+        out.append(side.evaluate(model, eval_ids, eval_targets))
+    return out
+
+
+def _bn_state(side, model) -> dict:
+    """The model's parameters and buffers by torch name, as numpy."""
+    full = {hp.torch_nn_names(k): v for k, v in hp.gather_full_state_dict(model).items()}
+    full.update(side.buffers(model))
+    return full
+
+
+def bn_save_run(dir_a: str, dir_native: str) -> dict:
+    """torch, FSDP over every rank: ``STEPS`` steps, A (torch names through the map:
+    ``num_batches_tracked`` left out) and the same without the map, ``STEPS`` more."""
+    side = _bn_side()
+    model, opt = _sharded(side, (hp.get_platform().world_size(),))
+    losses = _bn_train(side, model, opt, 0, STEPS)
+    hp.save_checkpoint(dir_a, model, opt, extra={"step": STEPS}, key_map=hp.torch_nn_names)
+    hp.save_checkpoint(dir_native, model, opt)
+    saved = side.buffers(model)
+    losses += _bn_train(side, model, opt, STEPS, STEPS)
+    reference = side.build()
+    return {"ref": _bn_train(side, reference, side.optimizer(reference), 0, 3 * STEPS),
+            "losses": losses, "saved_buffers": saved, "final": _bn_state(side, model)}
+
+
+def bn_cross_run(dir_a: str, dir_b: str) -> dict:
+    """MindSpore: A (torch's) into HSDP (world, 1), ``STEPS`` steps, B, ``STEPS`` more; a
+    fresh FSDP model loads B and repeats them."""
+    side = _bn_side()
+    world = hp.get_platform().world_size()
+    model, opt = _sharded(side, (world, 1))
+    hp.load_checkpoint(dir_a, model, opt, key_map=hp.torch_nn_names)
+    loaded = side.buffers(model)
+    resumed = _bn_train(side, model, opt, STEPS, STEPS)
+    hp.save_checkpoint(dir_b, model, opt, key_map=hp.torch_nn_names)
+    after_save = _bn_train(side, model, opt, 2 * STEPS, STEPS)
+    final = _bn_state(side, model)
+    model, opt = _sharded(side, (world,))
+    hp.load_checkpoint(dir_b, model, opt, key_map=hp.torch_nn_names)
+    reference = side.build()
+    return {"ref": _bn_train(side, reference, side.optimizer(reference), 0, 3 * STEPS),
+            "loaded_buffers": loaded, "resumed": resumed, "after_save": after_save,
+            "final": final, "resumed_same": _bn_train(side, model, opt, 2 * STEPS, STEPS),
+            "final_same": _bn_state(side, model)}
+
+
+def bn_resume_run(dir_a: str, dir_native: str, dir_b: str) -> dict:
+    """torch at this world size: the checkpoint saved without the map
+    (``num_batches_tracked`` included) and A through the map, each followed by ``STEPS``
+    steps; B (MindSpore's) through the map and its last ``STEPS`` steps."""
+    side = _bn_side()
+    world = hp.get_platform().world_size()
+    out = {}
+    for name, path, key_map in (("native", dir_native, None),
+                                ("mapped", dir_a, hp.torch_nn_names)):
+        model, opt = _sharded(side, (world,))
+        hp.load_checkpoint(path, model, opt, key_map=key_map)
+        out[name] = {"buffers": side.buffers(model),
+                     "resumed": _bn_train(side, model, opt, STEPS, STEPS),
+                     "final": _bn_state(side, model)}
+    model, opt = _sharded(side, (world,))
+    hp.load_checkpoint(dir_b, model, opt, key_map=hp.torch_nn_names)
+    out["from_mindspore"] = _bn_train(side, model, opt, 2 * STEPS, STEPS)
+    return out
+
+
+# ------------------------------------------------------------------ any optimizer
+def _optimizers() -> dict:
+    """Optimizer factories of this framework: name -> function of the model."""
+    if get_kit().name == "torch":
+        import torch
+
+        def torch_opt(cls, **kwargs):
+            return lambda model: cls(model.parameters(), **kwargs)
+
+        return {"SGD": torch_opt(torch.optim.SGD, lr=SGD_LR),
+                "Adam": torch_opt(torch.optim.Adam, lr=LR, amsgrad=True),
+                "Adagrad": torch_opt(torch.optim.Adagrad, lr=LR),
+                "RMSprop": torch_opt(torch.optim.RMSprop, lr=LR, momentum=0.9, centered=True)}
+    from mindspore import nn
+    from mindspore.experimental import optim
+
+    def ms_opt(cls, *args, **kwargs):
+        return lambda model: cls(model.trainable_params(), *args, **kwargs)
+
+    return {"experimental.Adam": ms_opt(optim.Adam, lr=LR),
+            "experimental.Adagrad": ms_opt(optim.Adagrad, lr=LR),
+            "nn.SGD": ms_opt(nn.SGD, learning_rate=SGD_LR, momentum=0.9),
+            "nn.Momentum": ms_opt(nn.Momentum, SGD_LR, 0.9),
+            "nn.Adam": ms_opt(nn.Adam, learning_rate=LR)}
+
+
+def optimizer_round_trips(work: str) -> dict:
+    """Per optimizer of this framework: (the uninterrupted curve, the one resumed from a
+    checkpoint into a fresh model and optimizer of the same class), ``STEPS`` steps each."""
+    side = _side()
+    mesh = (hp.get_platform().world_size(),)
+    out = {}
+    for name, make in _optimizers().items():
+        model, _ = _sharded(side, mesh)
+        opt = make(model)
+        _train(side, model, opt, 0, STEPS)
+        path = os.path.join(work, name)
+        hp.save_checkpoint(path, model, opt)
+        uninterrupted = _train(side, model, opt, STEPS, STEPS)
+        model, _ = _sharded(side, mesh)
+        opt = make(model)
+        hp.load_checkpoint(path, model, opt)
+        out[name] = (uninterrupted, _train(side, model, opt, STEPS, STEPS))
+    return out

@@ -2,7 +2,7 @@
 
 - ``export_run`` (either framework): the checkpoint suite's decoder sharded over every rank
   and its single-process reference train the same steps; the sharded one is exported as one
-  file and as several; returns the reference's tensors.
+  file, as several, and renamed by a ``key_map``; returns the reference's tensors.
 - ``hf_run`` (torch): a small ``transformers`` Llama with tied embeddings, sharded, trained
   a step and exported with its config; returns its logits on a batch.
 """
@@ -19,12 +19,18 @@ from tests.checkpoint_scenarios import STEPS, _sharded, _side, _train
 SMALL_SHARD_BYTES = 4096  # splits the decoder over several files
 
 
+def renamed(name: str) -> str | None:
+    """The export's ``key_map`` test: a prefix, and the final norm left out."""
+    return None if name == "norm.weight" else f"model.{name}"
+
+
 def export_run(directory: str) -> dict:
     side = _side()
     model, opt = _sharded(side, (hp.get_platform().world_size(),))
     _train(side, model, opt, 0, STEPS)
     hp.export_full(os.path.join(directory, "single"), model)
     hp.export_full(os.path.join(directory, "sharded"), model, max_shard_bytes=SMALL_SHARD_BYTES)
+    hp.export_full(os.path.join(directory, "renamed"), model, key_map=renamed)
     reference = side.build()
     _train(side, reference, side.optimizer(reference), 0, STEPS, sliced=False)
     return hp.get_full_state_dict(reference, rank0_only=False)

@@ -5,7 +5,7 @@ shards unevenly) is trained with AdamW on a fixed global batch split over the ra
 launches form one chain, each reading what the earlier ones wrote into one directory:
 
 - ``save`` (4 ranks): a few steps (``STEPS``), then a sharded checkpoint of the model and
-  optimizer (``hp.save_sharded_checkpoint``), the full state dict (rank 0 only) written as
+  optimizer (``hp.save_checkpoint``), the full state dict (rank 0 only) written as
   a full checkpoint in the framework's format, and on torch a DCP checkpoint of torch's
   own ``get_state_dict``; then more steps: the uninterrupted run. Also the
   framework's own state dict round trip at the same world size (MindSpore
@@ -14,7 +14,7 @@ launches form one chain, each reading what the earlier ones wrote into one direc
 - ``load`` (2 and 1 ranks): a model built with other values loads each checkpoint (the
   sharded one from 4 ranks, the full one, on torch the DCP one), its full state dict is
   returned, and training resumes from one of them (``STEPS``). The 2-rank launch also saves a
-  sharded checkpoint at 2 ranks right after loading, which the 1-rank launch loads too.
+  checkpoint at 2 ranks right after loading, which the 1-rank launch loads too.
   The 1-rank launch also trains the single-process reference and tries bad input; on
   MindSpore the 2-rank one also round-trips ``nn.Adam``'s state.
 
@@ -121,10 +121,11 @@ def run_save(directory: str) -> dict:
     platform = hp.get_platform()
     model, opt = _build(kit, seed=3)
     before = _mean_over_ranks(_train(kit, model, opt, _batches(kit, "before")))
-    hp.save_sharded_checkpoint(model, os.path.join(directory, "ws4"), opt)
+    hp.save_checkpoint(os.path.join(directory, "ws4"), model, opt)
     full = hp.get_full_state_dict(model, opt)
     if platform.rank() == 0:
-        platform.save_tensors(full, os.path.join(directory, f"full.{platform.checkpoint_extension}"))
+        _save_full(kit, full, os.path.join(directory, "full.ckpt" if kit.name == "mindspore"
+                                           else "full.pt"))
     if kit.name == "torch":
         _torch_dcp_save(model, opt, os.path.join(directory, "dcp4"))
     result = {"full_state": full, "before": before,
@@ -134,6 +135,29 @@ def run_save(directory: str) -> dict:
     result["final"] = hp.get_full_state_dict(model)
     platform.barrier()
     return result
+
+
+def _save_full(kit, full: dict, path: str) -> None:
+    """A full state dict as a checkpoint file in the framework's own format."""
+    if kit.name == "torch":
+        import torch
+
+        torch.save({k: torch.from_numpy(v) for k, v in full.items()}, path)
+    else:
+        import mindspore as ms
+
+        ms.save_checkpoint([{"name": k, "data": ms.Tensor(v)} for k, v in full.items()], path)
+
+
+def _load_full(kit, path: str) -> dict:
+    """What ``_save_full`` wrote, read back by the framework: ``{name: tensor}``."""
+    if kit.name == "torch":
+        import torch
+
+        return torch.load(path, weights_only=True)
+    import mindspore as ms
+
+    return dict(ms.load_checkpoint(path))
 
 
 def _load_and_resume(kit, load, resume) -> dict:
@@ -152,14 +176,14 @@ def run_load(directory: str) -> dict:
     kit = get_kit()
     platform = hp.get_platform()
     world = platform.world_size()
-    full_path = os.path.join(directory, f"full.{platform.checkpoint_extension}")
+    full_path = os.path.join(directory, "full.ckpt" if kit.name == "mindspore" else "full.pt")
     sources = {
-        "sharded_from_4": lambda m, o: hp.load_sharded_checkpoint(m, os.path.join(directory, "ws4"), o),
-        "full": lambda m, o: hp.set_state_dict(m, platform.load_tensors(full_path), o),
+        "sharded_from_4": lambda m, o: hp.load_checkpoint(os.path.join(directory, "ws4"), m, o),
+        "full": lambda m, o: hp.set_state_dict(m, _load_full(kit, full_path), o),
     }
     if world == 1:
-        sources["sharded_from_2"] = lambda m, o: hp.load_sharded_checkpoint(
-            m, os.path.join(directory, "ws2"), o)
+        sources["sharded_from_2"] = lambda m, o: hp.load_checkpoint(
+            os.path.join(directory, "ws2"), m, o)
     if kit.name == "torch":
         sources["dcp_from_4"] = lambda m, o: _torch_dcp_load(m, o, os.path.join(directory, "dcp4"))
     # every source's loaded state is compared; training resumes from one per launch (the
@@ -169,7 +193,7 @@ def run_load(directory: str) -> dict:
     if world == 2:
         model, opt = _build(kit, seed=5)
         sources["sharded_from_4"](model, opt)
-        hp.save_sharded_checkpoint(model, os.path.join(directory, "ws2"), opt)
+        hp.save_checkpoint(os.path.join(directory, "ws2"), model, opt)
         # every rank gets the full state on request
         result["all_ranks_full"] = hp.get_full_state_dict(model, opt, rank0_only=False)
     if world == 2 and kit.name == "mindspore":
@@ -182,17 +206,17 @@ def run_load(directory: str) -> dict:
 
 
 def _nn_adam_round_trip(kit, path) -> dict:
-    """MindSpore's ``nn.Adam`` (moments, step and beta powers) through a sharded checkpoint
-    into a model with other values: the full states before and after."""
+    """MindSpore's ``nn.Adam`` (moments, step and beta powers) through a checkpoint into a
+    model with other values: the full states before and after."""
     from mindspore import nn
 
     model, _ = _build(kit, seed=3)
     opt = nn.Adam(kit.params(model), learning_rate=LR)
     _train(kit, model, opt, _batches(kit, "before")[:1])
-    hp.save_sharded_checkpoint(model, path, opt)
+    hp.save_checkpoint(path, model, opt)
     fresh, _ = _build(kit, seed=5)
     fresh_opt = nn.Adam(kit.params(fresh), learning_rate=LR)
-    hp.load_sharded_checkpoint(fresh, path, fresh_opt)
+    hp.load_checkpoint(path, fresh, fresh_opt)
     return {"saved": hp.get_full_state_dict(model, opt),
             "loaded": hp.get_full_state_dict(fresh, fresh_opt)}
 
@@ -217,7 +241,7 @@ def _bad_input(kit, directory) -> dict:
     broken = os.path.join(directory, "ws4_missing_rank")
     os.makedirs(broken, exist_ok=True)
     for name in os.listdir(os.path.join(directory, "ws4")):
-        if not name.startswith("rank3"):
+        if name != "rank-00003.safetensors":
             with open(os.path.join(directory, "ws4", name), "rb") as src, \
                     open(os.path.join(broken, name), "wb") as dst:
                 dst.write(src.read())
@@ -226,7 +250,7 @@ def _bad_input(kit, directory) -> dict:
         "wrong_shape": lambda: hp.set_state_dict(model, wrong_shape, opt),
         "missing_key": lambda: hp.set_state_dict(model, missing, opt),
         "unexpected_key": lambda: hp.set_state_dict(model, unexpected, opt),
-        "missing_rank_file": lambda: hp.load_sharded_checkpoint(model, broken, opt),
+        "missing_rank_file": lambda: hp.load_checkpoint(broken, model, opt),
     }
     out = {}
     for name, call in cases.items():

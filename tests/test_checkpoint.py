@@ -2,9 +2,13 @@
 ranks (FSDP) resumes at 1 rank on torch and at 2 ranks (HSDP 2x1) on MindSpore, and
 MindSpore's checkpoint (written by the HSDP run) resumes on MindSpore FSDP and on torch at
 1 rank; a rank killed mid-save leaves the previous checkpoint; corrupt and foreign
-checkpoints fail with errors naming the file and tensor, changing nothing. Four launches
-in all (torch 2, MindSpore 2, torch 2 crashing, torch 1). Regions that straddle stored
-slices (2 -> 3 ranks) are checked without processes.
+checkpoints fail with errors naming the file and tensor, changing nothing. A second model,
+written with each framework's own nn layers (Embedding, BatchNorm1d, LayerNorm), takes the
+same route through ``key_map=hp.torch_nn_names``, with its buffers and MindSpore's
+``requires_grad=False`` moving statistics, and resumes on torch without the map
+(``num_batches_tracked`` included). Four launches in all (torch 2, MindSpore 2, torch 2
+crashing, torch 1), each running both models' jobs. Regions that straddle stored slices
+(2 -> 3 ranks) are checked without processes.
 
 Same framework, the resumed loss curve continues the uninterrupted one to 1e-5 relative
 (fp32). Across frameworks, to twice what the two frameworks' own single-process
@@ -22,6 +26,7 @@ import tempfile
 import numpy as np
 import pytest
 
+from hyper_parallel.checkpoint import CheckpointError
 from tests.checkpoint_scenarios import CORRUPTIONS, STEPS
 from tests.multirank import RankFailure, run_ranks
 
@@ -48,33 +53,73 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b) / np.abs(b)))
 
 
+def _jobs(world_size: int, backend: str, *calls, timeout_s: float) -> list:
+    """Several rank-side functions in one launch: per rank, ``{name: return value}``."""
+    return run_ranks("tests.shared_launch:run_jobs", world_size, backend,
+                     [(name, f"tests.checkpoint_scenarios:{target}", args, {})
+                      for name, target, args in calls], timeout_s=timeout_s)
+
+
 @functools.lru_cache(maxsize=None)
+def _launch_saving() -> list:
+    return _jobs(2, "torch", ("lm", "save_run", (_dir("A"),)),
+                 ("bn", "bn_save_run", (_dir("bn-A"), _dir("bn-native"))),
+                 ("sgd", "save_run", (_dir("sgd-A"), "sgd")),
+                 ("optimizers", "optimizer_round_trips", (_dir("optimizers-torch"),)),
+                 timeout_s=300)
+
+
 def _saved() -> list:
-    return run_ranks("tests.checkpoint_scenarios:save_run", 2, "torch", _dir("A"), timeout_s=120)
+    return [r["lm"] for r in _launch_saving()]
+
+
+def _bn_saved() -> list:
+    return [r["bn"] for r in _launch_saving()]
 
 
 @functools.lru_cache(maxsize=None)
+def _launch_crossing() -> list:
+    _launch_saving()
+    return _jobs(2, "mindspore", ("lm", "cross_run", (_dir("A"), _dir("B"))),
+                 ("bn", "bn_cross_run", (_dir("bn-A"), _dir("bn-B"))),
+                 ("sgd", "cross_run", (_dir("sgd-A"), _dir("sgd-B"), "sgd")),
+                 ("optimizers", "optimizer_round_trips", (_dir("optimizers-mindspore"),)),
+                 timeout_s=660)
+
+
 def _crossed() -> list:
-    _saved()
-    return run_ranks("tests.checkpoint_scenarios:cross_run", 2, "mindspore", _dir("A"),
-                     _dir("B"), timeout_s=300)
+    return [r["lm"] for r in _launch_crossing()]
+
+
+def _bn_crossed() -> list:
+    return [r["bn"] for r in _launch_crossing()]
 
 
 @functools.lru_cache(maxsize=None)
-def _crashed() -> str:
+def _crashed(target: str = "crash_run", directory: str = "C") -> str:
     """The message of the save that lost rank 1 midway."""
     with pytest.raises(RankFailure) as failure:
-        run_ranks("tests.checkpoint_scenarios:crash_run", 2, "torch", _dir("C"), timeout_s=60)
+        run_ranks(f"tests.checkpoint_scenarios:{target}", 2, "torch", _dir(directory),
+                  timeout_s=60)
     return str(failure.value)
 
 
 @functools.lru_cache(maxsize=None)
-def _resumed_on_one() -> dict:
-    _crossed()
+def _launch_resuming() -> dict:
+    _launch_crossing()
     _crashed()
+    _crashed("crash_async_run", "C-async")
     os.makedirs(_dir("checks"), exist_ok=True)
-    return run_ranks("tests.checkpoint_scenarios:resume_run", 1, "torch", _dir("A"), (1,),
-                     _dir("B"), _dir("checks"), _dir("C"), timeout_s=120)[0]
+    return _jobs(1, "torch", ("lm", "resume_run", (_dir("A"), (1,), _dir("B"), _dir("checks"),
+                                                   _dir("C"))),
+                 ("bn", "bn_resume_run", (_dir("bn-A"), _dir("bn-native"), _dir("bn-B"))),
+                 ("sgd", "resume_run", (_dir("sgd-A"), (1,), _dir("sgd-B"), None, None, "sgd")),
+                 ("crashed_async", "crashed_checkpoint_loads", (_dir("C-async"),)),
+                 timeout_s=240)[0]
+
+
+def _resumed_on_one() -> dict:
+    return _launch_resuming()["lm"]
 
 
 def _uninterrupted_after_a() -> np.ndarray:
@@ -119,6 +164,119 @@ def test_mindspore_checkpoint_resumes_on_torch():
                                f"references agree to {tolerance / 2:.2e}")
 
 
+def _sgd(launch) -> list:
+    return [r["sgd"] for r in launch]
+
+
+@pytest.mark.timeout(600)
+def test_sgd_momentum_resumes_at_one_rank_on_torch():
+    """torch.optim.SGD(momentum=0.9) saved at 2 ranks, its momentum_buffer resharded to 1."""
+    saved, r = _sgd(_launch_saving()), _launch_resuming()["sgd"]
+    diff = _rel(r["resumed"], _mean(saved, "losses")[STEPS:])
+    assert diff <= SAME_FRAMEWORK_RTOL, f"resumed at 1 rank differs by {diff:.2e}"
+
+
+@pytest.mark.timeout(600)
+def test_sgd_momentum_resumes_on_mindspore_resharded():
+    per_rank = _sgd(_launch_crossing())
+    diff = _rel(_mean(per_rank, "resumed_same"), _mean(per_rank, "after_save"))
+    assert diff <= SAME_FRAMEWORK_RTOL, f"MindSpore SGD resumed (2x1 -> 2) differs by {diff:.2e}"
+
+
+@pytest.mark.timeout(600)
+def test_sgd_momentum_moves_between_the_frameworks():
+    """torch's momentum_buffer into MindSpore's accum (stat: stepped), and back."""
+    saved, crossed = _sgd(_launch_saving()), _sgd(_launch_crossing())
+    tolerance = 2 * _rel(crossed[0]["ref"], saved[0]["ref"])
+    diff = _rel(_mean(crossed, "resumed"), _mean(saved, "losses")[STEPS:])
+    assert diff <= tolerance, (f"MindSpore SGD resumed from torch differs by {diff:.2e}; the "
+                               f"references agree to {tolerance / 2:.2e}")
+    diff = _rel(_launch_resuming()["sgd"]["resumed_b"], _mean(crossed, "after_save"))
+    assert diff <= tolerance, (f"torch SGD resumed from MindSpore differs by {diff:.2e}; the "
+                               f"references agree to {tolerance / 2:.2e}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("launch", ["torch", "mindspore"])
+def test_any_optimizer_resumes_as_itself(launch):
+    """Optimizers with other state than Adam's (torch: SGD without momentum, Adam with
+    amsgrad, Adagrad, centered RMSprop with momentum; MindSpore: nn.SGD, nn.Momentum,
+    nn.Adam with its own beta powers and global step, experimental Adam and Adagrad), each
+    saved at 2 ranks and resumed into a fresh optimizer of its class."""
+    per_rank = (_launch_saving if launch == "torch" else _launch_crossing)()
+    curves = [r["optimizers"] for r in per_rank]
+    for name in curves[0]:
+        uninterrupted = np.mean([c[name][0] for c in curves], axis=0)
+        resumed = np.mean([c[name][1] for c in curves], axis=0)
+        diff = _rel(resumed, uninterrupted)
+        assert diff <= SAME_FRAMEWORK_RTOL, f"{name} resumed differs by {diff:.2e}"
+
+
+def _bn_uninterrupted_after_a() -> np.ndarray:
+    return np.asarray(_bn_saved()[0]["losses"][2 * STEPS:])  # a training and an eval loss per step
+
+
+def _bn_cross_tolerance() -> float:
+    return 2 * _rel(_bn_crossed()[0]["ref"], _bn_saved()[0]["ref"])
+
+
+def _max_state_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(float(np.max(np.abs(np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64))))
+               for k in a)
+
+
+@pytest.mark.timeout(600)
+def test_batchnorm_buffers_resume_on_torch_at_one_rank():
+    """torch's buffers (running statistics, the int64 0-dim num_batches_tracked) saved at 2
+    ranks and restored at 1: the evaluation losses, which read them, continue too."""
+    r = _launch_resuming()["bn"]["native"]
+    saved = _bn_saved()[0]
+    assert sorted(r["buffers"]) == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
+    assert int(r["buffers"]["bn.num_batches_tracked"]) == STEPS
+    for name, value in saved["saved_buffers"].items():
+        np.testing.assert_array_equal(r["buffers"][name], value, err_msg=name)
+    diff = _rel(r["resumed"], _bn_uninterrupted_after_a())
+    assert diff <= SAME_FRAMEWORK_RTOL, f"resumed at 1 rank differs by {diff:.2e}"
+    assert _max_state_diff(r["final"], saved["final"]) <= 1e-6
+
+
+@pytest.mark.timeout(600)
+def test_batchnorm_moving_statistics_resume_on_mindspore_resharded():
+    """MindSpore's requires_grad=False moving_mean/moving_variance, updated by training
+    under fully_shard, saved from HSDP 2x1 and restored into FSDP 2."""
+    for rank, r in enumerate(_bn_crossed()):
+        diff = _rel(r["resumed_same"], r["after_save"])
+        assert diff <= SAME_FRAMEWORK_RTOL, f"rank {rank}: resumed differs by {diff:.2e}"
+        assert _max_state_diff(r["final_same"], r["final"]) <= 1e-6
+        assert np.any(r["final"]["bn.running_mean"] != 0), "the moving mean never moved"
+
+
+@pytest.mark.timeout(600)
+def test_batchnorm_model_moves_from_torch_layers_to_mindspore_layers():
+    """torch's nn.Embedding/BatchNorm1d/LayerNorm checkpoint, saved with
+    key_map=hp.torch_nn_names, loaded into MindSpore's nn.Embedding/BatchNorm1d/LayerNorm
+    (embedding_table, gamma/beta, moving_mean/moving_variance) with the same map."""
+    saved, tolerance = _bn_saved()[0], _bn_cross_tolerance()
+    for r in _bn_crossed():
+        for name, value in r["loaded_buffers"].items():
+            np.testing.assert_array_equal(value, saved["saved_buffers"][name], err_msg=name)
+        diff = _rel(r["resumed"], _bn_uninterrupted_after_a())
+        assert diff <= tolerance, (f"MindSpore resumed from torch differs by {diff:.2e}; the "
+                                   f"references agree to {tolerance / 2:.2e}")
+
+
+@pytest.mark.timeout(600)
+def test_batchnorm_model_moves_from_mindspore_layers_to_torch_layers():
+    r, tolerance = _launch_resuming()["bn"], _bn_cross_tolerance()
+    diff = _rel(r["from_mindspore"], _bn_crossed()[0]["after_save"])
+    assert diff <= tolerance, (f"torch resumed from MindSpore differs by {diff:.2e}; the "
+                               f"references agree to {tolerance / 2:.2e}")
+    # through the map on the same framework: num_batches_tracked is left out, the rest is there
+    assert int(r["mapped"]["buffers"]["bn.num_batches_tracked"]) == 0
+    assert _rel(r["mapped"]["resumed"], _bn_uninterrupted_after_a()) <= SAME_FRAMEWORK_RTOL
+
+
 @pytest.mark.timeout(600)
 def test_crash_mid_save_leaves_previous_checkpoint():
     message = _crashed()
@@ -127,6 +285,15 @@ def test_crash_mid_save_leaves_previous_checkpoint():
     assert ("rank 1 failed with exit code 17" in message
             or ("rank 0 failed" in message and "ended ranks []" in message)), message
     assert _resumed_on_one()["crashed"] == {"extra": {"checkpoint": "C"}, "initial": True}
+
+
+@pytest.mark.timeout(600)
+def test_rank_dying_in_an_async_write_leaves_previous_checkpoint():
+    message = _crashed("crash_async_run", "C-async")
+    assert ("rank 1 failed with exit code 17" in message
+            or ("rank 0 failed" in message and "ended ranks []" in message)), message
+    assert _launch_resuming()["crashed_async"] == {"extra": {"checkpoint": "C"}, "initial": True}
+    assert os.path.isdir(_dir("C-async") + ".saving")  # the unpublished write, cleared next save
 
 
 EXPECTED_ERRORS = {
@@ -139,13 +306,20 @@ EXPECTED_ERRORS = {
     "foreign": ["index.json", "not a hyper_parallel checkpoint"],
     "not_a_checkpoint": ["index.json does not exist"],
     "extra_not_json": ["TypeError", "JSON-serialisable"],
+    "key_map_collision": ["key_map gives", "the same stored name 'weight'"],
+    "key_map_unknown": ["key_map names 'nope'", "does not have"],
+    "key_map_not_a_map": ["TypeError", "key_map must be a dict"],
+    "optimizer_without_mapping": ["torch.optim.adamw.AdamW", "does not map to",
+                                  "torch.optim.sgd.SGD"],
 }
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("how", sorted(EXPECTED_ERRORS))
 def test_bad_checkpoint_is_a_clear_error_and_changes_nothing(how):
-    assert set(EXPECTED_ERRORS) == {*CORRUPTIONS, "not_a_checkpoint", "extra_not_json"}
+    assert set(EXPECTED_ERRORS) == {*CORRUPTIONS, "not_a_checkpoint", "extra_not_json",
+                                    "key_map_collision", "key_map_unknown", "key_map_not_a_map",
+                                    "optimizer_without_mapping"}
     r = _resumed_on_one()["errors"][how]
     assert r["message"] is not None, f"{how}: no error"
     for part in EXPECTED_ERRORS[how]:
@@ -173,7 +347,7 @@ def test_regions_straddling_stored_slices(tmp_path):
                          & 0xFFFF0000).view(np.float32)}
     partials = []
     for rank, (start, rows) in enumerate([(0, 19), (19, 18)]):
-        partial, file = new_partial(False), f"rank-{rank:05d}.safetensors"
+        partial, file = new_partial(None), f"rank-{rank:05d}.safetensors"
         for dtype, array in full.items():
             add_slice(partial, dtype, dtype, (37, 5), file, (start, 0), (rows, 5))
         write_file(str(tmp_path / file), {d: (d, a[start:start + rows]) for d, a in full.items()})
@@ -185,3 +359,23 @@ def test_regions_straddling_stored_slices(tmp_path):
             held = Held(dtype, None, None, dtype, (37, 5), 0, start, rows, rows, True)
             region = _read_region(reader, str(tmp_path), dtype, index["tensors"][dtype], held)
             np.testing.assert_array_equal(region, array[start:start + rows])
+
+
+def test_optimizer_state_without_counterpart_is_named():
+    """A move between corresponding optimizers (torch SGD -> MindSpore SGD) converts the
+    momentum and sets MindSpore's first-step flag; a state the table does not name is an
+    error naming both optimizers and the state."""
+    from hyper_parallel.checkpoint.optimizers import KINDS, _convert
+
+    torch_sgd, ms_sgd = "torch.optim.sgd.SGD", "mindspore.experimental.optim.sgd.SGD"
+    momentum = np.ones((3, 2), np.float32)
+    values, step = _convert("index.json", torch_sgd, ms_sgd, KINDS[torch_sgd], KINDS[ms_sgd],
+                            {"momentum_buffer": momentum}, {})
+    assert step is None and values["stat"] == 0 and values["accum"] is momentum
+    values, _ = _convert("index.json", ms_sgd, torch_sgd, KINDS[ms_sgd], KINDS[torch_sgd],
+                         {"accum": momentum, "stat": np.ones((3, 2), np.float32)}, {})
+    assert values == {}, "a MindSpore parameter that has not stepped has no torch state"
+    with pytest.raises(CheckpointError, match=r"torch.optim.sgd.SGD's state 'velocity' has no "
+                                              r"counterpart in mindspore.experimental"):
+        _convert("index.json", torch_sgd, ms_sgd, KINDS[torch_sgd], KINDS[ms_sgd],
+                 {"momentum_buffer": momentum, "velocity": momentum}, {})

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.export_scenarios import SMALL_SHARD_BYTES, example_batch, hf_batch
+from tests.export_scenarios import SMALL_SHARD_BYTES, example_batch, hf_batch, renamed
 from tests import shared_launch
 from tests.multirank import run_ranks
 
@@ -57,6 +57,16 @@ def test_export_matches_reference(backend):
         if several:
             assert all(os.path.getsize(os.path.join(exported, layout, n)) < SMALL_SHARD_BYTES + 4096
                        for n in names)
+
+
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_export_key_map_renames_and_leaves_out(backend):
+    reference = shared_launch.results("export", backend)[0]
+    tensors, _ = _read(os.path.join(shared_launch.directory(f"export-{backend}"), "renamed"))
+    assert set(tensors) == {renamed(k) for k in reference if renamed(k) is not None}
+    for key, value in reference.items():
+        if renamed(key) is not None:
+            np.testing.assert_allclose(tensors[renamed(key)], value, rtol=RTOL, atol=1e-7)
 
 
 def test_transformers_loads_the_export(tmp_path):

@@ -108,7 +108,7 @@ print("survived")
 @pytest.mark.parametrize("file,name,blocked", [
     ("platform.py", "_all_gather", True),
     ("platform.py", "differentiable_call", True),  # MindSpore waits at the unshard cell
-    ("state_io.py", "save_tensors", False),
+    ("state_io.py", "set_optimizer_state", False),
 ])
 def test_watchdog_fires_in_the_platform_but_not_in_checkpoint_io(file, name, blocked):
     """A rank blocked anywhere in the platform's code past the timeout is ended; a long

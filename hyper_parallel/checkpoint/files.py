@@ -36,10 +36,10 @@ def write_file(path: str, tensors: dict) -> None:
     specs, keep_alive = {}, []
     for key, (dtype, array) in tensors.items():
         if dtype == "bfloat16":
-            data = np.ascontiguousarray((array.astype(np.float32).view(np.uint32) >> 16)
-                                        .astype(np.uint16))
+            data = np.asarray((array.astype(np.float32).view(np.uint32) >> 16)
+                              .astype(np.uint16), order="C")
         else:
-            data = np.ascontiguousarray(array.astype(_NUMPY[dtype]))
+            data = np.asarray(array, dtype=_NUMPY[dtype], order="C")  # a copy only if needed
         keep_alive.append(data)
         if TensorSpec is None:
             specs[key] = {"dtype": _numpy_dtype_name(dtype), "shape": data.shape,
@@ -79,8 +79,9 @@ class SliceReader:
         try:
             if dtype == "bfloat16":
                 bits = _raw_view(path, key, stored["shape"])[region]
-                return (bits.astype(np.uint32) << 16).view(np.float32)
-            return np.asarray(view[region] if region else view[:])
+                flat = np.asarray(bits, np.uint32).reshape(-1)  # 1-d: numpy keeps uint32
+                return (flat << 16).view(np.float32).reshape(np.shape(bits))
+            return np.asarray(view[region] if region else view[()])  # () reads a 0-dim tensor
         except (SafetensorError, OSError, ValueError) as error:
             raise CheckpointError(f"{path}: cannot read tensor {key!r}: {error}") from None
 
@@ -108,7 +109,7 @@ def _raw_view(path: str, key: str, shape: list) -> np.ndarray:
     if end - start != 2 * int(np.prod(shape)):
         raise CheckpointError(f"{path}: tensor {key!r} holds {end - start} bytes, not a "
                               f"BF16 tensor of shape {shape}")
-    if not shape or 0 in shape:
+    if 0 in shape:
         return np.zeros(shape, np.uint16)
     return np.memmap(path, dtype=np.uint16, mode="r", offset=8 + length + start,
-                     shape=tuple(shape))
+                     shape=(int(np.prod(shape)),)).reshape(shape)

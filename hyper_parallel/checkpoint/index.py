@@ -7,9 +7,11 @@ under its own qualified name (``layers.0.up.weight``), or an optimizer moment of
 (``optim.exp_avg.layers.0.up.weight``). Its index entry gives the global shape and dtype
 and a list of slices: the file, the key in that file, the slice's offset in every dim and
 its shape. The slices of a tensor tile it exactly (checked when the index is merged), so
-a reader takes the slices that overlap the region it needs and nothing else. Optimizer
-steps are integers in ``optimizer.step`` (per parameter name); ``extra`` is the caller's
-JSON data. Everything a loader reads is JSON or safetensors: nothing is unpickled.
+a reader takes the slices that overlap the region it needs and nothing else.
+``optimizer`` is the optimizer's class (``type``), per parameter the names of its state
+tensors and its numbers (``state``), and the optimizer's own numbers (``own``)
+(optimizers.py); ``extra`` is the caller's JSON data. Everything a loader reads is JSON or
+safetensors: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import math
 import os
 
 FORMAT = "hyper_parallel.checkpoint"
-VERSION = 1
+VERSION = 2
 INDEX_FILE = "index.json"
-MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 # the dtypes a checkpoint stores, by the names the platforms use
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64")
 
@@ -30,9 +31,9 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or read as asked; nothing was changed."""
 
 
-def moment_key(moment: str, name: str) -> str:
-    """The stored name of parameter ``name``'s optimizer moment."""
-    return f"optim.{moment}.{name}"
+def moment_key(state: str, name: str) -> str:
+    """The stored name of parameter ``name``'s optimizer state tensor ``state``."""
+    return f"optim.{state}.{name}"
 
 
 def rank_file(rank: int, suffix: str) -> str:
@@ -47,13 +48,15 @@ def add_slice(partial: dict, key: str, dtype: str, shape: tuple, file: str,
                             "shape": list(slice_shape)})
 
 
-def new_partial(with_optimizer: bool) -> dict:
-    return {"tensors": {}, "step": {}, "optimizer": with_optimizer}
+def new_partial(optimizer_type: str | None) -> dict:
+    """A rank's part of the index; ``optimizer_type`` None: saved without an optimizer."""
+    return {"tensors": {}, "optimizer": None if optimizer_type is None else
+            {"type": optimizer_type, "state": {}, "own": {}}}
 
 
 def merge(partials: list, framework: str, world_size: int, extra) -> dict:
     """Every rank's partial index as one; checks that each tensor's slices tile it."""
-    tensors, steps = {}, {}
+    tensors, optimizer = {}, None
     for partial in partials:
         for key, entry in partial["tensors"].items():
             merged = tensors.setdefault(key, {"dtype": entry["dtype"], "shape": entry["shape"],
@@ -62,18 +65,27 @@ def merge(partials: list, framework: str, world_size: int, extra) -> dict:
                 raise CheckpointError(f"ranks disagree on tensor {key!r}: {merged['dtype']} "
                                       f"{merged['shape']} vs {entry['dtype']} {entry['shape']}")
             merged["slices"].extend(entry["slices"])
-        for name, step in partial["step"].items():
-            if steps.setdefault(name, step) != step:
-                raise CheckpointError(f"ranks disagree on the optimizer step of {name!r}")
+        part = partial["optimizer"]
+        if part is None:
+            continue
+        if optimizer is None:
+            optimizer = {"type": part["type"], "state": {}, "own": dict(part["own"])}
+        if (optimizer["type"], optimizer["own"]) != (part["type"], part["own"]):
+            raise CheckpointError(f"ranks disagree on the optimizer: {optimizer['type']} "
+                                  f"{optimizer['own']} vs {part['type']} {part['own']}")
+        for name, state in part["state"].items():
+            if optimizer["state"].setdefault(name, state) != state:
+                raise CheckpointError(f"ranks disagree on the optimizer state of {name!r}")
     for key, entry in tensors.items():
         covered = sum(math.prod(s["shape"]) for s in entry["slices"])
         if covered != math.prod(entry["shape"]):
             raise CheckpointError(f"the slices of {key!r} cover {covered} of "
                                   f"{math.prod(entry['shape'])} elements")
+    if optimizer is not None:
+        optimizer["state"] = dict(sorted(optimizer["state"].items()))
     return {"format": FORMAT, "version": VERSION, "framework": framework,
             "world_size": world_size, "tensors": dict(sorted(tensors.items())),
-            "optimizer": {"step": dict(sorted(steps.items()))}
-            if any(p["optimizer"] for p in partials) else None, "extra": extra}
+            "optimizer": optimizer, "extra": extra}
 
 
 def write_json(path: str, data) -> None:

@@ -17,11 +17,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hyper_parallel.checkpoint.files import SliceReader
-from hyper_parallel.checkpoint.index import (
-    INDEX_FILE, MOMENTS, CheckpointError, moment_key, overlaps, read_index,
-)
+from hyper_parallel.checkpoint.index import INDEX_FILE, CheckpointError, overlaps, read_index
 from hyper_parallel.checkpoint.layout import from_array, held_params
-from hyper_parallel.checkpoint.save import agree_on_failure
+from hyper_parallel.checkpoint.optimizers import read_for_load
+from hyper_parallel.checkpoint.save import agree_on_failure, finish_pending_saves
 from hyper_parallel.platform import get_platform
 
 if TYPE_CHECKING:
@@ -29,15 +28,17 @@ if TYPE_CHECKING:
     from hyper_parallel.platform import Platform
 
 
-def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> Any:
-    """Load the checkpoint at directory ``path`` into ``model`` (and an Adam/AdamW
-    ``optimizer``, which must update the same parameters); return its ``extra``. Every rank
-    calls it. On any error no rank changes anything."""
+def load_checkpoint(path: str, model: Any, optimizer: Any = None, key_map: Any = None) -> Any:
+    """Load the checkpoint at directory ``path`` into ``model`` (and ``optimizer``, which
+    must update the same parameters); return its ``extra``. Every rank
+    calls it. ``key_map``: the stored name of each model name (names.py). On any error no
+    rank changes anything."""
     platform = get_platform()
+    finish_pending_saves()
     path = os.path.abspath(path)
     failure, plan = None, None
     try:
-        plan = _read_everything(platform, path, model, optimizer)
+        plan = _read_everything(platform, path, model, optimizer, key_map)
     except (CheckpointError, TypeError) as error:
         failure = error
     except (KeyError, ValueError, IndexError) as error:  # an index of the wrong structure
@@ -49,23 +50,27 @@ def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> Any:
     if failed:
         raise CheckpointError(f"loading {path} failed on {failed} other rank(s); nothing was "
                               f"loaded on any rank")
-    index, values, states = plan
+    index, values, (states, own) = plan
     with platform.no_grad():
         for h, array in values:
             local = h.local(platform)
             platform.copy_into(local, from_array(platform, h, array, local))
-        for h, step, moments in states:
+        for h, state in states:
             like = h.local(platform)
-            platform.set_adam_state(optimizer, h.param, step,
-                                    {m: from_array(platform, h, a, like) for m, a in moments.items()})
+            platform.set_optimizer_state(optimizer, h.param, {
+                name: from_array(platform, h, value, like) if isinstance(value, np.ndarray)
+                else value for name, value in state.items()})
+        if own:
+            platform.set_optimizer_state(optimizer, None, own)
     return index.get("extra")
 
 
-def _read_everything(platform: Platform, path: str, model: Any, optimizer: Any) -> tuple:
+def _read_everything(platform: Platform, path: str, model: Any, optimizer: Any,
+                     key_map: Any) -> tuple:
+    held = held_params(platform, model, key_map)
     index = read_index(path)
     tensors = index["tensors"]
-    held = held_params(platform, model)
-    names = {h.name for h in held}
+    names = {h.key for h in held}
     model_keys = {key for key in tensors if not key.startswith("optim.")}
     if names != model_keys:
         missing, unknown = sorted(names - model_keys), sorted(model_keys - names)
@@ -75,39 +80,11 @@ def _read_everything(platform: Platform, path: str, model: Any, optimizer: Any) 
                 f"missing {', '.join(missing[:5])}" if missing else "",
                 f"not in this model {', '.join(unknown[:5])}" if unknown else "") if part))
     reader = SliceReader(path)
-    values = [(h, _read_region(reader, path, h.name, tensors[h.name], h)) for h in held]
-    states = [] if optimizer is None else _read_optimizer(platform, path, index, reader, held,
-                                                          optimizer)
+    values = [(h, _read_region(reader, path, h.key, tensors[h.key], h)) for h in held]
+    states = ([], {}) if optimizer is None else read_for_load(
+        platform, path, index, held, optimizer,
+        lambda key, entry, h: _read_region(reader, path, key, entry, h))
     return index, values, states
-
-
-def _read_optimizer(platform: Platform, path: str, index: dict, reader: SliceReader, held: list,
-                    optimizer: Any) -> list:
-    optimized = {id(p) for p in platform.adam_params(optimizer)}
-    if index.get("optimizer") is None:
-        raise CheckpointError(f"{path} holds no optimizer state (it was saved without an "
-                              f"optimizer); load it without one")
-    steps, states = index["optimizer"]["step"], []
-    for h in held:
-        if id(h.param) not in optimized or h.name not in steps:
-            continue
-        stored = {m: index["tensors"].get(moment_key(m, h.name)) for m in MOMENTS}
-        moments = {}
-        for moment, entry in stored.items():
-            if entry is None:
-                if moment != "max_exp_avg_sq":
-                    raise CheckpointError(f"{os.path.join(path, INDEX_FILE)}: tensor "
-                                          f"{moment_key(moment, h.name)!r} is missing")
-                continue
-            moments[moment] = _read_region(reader, path, moment_key(moment, h.name), entry, h)
-        states.append((h, int(steps[h.name]), moments))
-    if (not platform.capabilities.adam_step_per_param
-            and len({step for _, step, _ in states}) > 1):
-        raise CheckpointError(
-            f"{os.path.join(path, INDEX_FILE)} holds different optimizer steps per parameter "
-            f"({sorted({step for _, step, _ in states})}); {platform.name}'s Adam keeps one "
-            f"step for every parameter")
-    return states
 
 
 def _read_region(reader: SliceReader, path: str, key: str, entry: dict, h: Held) -> np.ndarray:

@@ -8,6 +8,15 @@ partial indexes into ``index.json`` and swaps directories: ``path`` -> ``path.ol
 ``path.saving`` -> ``path``, then removes ``path.old``. A rank that fails or dies before the
 swap leaves the previous checkpoint at ``path`` as it was; a failure reported by any rank
 makes every rank raise. The directory must be one filesystem every rank sees.
+
+[Note: asynchronous save]
+With ``async_save=True`` the call copies this rank's regions to host memory (numpy, new
+memory), agrees that every rank did, starts a thread that writes the file and the partial
+index (numpy and file I/O only, never a framework or collective call), and returns a
+``SaveHandle``. The agreement and the publish, which are collectives, run on the calling
+thread in ``SaveHandle.wait()``, which the process's next save or load calls first; until
+then the previous checkpoint stays at ``path``, and a rank that dies mid-write leaves it
+there as a synchronous save does.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,31 +35,102 @@ from hyper_parallel.checkpoint.index import (
     write_json,
 )
 from hyper_parallel.checkpoint.layout import dtype_name, held_params, to_array
+from hyper_parallel.checkpoint.optimizers import optimizer_type, read_state
 from hyper_parallel.platform import get_platform
 
 if TYPE_CHECKING:
     from hyper_parallel.platform import Platform
 
+# this process's asynchronous saves whose wait() has not run: writes in flight, like the
+# threads doing them, belong to the process, and every rank starts the same ones in order
+_IN_FLIGHT: list = []
 
-def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = None) -> None:
-    """Write ``model``'s parameters (and an Adam/AdamW ``optimizer``'s state, and
-    JSON-serialisable ``extra``) to directory ``path``, replacing what is there only once
-    every rank has written its part. Every rank calls it, between steps."""
+
+def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = None,
+                    key_map: Any = None, async_save: bool = False) -> SaveHandle | None:
+    """Write ``model``'s parameters and buffers (and ``optimizer``'s state, and
+    JSON-serialisable ``extra``) to directory ``path``, replacing what is there only
+    once every rank has written its part. ``key_map``: the stored name of each model name
+    (names.py). Every rank calls it, between steps. ``async_save``: return once this
+    rank's part is copied to host memory, with a ``SaveHandle``; the files are written in
+    the background and published by ``handle.wait()`` or the next save or load."""
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as error:
         raise TypeError(f"save_checkpoint(extra=...) must be JSON-serialisable: {error}") from None
+    if not isinstance(async_save, bool):
+        raise TypeError(f"save_checkpoint(async_save=...) takes True or False, not "
+                        f"{async_save!r}")
     platform = get_platform()
-    held = held_params(platform, model)
-    if optimizer is not None:
-        platform.adam_params(optimizer)  # TypeError for an optimizer we cannot store
+    held = held_params(platform, model, key_map)
+    # state an optimizer keeps that a checkpoint cannot store is an error before any write
+    state = None if optimizer is None else read_state(platform, optimizer, held)
+    finish_pending_saves()
     path = os.path.abspath(path)
     staging, rank = path + ".saving", platform.rank()
     failure = _attempt(lambda: _make_staging(staging)) if rank == 0 else None
     failed = agree_on_failure(platform, failure is not None)
+    snapshot = []
     if not failed:
-        failure = _attempt(lambda: write_json(os.path.join(staging, rank_file(rank, ".json")),
-                                              _write_own(platform, staging, rank, held, optimizer)))
+        failure = _attempt(lambda: snapshot.append(
+            _snapshot(platform, rank, held, optimizer, state)))
+    if not async_save:
+        if not failed and failure is None:
+            failure = _attempt(lambda: _write(staging, rank, *snapshot[0]))
+        _finish(platform, path, staging, extra, failure, failed)
+        return None
+    failed = failed or agree_on_failure(platform, failure is not None)
+    if failed:
+        _finish(platform, path, staging, extra, failure, failed)
+    handle = SaveHandle(platform, path, staging, extra)
+    handle._start(lambda: _write(staging, rank, *snapshot[0]))
+    _IN_FLIGHT.append(handle)
+    return handle
+
+
+class SaveHandle:
+    """An asynchronous ``save_checkpoint`` whose files are being written in the background.
+    ``wait()``, which every rank calls (it agrees and publishes), finishes it: it returns
+    once the checkpoint is at its path, or raises as a synchronous save would, leaving the
+    previous checkpoint there. The process's next save or load calls it first."""
+
+    def __init__(self, platform: Platform, path: str, staging: str, extra: Any):
+        self._platform, self._path, self._staging, self._extra = platform, path, staging, extra
+        self._thread, self._failure, self._done = None, None, False
+
+    def _start(self, write) -> None:
+        def run():
+            self._failure = _attempt(write)
+
+        self._thread = threading.Thread(target=run, name="hyper_parallel checkpoint write",
+                                        daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether this rank's files are written (``wait()`` still publishes them)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self in _IN_FLIGHT:
+            _IN_FLIGHT.remove(self)
+        self._thread.join()
+        _finish(self._platform, self._path, self._staging, self._extra, self._failure, 0)
+
+
+def finish_pending_saves() -> None:
+    """Finish this process's asynchronous saves, oldest first (every rank calls it)."""
+    while _IN_FLIGHT:
+        _IN_FLIGHT[0].wait()
+
+
+def _finish(platform: Platform, path: str, staging: str, extra: Any,
+            failure: Exception | None, failed: int) -> None:
+    """Once every rank wrote its part: agree, publish (rank 0), agree; raise on failure."""
+    rank = platform.rank()
+    if not failed:
         failed = agree_on_failure(platform, failure is not None)
     if not failed:
         if rank == 0:
@@ -87,32 +168,41 @@ def agree_on_failure(platform: Platform, failed: bool) -> int:
     return int(round(float(platform.to_numpy(flag)[0])))
 
 
-def _write_own(platform: Platform, staging: str, rank: int, held: list, optimizer) -> dict:
-    """Write this rank's file; return its partial index."""
+def _snapshot(platform: Platform, rank: int, held: list, optimizer: Any,
+              state: tuple | None) -> tuple:
+    """This rank's regions, copied to host memory as numpy, and its partial index:
+    ``([(stored name, dtype name, array)], partial)``. ``state``: ``read_state``'s."""
     entries = []  # (stored name, Held, dtype name, this rank's region as numpy)
-    optimized = set() if optimizer is None else {id(p) for p in platform.adam_params(optimizer)}
-    partial = new_partial(optimizer is not None)
+    partial = new_partial(None if optimizer is None else optimizer_type(optimizer))
+    per_param = {}
+    if state is not None:
+        per_param, partial["optimizer"]["own"] = state
     with platform.no_grad():
         for h in held:
             if not h.writes:
                 continue
-            entries.append((h.name, h, h.dtype, to_array(platform, h, h.local(platform))))
-            state = platform.adam_state(optimizer, h.param) if id(h.param) in optimized else None
-            if state is None:
+            entries.append((h.key, h, h.dtype, to_array(platform, h, h.local(platform))))
+            if id(h.param) not in per_param:
                 continue
-            step, moments = state
-            partial["step"][h.name] = step
-            for moment, tensor in moments.items():
-                entries.append((moment_key(moment, h.name), h,
+            tensors, numbers = per_param[id(h.param)]
+            partial["optimizer"]["state"][h.key] = {"tensors": sorted(tensors),
+                                                    "scalars": numbers}
+            for name, tensor in sorted(tensors.items()):
+                entries.append((moment_key(name, h.key), h,
                                 dtype_name(platform, platform.dtype_of(tensor)),
                                 to_array(platform, h, tensor)))
     file = rank_file(rank, ".safetensors")
     for key, h, dtype, array in entries:
         add_slice(partial, key, dtype, h.shape, file, h.offsets, array.shape)
+    return [(key, dtype, array) for key, _, dtype, array in entries], partial
+
+
+def _write(staging: str, rank: int, entries: list, partial: dict) -> None:
+    """This rank's file and partial index (no framework call: it may run in a thread)."""
     if entries:
-        files.write_file(os.path.join(staging, file),
-                         {key: (dtype, array) for key, _, dtype, array in entries})
-    return partial
+        files.write_file(os.path.join(staging, rank_file(rank, ".safetensors")),
+                         {key: (dtype, array) for key, dtype, array in entries})
+    write_json(os.path.join(staging, rank_file(rank, ".json")), partial)
 
 
 def _publish(platform: Platform, path: str, staging: str, extra) -> None:

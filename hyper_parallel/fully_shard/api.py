@@ -155,6 +155,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         raise ValueError(f"own_collective_bytes must be an int >= 0, None (always fuse) or "
                          f"'auto', got {own_collective_bytes!r}")
     ignored_ids = {id(p) for p in _ignored_list(platform, ignored_params)}
+    ignored_ids.update(id(p) for m in modules for _, sub in platform.named_modules(m)
+                       for p in platform.updated_in_forward(sub))
     managed, _ = _managed_params(platform, modules, ignored_ids)
     param_dtype = _resolve_dtype(platform, mp_policy.param_dtype)
     reduce_dtype = _resolve_dtype(platform, mp_policy.reduce_dtype)

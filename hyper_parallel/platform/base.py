@@ -331,6 +331,12 @@ class Platform(Collectives):
         framework runs once a leaf's gradient is accumulated (torch: the parameter's
         post-accumulate-grad hooks)."""
 
+    def updated_in_forward(self, module: Any) -> list:
+        """Parameters that ``module``'s own forward overwrites in place (MindSpore
+        BatchNorm's moving statistics). ``fully_shard`` leaves them whole on every rank, as
+        FSDP2 leaves torch's buffers, so the update reaches them."""
+        return []
+
     def registered_param(self, module: Any, attr_name: str) -> Any:
         """The parameter registered on ``module`` as ``attr_name`` now (None if none)."""
         return dict(self.direct_params(module)).get(attr_name)

@@ -50,5 +50,3 @@ class Capabilities:
     #: bprop receives zeros). Where True, a unit's ranks agree on which parameters some
     #: rank used, and the others get no gradient (gradients.py, "unused parameters").
     reports_unused_grads: bool = False
-    #: the framework's Adam keeps a step per parameter (torch) or one for all (MindSpore).
-    adam_step_per_param: bool = True

@@ -1,9 +1,9 @@
-"""The optional part of the contract for state dicts and checkpoints: optimizer state and
-the framework's own tensor files.
+"""The optional part of the contract for state dicts and checkpoints: optimizer state read
+and written, and buffers.
 
 [Note: why a part of its own]
-``fully_shard`` never needs these: only ``hp.get_state_dict``/``hp.set_state_dict``, the
-sharded and portable checkpoints and the optimizer-state conversions do. A platform that
+``fully_shard`` never needs these: only the state dicts and the checkpoints
+(hyper_parallel/checkpoint/) do. A platform that
 implements ``StateIO`` gets them all; a new platform can train first and add this later.
 """
 
@@ -14,10 +14,7 @@ from typing import Any, Callable
 
 
 class StateIO(abc.ABC):
-    """Optimizer state and tensor files of one framework."""
-
-    #: the file extension ``save_tensors`` writes (the framework's own checkpoint format)
-    checkpoint_extension: str = "ckpt"
+    """Optimizer state and buffers of one framework."""
 
     @abc.abstractmethod
     def optimizer_state(self, optimizer: Any) -> list:
@@ -33,23 +30,25 @@ class StateIO(abc.ABC):
         a framework whose optimizers create their state on construction)."""
         return None
 
-    @abc.abstractmethod
-    def save_tensors(self, tensors: dict, path: str) -> None:
-        """Write ``{name: tensor or numpy array}`` to ``path`` in the framework's own format."""
+    def buffers(self, module: Any) -> list:
+        """``[(attr_name, tensor), ...]``: the state registered directly on ``module`` that
+        is not a parameter and that a checkpoint stores (torch's persistent buffers); the
+        default, none, is for a framework that keeps such state in parameters (MindSpore's
+        ``requires_grad=False`` Parameters)."""
+        return []
 
     @abc.abstractmethod
-    def load_tensors(self, path: str) -> dict:
-        """Read a file ``save_tensors`` wrote: ``{name: tensor}``."""
+    def optimizer_params(self, optimizer: Any) -> list:
+        """The parameters ``optimizer`` updates, in its order; TypeError for an object that
+        is not one of this framework's optimizers."""
 
     @abc.abstractmethod
-    def adam_params(self, optimizer: Any) -> list:
-        """The parameters an Adam/AdamW ``optimizer`` updates; TypeError for another kind."""
-
-    @abc.abstractmethod
-    def adam_state(self, optimizer: Any, param: Any) -> tuple | None:
-        """``(step, {"exp_avg": t, "exp_avg_sq": t[, "max_exp_avg_sq": t]})`` of ``param``,
-        each moment shaped like ``local_tensor(param)``; None before it has any."""
-
-    @abc.abstractmethod
-    def set_adam_state(self, optimizer: Any, param: Any, step: int, moments: dict) -> None:
-        """Replace ``param``'s state with ``step`` and ``moments`` (as ``adam_state`` gives)."""
+    def set_optimizer_state(self, optimizer: Any, param: Any, values: dict) -> None:
+        """Write ``values`` into ``optimizer``'s state. With a ``param``, its state becomes
+        ``{name: value}``: a tensor shaped like ``local_tensor(param)`` (cast to the state's
+        dtype), or a number for a per-parameter scalar (torch's ``step``, made as the
+        framework's optimizers make it); ``{}`` leaves it with none where a framework's
+        optimizers create state at their first step (torch). With ``param=None``, the
+        optimizer's own values named in ``values`` (numbers) are set. The names are those
+        ``optimizer_state`` lists; where an optimizer's state is fixed at construction
+        (MindSpore), another name is a KeyError and nothing is written."""

@@ -478,3 +478,21 @@ def check_low_precision_collectives(ctx):
         _same(chunk, (np.arange(2 * w) * w + s)[2 * r:2 * r + 2].astype(np.float32),
               f"reduce_scatter {name}")
         _same(reduced, np.array([s, w], np.float32), f"all_reduce {name}")
+
+
+@local_check
+def check_updated_in_forward(ctx):
+    """The parameters a BatchNorm's training forward writes are exactly those
+    updated_in_forward names (fully_shard leaves them whole so the write reaches them)."""
+    p = ctx.p
+    bn = ctx.side.batchnorm()
+    before = [(name, param, p.to_numpy(param).copy()) for name, param in p.direct_params(bn)]
+    bn(_f32(ctx, _arange(4, 3) * 0.1))
+    written = sorted(name for name, param, value in before
+                     if not np.array_equal(p.to_numpy(param), value))
+    listed = {id(t) for t in p.updated_in_forward(bn)}
+    named = sorted(name for name, param, _ in before if id(param) in listed)
+    _check(written == named, f"a BatchNorm's forward wrote the parameters {written}; "
+                             f"updated_in_forward names {named}")
+    _check(p.updated_in_forward(ctx.side.model()) == [], "updated_in_forward of a model of "
+                                                         "Linear layers is not empty")

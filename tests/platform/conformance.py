@@ -136,6 +136,13 @@ class _TorchSide:
                 param.copy_(torch.from_numpy(_model_values()[name]))
         return net
 
+    def batchnorm(self):
+        """A BatchNorm over 3 features, in training mode, with a non-persistent buffer
+        ``scratch`` beside its statistics."""
+        bn = self.torch.nn.BatchNorm1d(3)
+        bn.register_buffer("scratch", self.torch.zeros(3), persistent=False)
+        return bn
+
     def new_param(self, array: np.ndarray, name: str, requires_grad: bool = True):
         return self.torch.nn.Parameter(self.torch.from_numpy(array.copy()),
                                        requires_grad=requires_grad)
@@ -215,6 +222,12 @@ class _MindSporeSide:
         for name, param in net.parameters_and_names():
             param.set_data(ms.Tensor(values[name]))
         return net
+
+    def batchnorm(self):
+        """A BatchNorm over 3 features, in training mode."""
+        bn = self.ms.nn.BatchNorm1d(3)
+        bn.set_train(True)
+        return bn
 
     def new_param(self, array: np.ndarray, name: str, requires_grad: bool = True):
         return self.ms.Parameter(self.ms.Tensor(array.copy()), name=name,

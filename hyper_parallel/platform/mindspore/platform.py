@@ -38,11 +38,11 @@ from mindspore.common.tensor import swap_tensors
 from mindspore.communication import GlobalComm
 from mindspore.common.initializer import initializer
 from mindspore.mint import distributed as msdist
+from mindspore.nn.layer.normalization import _BatchNorm
 
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
-from hyper_parallel.platform.mindspore import adam_state
 from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
 from hyper_parallel.platform.mindspore.storage_release import MindSporeStorageRelease
 from hyper_parallel.platform.mindspore.jit_guard import refuse_jitted_construct
@@ -83,16 +83,14 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, Platform):
     def capabilities(self) -> Capabilities:
         # A kernel copies a view it reads (storage_release.py has the reproducer's
         # facts); its optimizers cannot make state for an empty parameter; value_and_grad
-        # returns what the bprops returned; one Adam step for every parameter. On CPU
-        # async_op changes nothing: sync and async collectives are queued alike on the
-        # kernel pipeline, so a reduction pipeline would only add the placeholder copies.
-        # On Ascend HCCL runs on its own stream.
+        # returns what the bprops returned. On CPU async_op changes nothing: sync and
+        # async collectives are queued alike on the kernel pipeline, so a reduction
+        # pipeline would only add the placeholder copies. On Ascend HCCL runs on its own
+        # stream.
         return Capabilities(device_type="cpu" if self._on_cpu else "npu",
                             can_release_storage=True, kernels_read_views=False,
-                            pads_local_shards=True,
-                            returns_grads_from_backward=True,
-                            collectives_overlap_compute=not self._on_cpu,
-                            adam_step_per_param=False)
+                            pads_local_shards=True, returns_grads_from_backward=True,
+                            collectives_overlap_compute=not self._on_cpu)
 
     @property
     def _on_cpu(self) -> bool:
@@ -299,6 +297,11 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, Platform):
     def register_param(self, module, attr_name, param) -> None:
         module._params[attr_name] = param
 
+    def updated_in_forward(self, module):
+        if isinstance(module, _BatchNorm):  # training writes the batch statistics into them
+            return [module.moving_mean, module.moving_variance]
+        return []
+
     def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
                            shard_dim, full_shape, backing=None):
         # set_data cannot shrink a Parameter: autograd keeps its original shape.
@@ -373,8 +376,3 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, Platform):
         from mindspore.common.api import _pynative_executor
 
         _pynative_executor.queue_backward_final_callback(fn)
-
-    # the module's functions (the last line rebinds the name adam_state in this class)
-    adam_params = staticmethod(adam_state.adam_params)
-    set_adam_state = staticmethod(adam_state.set_adam_state)
-    adam_state = staticmethod(adam_state.adam_state)

@@ -1,4 +1,4 @@
-"""The MindSpore platform's state-dict primitives: optimizer state and checkpoint files.
+"""The MindSpore platform's state-dict primitives: optimizer state.
 
 A MindSpore optimizer is a Cell whose per-parameter state are Parameters cloned from the
 parameters it steps, named ``<state>.<parameter name>`` (``exp_avg.0.weight``,
@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from hyper_parallel.platform.state_io import StateIO
 
-import mindspore as ms
 import numpy as np
 from mindspore import Tensor
+from mindspore.experimental.optim import Optimizer as ExperimentalOptimizer
+from mindspore.nn import Optimizer
 
 
 class MindSporeStateIO(StateIO):
     """Mixed into MindSporePlatform."""
-
-    checkpoint_extension = "ckpt"
 
     def optimizer_state(self, optimizer):
         stepped = {id(p) for p in optimizer.parameters}
@@ -35,10 +34,22 @@ class MindSporeStateIO(StateIO):
                 state.append((value.name, None, value))
         return state
 
-    def save_tensors(self, tensors, path):
-        ms.save_checkpoint(
-            [{"name": k, "data": Tensor(v) if isinstance(v, np.ndarray) else v}
-             for k, v in tensors.items()], path)
+    def optimizer_params(self, optimizer):
+        if not isinstance(optimizer, (Optimizer, ExperimentalOptimizer)):
+            raise TypeError(f"expected a mindspore.nn.Optimizer or a mindspore.experimental."
+                            f"optim.Optimizer, got {type(optimizer).__name__}")
+        return list(optimizer.parameters)
 
-    def load_tensors(self, path):
-        return dict(ms.load_checkpoint(path))
+    def set_optimizer_state(self, optimizer, param, values):
+        by_name = {value.name: value for _, value in optimizer.parameters_and_names()}
+        targets = {}
+        for name in values:  # every name found before anything is written
+            stored = name if param is None else f"{name}.{param.name}"
+            if stored not in by_name:
+                raise KeyError(f"{type(optimizer).__name__} has no state {stored!r}")
+            targets[name] = by_name[stored]
+        for name, value in values.items():
+            target = targets[name]
+            if isinstance(value, (int, float)):
+                value = Tensor(np.full(target.shape, value), target.dtype)
+            target.set_data(value.astype(target.dtype))

@@ -22,7 +22,6 @@ from hyper_parallel.platform.base import MeshDescription, Platform
 from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.storage_release import StorageRelease
-from hyper_parallel.platform.torch import adam_state
 from hyper_parallel.platform.torch.state_io import TorchStateIO
 from hyper_parallel.platform.torch.tensor_parallel import (
     TP_SPEC, TorchTensorParallel, as_tensor_parallel)
@@ -394,8 +393,3 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform)
 
     def queue_backward_final_callback(self, fn) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: call_eagerly(fn))
-
-    # the module's functions (the last line rebinds the name adam_state in this class)
-    adam_params = staticmethod(adam_state.adam_params)
-    set_adam_state = staticmethod(adam_state.set_adam_state)
-    adam_state = staticmethod(adam_state.adam_state)

@@ -1,18 +1,16 @@
-"""The torch platform's state-dict primitives: optimizer state and checkpoint files."""
+"""The torch platform's state-dict primitives: optimizer state and buffers."""
 
 from __future__ import annotations
 
 from hyper_parallel.platform.state_io import StateIO
 
-import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _get_scalar_dtype
 
 
 class TorchStateIO(StateIO):
     """Mixed into TorchPlatform."""
-
-    checkpoint_extension = "pt"
 
     def optimizer_state(self, optimizer):
         state = []
@@ -24,12 +22,38 @@ class TorchStateIO(StateIO):
                         state.append((name, param, local))
         return state
 
-    def save_tensors(self, tensors, path):
-        torch.save({k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v.detach()
-                    for k, v in tensors.items()}, path)
+    def buffers(self, module):
+        return [(n, b) for n, b in module._buffers.items()
+                if b is not None and n not in module._non_persistent_buffers_set]
 
-    def load_tensors(self, path):
-        return torch.load(path, weights_only=True)
+    def optimizer_params(self, optimizer):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def set_optimizer_state(self, optimizer, param, values):
+        if param is None:
+            if values:
+                raise KeyError(f"torch's {type(optimizer).__name__} keeps no state of its own: "
+                               f"{sorted(values)}")
+            return
+        group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+        on_device = group.get("capturable") or group.get("fused")  # steps live on the device
+        state = {}
+        with torch.no_grad():
+            for name, value in values.items():
+                if isinstance(value, (int, float)):
+                    state[name] = torch.tensor(float(value), dtype=_get_scalar_dtype(),
+                                               device=param.device if on_device else None)
+                    continue
+                full = torch.zeros_like(param, memory_format=torch.preserve_format)
+                local = full.to_local() if isinstance(full, DTensor) else full
+                local.copy_(value)
+                state[name] = full
+        if state:
+            optimizer.state[param] = state
+        else:
+            optimizer.state.pop(param, None)
 
     def create_optimizer_state(self, optimizer):
         # as torch.distributed.checkpoint does: one step on zero gradients at learning rate 0

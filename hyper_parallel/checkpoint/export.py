@@ -9,7 +9,8 @@ as it arrives: no rank holds more than one full parameter. A file is written as
 ``<name>.tmp`` and renamed when complete; earlier ``model*.safetensors`` files and index in
 the directory are removed first, other files (a tokenizer, say) are left alone.
 
-Names are the model's own qualified names. A parameter reachable under two names (tied
+Names are the model's own qualified names, or what ``key_map`` makes of them
+(names.py: a name mapped to None is not written). A parameter reachable under two names (tied
 weights, ``lm_head.weight`` is ``model.embed_tokens.weight``) is written once, under its
 first name in module order, which is what Hugging Face expects with
 ``tie_word_embeddings``; so a ``config`` that does not say so is refused for a tied model.
@@ -24,10 +25,11 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.checkpoint.layout import held_params
+from hyper_parallel.checkpoint.names import resolve
 from hyper_parallel.checkpoint.save import agree_on_failure
-from hyper_parallel.full_state import _full_value
+from hyper_parallel.checkpoint.full_state import _full_value
 from hyper_parallel.platform import get_platform
-from hyper_parallel.state_dict import state_entries, to_numpy
+from hyper_parallel.checkpoint.state_dict import state_entries, to_numpy
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,11 +39,12 @@ _SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "
 
 
 def export_full(path: str, model: Any, config: dict | None = None,
-                max_shard_bytes: int = 5 * 1024 ** 3) -> None:
+                max_shard_bytes: int = 5 * 1024 ** 3, key_map: Any = None) -> None:
     """Write ``model``'s full parameters to directory ``path`` as ``model.safetensors`` (or
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` once over
-    ``max_shard_bytes``), and ``config`` (a dict) as ``config.json``. Every rank calls it;
-    rank 0 writes."""
+    ``max_shard_bytes``), and ``config`` (a dict) as ``config.json``. ``key_map``: the
+    written name of each model name (names.py). Every rank calls it; rank 0
+    writes."""
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"export_full(config=...) takes a dict (written as config.json), "
                         f"not {type(config).__name__}")
@@ -49,15 +52,16 @@ def export_full(path: str, model: Any, config: dict | None = None,
         raise ValueError(f"export_full(max_shard_bytes={max_shard_bytes!r}): give a positive "
                          f"number of bytes")
     platform = get_platform()
-    held = {h.name: h for h in held_params(platform, model)}  # each parameter once
+    held = {h.name: h for h in held_params(platform, model, buffers=False)}  # each once
+    keys = resolve(key_map, list(held))
     every = state_entries(model)
-    entries = [e for e in every if e.key in held]
+    entries = [e for e in every if e.key in keys]
     tied = [e.key for e in every if e.key not in held]
     if tied and config is not None and config.get("tie_word_embeddings") is not True:
         raise ValueError(f"the model ties {', '.join(tied)} to another parameter, which is "
                          f"written once; set config['tie_word_embeddings'] = True so Hugging "
                          f"Face ties them back on load")
-    specs = [(e.key, held[e.key].dtype, held[e.key].shape) for e in entries]
+    specs = [(keys[e.key], held[e.key].dtype, held[e.key].shape) for e in entries]
     plan = _plan(specs, max_shard_bytes)
     writing = platform.rank() == 0
     failure = None

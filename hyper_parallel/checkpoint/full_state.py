@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.platform import get_platform
-from hyper_parallel.state_dict import state_entries, to_numpy
+from hyper_parallel.checkpoint.state_dict import state_entries, to_numpy
 
 if TYPE_CHECKING:
     from hyper_parallel.platform.base import Platform
-    from hyper_parallel.state_dict import Entry
+    from hyper_parallel.checkpoint.state_dict import Entry
 
 
 def get_full_state_dict(model: Any, optimizer: Any = None, rank0_only: bool = True,
