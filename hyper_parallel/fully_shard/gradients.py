@@ -36,8 +36,10 @@ different parameters (experts no token was routed to on one rank) stay in step. 
 rank used it travels with the gradients: one leg's buffer (``_flag_leg``, one that is
 concatenated anyway where there is one) carries one count per parameter of the unit after
 its padded pieces, a 1 from each rank that used it, summed by the same reduce-scatter and
-all-reduce (and deferred sum) as the gradients; a count of 0 is delivered as nothing. With
-gradient sync off, a parameter counts as used if any accumulated backward used it.
+all-reduce (and deferred sum) as the gradients; a count of 0 is delivered as nothing. Only a
+rank whose own backward missed a parameter reads the counts back (a wait for the device on
+CUDA); a rank that used every parameter knows each was used. With gradient sync off, a
+parameter counts as used if any accumulated backward used it.
 
 [Note: deferred all-reduce]
 With ``set_requires_all_reduce(False)`` a micro-batch's buffer is not all-reduced: it is
@@ -180,6 +182,9 @@ class UnitReduction:
         if flag_leg is not None:
             counts = p.cast(p.from_numpy(np.array(used, dtype=np.float32)), dtype)
         self.flag_leg: LegGradients | None = None
+        # only a rank whose backward missed a parameter reads the counts back (on CUDA a
+        # wait for the device): where this rank used it, some rank did
+        self.reads_counts = used is not None and not all(used)
         self.unused: set = set()  # ids of the FSDPParams no rank used, once counted
         self.leg_grads = []
         for leg in group.legs:
@@ -263,7 +268,7 @@ class UnitReduction:
                 continue
             if self.hook is not None:
                 self._run_hook(lg)
-            if lg is self.flag_leg:
+            if lg is self.flag_leg and self.reads_counts:
                 counts = p.to_numpy(p.cast(p.narrow(lg.buffer, 0, lg.leg.total_numel,
                                                     len(self.group.params)),
                                            p.dtype("float32")))  # numpy has no bfloat16
