@@ -50,6 +50,7 @@ def minimum_schedule(cfg: configs.Config) -> list[dict]:
     replicate = cfg.mesh[0] if cfg.is_hsdp else 1
     return workload.shard_schedule(cfg.dims, cfg.mesh[-1], replicate,
                                    regather_in_backward=cfg.reshard_after_forward,
+                                   usage_counts=cfg.backend == "torch",
                                    param_dtype=cfg.param_dtype, reduce_dtype="float32")
 
 

@@ -104,7 +104,8 @@ def padded_numel(shape: tuple, shard_size: int) -> int:
 
 
 def shard_schedule(dims: list[int], shard_size: int, replicate_size: int,
-                   regather_in_backward: bool, param_dtype: str, reduce_dtype: str) -> list[dict]:
+                   regather_in_backward: bool, param_dtype: str, reduce_dtype: str,
+                   usage_counts: bool = False) -> list[dict]:
     """The minimal collectives of one step, in issue order (see the note at the top).
 
     Each entry: ``{"op", "dim", "dtype", "numel", "unit", "phase"}`` where ``numel`` is the
@@ -112,8 +113,12 @@ def shard_schedule(dims: list[int], shard_size: int, replicate_size: int,
     tensor), ``unit`` the block it serves and ``phase`` where in the step it belongs:
     "forward" (before the block's forward), "before_backward" / "after_backward" (around
     the block's backward); the interleaved floor issues it there (raw_collectives.py).
+    ``usage_counts``: each unit's gradients travel with one count per parameter from every
+    rank (torch, where an unused parameter gets no gradient: fully_shard/gradients.py).
     """
-    units = [sum(padded_numel(s, shard_size) for s in block) for block in block_shapes(dims)]
+    shapes = block_shapes(dims)
+    units = [sum(padded_numel(s, shard_size) for s in block) for block in shapes]
+    counts = [len(block) if usage_counts else 0 for block in shapes]
 
     def entry(op, dim, dtype, numel, unit, phase):
         return {"op": op, "dim": dim, "dtype": dtype, "numel": numel, "unit": unit, "phase": phase}
@@ -124,10 +129,11 @@ def shard_schedule(dims: list[int], shard_size: int, replicate_size: int,
         numel = units[unit]
         if regather_in_backward:
             schedule.append(entry("all_gather", "shard", param_dtype, numel, unit, "before_backward"))
-        schedule.append(entry("reduce_scatter", "shard", reduce_dtype, numel, unit, "after_backward"))
+        schedule.append(entry("reduce_scatter", "shard", reduce_dtype,
+                              numel + shard_size * counts[unit], unit, "after_backward"))
         if replicate_size > 1:
-            schedule.append(entry("all_reduce", "replicate", reduce_dtype, numel // shard_size,
-                                  unit, "after_backward"))
+            schedule.append(entry("all_reduce", "replicate", reduce_dtype,
+                                  numel // shard_size + counts[unit], unit, "after_backward"))
     return schedule
 
 

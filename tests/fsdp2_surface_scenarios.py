@@ -341,8 +341,7 @@ def run_divide_factor(kit) -> dict:
 def run_unshard_in_backward(kit) -> dict:
     """The first layer (whose input is the data) as a unit with
     set_unshard_in_backward(False): its backward reads none of its parameters, so no
-    all-gather is spent on it before backward (torch; MindSpore frees nothing after
-    forward), at parity."""
+    all-gather is spent on it before backward, at parity."""
     counts = {}
     for setting in (True, False):
         model, ref = _pair(kit, wrap_first_layer=True)

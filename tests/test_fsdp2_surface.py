@@ -153,12 +153,11 @@ def test_reduce_scatter_divide_factor_is_the_deprecated_gradient_divide_factor(b
 def test_unshard_in_backward_false_skips_the_gather_before_backward(backend):
     """A unit whose backward reads none of its parameters (a first layer, whose input is
     the data): with set_unshard_in_backward(False) no all-gather before its backward (one
-    per step, on torch; MindSpore frees nothing after forward), at parity and as FSDP2."""
+    per step), at parity and, on torch, as FSDP2."""
     per_rank = _part(backend, "unshard_in_backward")
     _assert_parity(per_rank)
     for r in per_rank:
-        saved = 5 if backend == "torch" else 0  # one per step
-        assert r["gathers"]["True"] - r["gathers"]["False"] == saved, r["gathers"]
+        assert r["gathers"]["True"] - r["gathers"]["False"] == 5, r["gathers"]  # one per step
     if backend == "torch":
         _assert_same_as_fsdp2(per_rank)
 

@@ -19,10 +19,10 @@ release a tensor's memory while autograd holds the object (torch, MindSpore), re
 releases it, and the memory is gathered again into the same tensors before autograd reads
 them. Every forward of a unit with gradients enabled hooks its outputs: when their gradient
 arrives, the full parameters *that forward used* are re-gathered if their memory was
-released. So
-it does not matter what released them in between (``reshard_after_forward``, a second
-forward of the model, a ``no_grad`` forward of the unit, an explicit ``reshard()``, the end
-of an earlier backward over a retained graph): autograd never reads freed memory. Where a
+released. So it does not matter what released them in between (``reshard_after_forward``,
+a second forward of the model, a ``no_grad`` forward of the unit, an explicit
+``reshard()``, the end of an earlier backward over a retained graph): autograd never reads
+freed memory. Where a
 platform cannot release memory, the full parameters stay alive until the unit's backward
 and no second all-gather is issued.
 
