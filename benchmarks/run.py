@@ -204,6 +204,7 @@ def main(argv=None) -> int:
     }
     if args.step_memory and not args.quick:
         doc["step_memory"] = _run_step_memory(args)
+        doc["wall_s"] = time.monotonic() - t_run
     doc["library"]["changed_during_run"] = (doc["library"]["start"]["sources_sha256"]
                                             != doc["library"]["end"]["sources_sha256"])
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
