@@ -51,6 +51,8 @@ class MindSporeStorageRelease(StorageRelease):
     """``StorageRelease`` and ``copy_into`` over MindSpore storages (see the notes)."""
 
     def copy_into(self, dst, src) -> None:
+        # dst is dense (the core's full parameters, gradients, parameters), so its elements
+        # are one stretch of its storage
         storage = dst.untyped_storage()
         total = storage.nbytes() // dst.itemsize
         values = (src if src.dtype == dst.dtype else src.astype(dst.dtype)).reshape(-1)
