@@ -26,9 +26,9 @@ SLOW_STEPS, SLOW_EVERY = 1000, 100
 KB, MB = 1 << 10, 1 << 20
 FAST_RSS_BOUND = {"torch": 4 * MB, "mindspore": 4 * MB}  # over 40 steps: a gross leak
 # over the 900 steps after the first sample: torch under 10 KB a step; on MindSpore the
-# kernels this model's steps launch (its own and hyper_parallel's) keep ~33 KB a step
-# (docs/faults.md, "Long runs")
-SLOW_RSS_BOUND = {"torch": 8 * MB, "mindspore": 900 * 48 * KB}
+# kernels this model's steps launch (its own and hyper_parallel's, the re-gathers before
+# backward among them) keep ~47 KB a step (docs/faults.md, "Long runs")
+SLOW_RSS_BOUND = {"torch": 8 * MB, "mindspore": 900 * 64 * KB}
 
 
 def _object_changes(before: dict, after: dict) -> dict:
