@@ -18,8 +18,8 @@ operation"). So every write goes through a tensor of its own set onto the same s
 CPU ``copy_`` compares the two memories' sizes (a part of a storage is refused or, at an
 offset, silently left unwritten), it needs a source with memory of its own (a view is
 copied first), and slice assignment (``window[a:b] = src``) is no alternative: it writes
-nothing once an exception has aborted a ``value_and_grad`` in the process (seen in
-``reset_iter_state``'s tests). ``UntypedStorage.copy_`` is none either: it runs later, on
+nothing once an exception has aborted a ``value_and_grad`` in the process (what
+``reset_iter_state``'s tests exercise). ``UntypedStorage.copy_`` is none either: it runs later, on
 the pipeline, without keeping its source alive. A destination that is part of a larger
 storage gets the rest of the storage copied back around it; the core writes only whole
 full parameters and gradients (no ``copy_into_slice``, no ``restored_flat``: they serve
