@@ -284,7 +284,9 @@ def resume_run(dir_a: str, mesh_shape: tuple, dir_b: str | None = None,
     return result
 
 
-def crash_run(path: str) -> None:
+def _saved_once_then_rank1_dies_writing(path: str):
+    """Checkpoint C of the initial model, one training step, and rank 1 set to die after
+    writing the first file of its next save (the whole process, from whichever thread)."""
     side = _side()
     model, opt = _sharded(side, (hp.get_platform().world_size(),))
     hp.save_checkpoint(path, model, opt, extra={"checkpoint": "C"})
@@ -296,29 +298,21 @@ def crash_run(path: str) -> None:
 
         def write_then_die(*args, **kwargs):
             write_file(*args, **kwargs)
-            os._exit(17)  # a rank killed mid-save, after its first file
+            os._exit(17)
 
         files.write_file = write_then_die
+    return side, model, opt
+
+
+def crash_run(path: str) -> None:
+    _, model, opt = _saved_once_then_rank1_dies_writing(path)
     hp.save_checkpoint(path, model, opt, extra={"checkpoint": "D"})
 
 
 def crash_async_run(path: str) -> None:
     """As ``crash_run``, the second save asynchronous: rank 1 dies in its background write
     while training goes on, and rank 0 waits in ``handle.wait()``."""
-    side = _side()
-    model, opt = _sharded(side, (hp.get_platform().world_size(),))
-    hp.save_checkpoint(path, model, opt, extra={"checkpoint": "C"})
-    _train(side, model, opt, 0, 1)
-    if hp.get_platform().rank() == 1:
-        from hyper_parallel.checkpoint import files
-
-        write_file = files.write_file
-
-        def write_then_die(*args, **kwargs):
-            write_file(*args, **kwargs)
-            os._exit(17)  # the whole process, from the writing thread
-
-        files.write_file = write_then_die
+    side, model, opt = _saved_once_then_rank1_dies_writing(path)
     handle = hp.save_checkpoint(path, model, opt, extra={"checkpoint": "D"}, async_save=True)
     _train(side, model, opt, 1, 1)
     handle.wait()
