@@ -356,7 +356,7 @@ def test_regions_straddling_stored_slices(tmp_path):
     reader = SliceReader(str(tmp_path))
     for dtype, array in full.items():
         for start, rows in [(0, 13), (13, 13), (26, 11)]:
-            held = Held(dtype, None, None, dtype, (37, 5), 0, start, rows, rows, True)
+            held = Held(dtype, None, None, dtype, (37, 5), (start, 0), (rows, 5))
             region = _read_region(reader, str(tmp_path), dtype, index["tensors"][dtype], held)
             np.testing.assert_array_equal(region, array[start:start + rows])
 

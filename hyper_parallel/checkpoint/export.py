@@ -4,7 +4,8 @@
 The layout is planned before any data moves: every parameter's name, global shape and dtype
 are known on every rank, so the files, each safetensors header and each tensor's byte
 offsets are fixed up front. Then parameters are gathered one at a time (an all-gather over
-their shard group, every rank takes part) and rank 0 appends each one's bytes to its file
+their shard group, and a tensor-parallel one's over its tensor-parallel ranks; every rank
+takes part) and rank 0 appends each one's bytes to its file
 as it arrives: no rank holds more than one full parameter. A file is written as
 ``<name>.tmp`` and renamed when complete; earlier ``model*.safetensors`` files and index in
 the directory are removed first, other files (a tokenizer, say) are left alone.
@@ -54,7 +55,9 @@ def export_full(path: str, model: Any, config: dict | None = None,
     platform = get_platform()
     held = {h.name: h for h in held_params(platform, model, buffers=False)}  # each once
     keys = resolve(key_map, list(held))
-    every = state_entries(model)
+    # a tensor-parallel parameter (one a unit manages: held_params) is gathered over its
+    # tensor-parallel ranks too
+    every = state_entries(model, tensor_parallel_parts=True)
     entries = [e for e in every if e.key in keys]
     tied = [e.key for e in every if e.key not in held]
     if tied and config is not None and config.get("tie_word_embeddings") is not True:

@@ -1,20 +1,36 @@
-"""What this rank holds of each parameter and buffer: the region of the global tensor, its
+"""What this rank holds of each parameter and buffer: the region of the whole tensor, its
 stored name, and who writes it.
 
-A managed parameter sharded on dim ``d`` is held as rows ``[start, start + rows)`` of dim
-``d`` (param.py, [Note: shard layout]); its local tensor may carry padding rows beyond
-them (``stored_rows``, MindSpore). Under HSDP every replica holds the same rows, and only
-replica 0 writes them; a parameter held whole (unsharded, or not managed) is written by
-the first rank of its mesh (rank 0 for an unmanaged one). The optimizer's moments of a
-parameter are laid out like the parameter's local tensor, so they share its region.
-Buffers (torch's persistent buffers, ``StateIO.buffers``) are held whole, like unmanaged
-parameters; MindSpore keeps such state in ``requires_grad=False`` Parameters, which are
+[Note: regions]
+A value's stored shape is the whole tensor's, over tensor and data parallelism, and a
+rank's region is one block of it: offsets in every dim and a shape. A managed parameter is
+held as its data-parallel shard (param.py, [Note: shard layout]): rows ``[start, start +
+rows)`` of its shard dim ``d``. Tensor parallelism (torch's DTensor parameters, Shard and
+Replicate placements) first gives the rank a block of the whole tensor
+(``Platform.tensor_parallel_block``), and the shard's rows are rows of that block: the
+region is the block's offsets plus ``start`` on dim ``d``, and the block's shape with
+``rows`` on dim ``d``, whether tensor parallelism split dim ``d`` too or another dim. The
+local tensor may carry zero padding rows after the region (MindSpore). The optimizer's
+moments of a parameter are laid out like its local tensor, so they share its region.
+Unmanaged parameters and buffers (torch's persistent buffers, ``StateIO.buffers``) are
+held whole; MindSpore keeps such state in ``requires_grad=False`` Parameters, which are
 parameters here. Every rank computes its own buffers (BatchNorm's running statistics of
 its own batches), and rank 0's are the ones stored.
+
+[Note: one writer per region]
+Several ranks may hold the same region: the replicas of a replicate dim, of a
+tensor-parallel Replicate placement, of a mesh dim that is not data parallel, or every
+rank for a whole value. Which ranks those are depends on meshes a rank may not see (a unit
+given ``mesh["dp"]`` knows nothing of the ranks of other tensor-parallel indices), so
+saving gathers where every rank's regions start (``written_here``), and the lowest rank
+holding a region writes it. Loading needs no such agreement: a rank reads its own region
+from whatever slices overlap it.
 """
 
 from __future__ import annotations
 
+import math
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,25 +51,16 @@ class Held:
     param: Any  # what the optimizer steps: the sharded parameter, or the parameter itself
     fsdp_param: FSDPParam | None
     dtype: str
-    shape: tuple  # the global shape
-    dim: int  # the dim the rows are counted on
-    start: int
-    rows: int
-    stored_rows: int  # rows of the local tensor on ``dim`` (padding beyond ``rows``)
-    writes: bool
+    shape: tuple  # the whole tensor's shape (over tensor and data parallelism)
+    offsets: tuple  # where this rank's region starts, in every dim
+    region_shape: tuple
+    dim: int = 0  # the dim the local tensor keeps ``padding`` zero rows on, after the region
+    padding: int = 0
     key: str | None = None  # the stored name (names.py); the model's name when None
 
     def __post_init__(self):
         if self.key is None:
             self.key = self.name
-
-    @property
-    def offsets(self) -> tuple:
-        return tuple(self.start if d == self.dim else 0 for d in range(len(self.shape)))
-
-    @property
-    def region_shape(self) -> tuple:
-        return tuple(self.rows if d == self.dim else n for d, n in enumerate(self.shape))
 
     def local(self, platform: Platform) -> Any:
         """The tensor this rank keeps (without the framework's sharded-parameter wrapper)."""
@@ -91,27 +98,68 @@ def held_params(platform: Platform, model: Any, key_map: Any = None,
 
 
 def _held_whole(platform: Platform, name: str, param: Any, key: str) -> Held:
+    if platform.param_local_values(param) is not param:
+        raise CheckpointError(f"{name} is a tensor-parallel parameter outside every fully_shard "
+                              f"unit; checkpoints store tensor-parallel parameters that a unit "
+                              f"manages: apply fully_shard to the model's root (it takes every "
+                              f"parameter no other unit does)")
     shape = tuple(platform.shape(param))
-    rows = shape[0] if shape else 1
-    return Held(name, param, None, dtype_name(platform, platform.dtype_of(param)), shape, 0, 0,
-                rows, rows, platform.rank() == 0, key)
+    return Held(name, param, None, dtype_name(platform, platform.dtype_of(param)), shape,
+                (0,) * len(shape), shape, key=key)
 
 
-def _held_managed(platform: Platform, name: str, fsdp_param: FSDPParam, key: str) -> Held:
-    info = fsdp_param.mesh_info
-    if info.data_parallel_size != platform.world_size():
+def _held_managed(platform: Platform, name: str, fp: FSDPParam, key: str) -> Held:
+    part = tuple(fp.full_shape)  # this rank's tensor-parallel part, or the whole tensor
+    shape, offsets = part, (0,) * len(part)
+    if fp.is_tensor_parallel:
+        block = platform.tensor_parallel_block(fp.sharded_param)
+        if block is None:
+            raise CheckpointError(
+                f"{name}: this rank's tensor-parallel part is not one block of the whole tensor "
+                f"(a placement that interleaves, such as torch's _StridedShard); checkpoints "
+                f"store tensor-parallel parameters split by Shard and Replicate placements")
+        shape, offsets = block
+    # the rows of this rank's data-parallel shard, within its tensor-parallel part
+    offsets = tuple(o + fp.start if d == fp.shard_dim else o for d, o in enumerate(offsets))
+    region = tuple(fp.local_rows if d == fp.shard_dim else n for d, n in enumerate(part))
+    return Held(name, fp.sharded_param, fp, dtype_name(platform, fp.orig_dtype), tuple(shape),
+                offsets, region, fp.shard_dim, fp.stored_rows - fp.local_rows, key)
+
+
+def written_here(platform: Platform, held: list) -> list:
+    """The values whose region this rank writes. Of the ranks holding the same region of a
+    value (replicas over a replicate dim, a tensor-parallel Replicate placement, a mesh dim
+    that is not data parallel, or every rank for a whole value) the lowest writes it; an
+    empty region of a non-empty value is written by none. Every rank calls it: one
+    all-gather checks that every rank holds the same values, a second gathers where each
+    rank's regions start."""
+    signature = "\n".join(f"{h.key} {h.shape}" for h in held).encode()
+    every = _gather(platform, np.array([len(held), zlib.crc32(signature)], np.uint32))
+    differ = [r for r, row in enumerate(every) if not np.array_equal(row, every[0])]
+    if differ:
         raise CheckpointError(
-            f"{name}: its unit's data-parallel mesh spans {info.data_parallel_size} of "
-            f"{platform.world_size()} ranks; checkpoints cover models whose every dim is data "
-            f"parallel (no tensor-parallel or other model-parallel dims)")
-    replica = info.mesh.get_local_rank(0) if info.mesh.ndim == 2 else 0
-    shard_rank = info.shard_rank if fsdp_param.is_sharded else 0
-    start = min(shard_rank * fsdp_param.chunk_rows, fsdp_param.rows)
-    writes = replica == 0 and (fsdp_param.local_rows > 0 or shard_rank == 0)
-    return Held(name, fsdp_param.sharded_param, fsdp_param,
-                dtype_name(platform, fsdp_param.orig_dtype), tuple(fsdp_param.full_shape),
-                fsdp_param.shard_dim, start, fsdp_param.local_rows, fsdp_param.stored_rows,
-                writes, key)
+            f"rank {differ[0]} holds other parameters or shapes than rank 0 ({every[differ[0]][0]} "
+            f"values against {every[0][0]}); checkpoints cover models every rank holds whole "
+            f"or in parts (data and tensor parallelism), not pipeline stages")
+    if not held:
+        return []
+    starts = np.zeros((len(held), 3), np.uint32)  # per value: written at all, first element
+    for i, h in enumerate(held):
+        strides = [math.prod(h.shape[d + 1:]) for d in range(len(h.shape))]
+        first = sum(o * s for o, s in zip(h.offsets, strides))
+        starts[i] = (math.prod(h.region_shape) > 0 or math.prod(h.shape) == 0,
+                     first >> 32, first & 0xFFFFFFFF)
+    earlier = np.stack(_gather(platform, starts.reshape(-1)))[:platform.rank()]
+    taken = (earlier.reshape(-1, len(held), 3) == starts).all(-1).any(0)
+    return [h for i, h in enumerate(held) if starts[i, 0] and not taken[i]]
+
+
+def _gather(platform: Platform, values: np.ndarray) -> list:
+    """Every rank's ``values`` (uint32, the same length on every rank), by rank."""
+    if platform.world_size() == 1 or not platform.is_initialized():
+        return [values]
+    pieces = platform.all_gather(platform.from_numpy(values.view(np.int32)), None).wait().pieces
+    return [np.asarray(platform.to_numpy(piece)).view(np.uint32) for piece in pieces]
 
 
 def to_array(platform: Platform, held: Held, tensor: Any) -> np.ndarray:
@@ -120,17 +168,18 @@ def to_array(platform: Platform, held: Held, tensor: Any) -> np.ndarray:
     if held.dtype == "bfloat16":
         tensor = platform.cast(tensor, platform.dtype("float32"))
     array = platform.to_numpy(tensor)
-    if held.stored_rows != held.rows:
-        array = np.moveaxis(np.moveaxis(array, held.dim, 0)[:held.rows], 0, held.dim)
+    if held.padding:
+        rows = held.region_shape[held.dim]
+        array = np.moveaxis(np.moveaxis(array, held.dim, 0)[:rows], 0, held.dim)
     return np.asarray(array, order="C")  # 0-dim stays 0-dim
 
 
 def from_array(platform: Platform, held: Held, array: np.ndarray, like: Any) -> Any:
     """A tensor shaped and typed like the local tensor ``like``, holding ``array`` (this
     rank's region) and zeros in the padding rows."""
-    if held.stored_rows != held.rows:
+    if held.padding:
         moved = np.moveaxis(array, held.dim, 0)
-        padding = np.zeros((held.stored_rows - held.rows, *moved.shape[1:]), moved.dtype)
+        padding = np.zeros((held.padding, *moved.shape[1:]), moved.dtype)
         array = np.moveaxis(np.concatenate([moved, padding], 0), 0, held.dim)
     tensor = platform.from_numpy(np.asarray(array, order="C"))
     return platform.cast(tensor, platform.dtype_of(like))

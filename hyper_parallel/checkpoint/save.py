@@ -34,7 +34,7 @@ from hyper_parallel.checkpoint.index import (
     INDEX_FILE, CheckpointError, add_slice, merge, moment_key, new_partial, rank_file,
     write_json,
 )
-from hyper_parallel.checkpoint.layout import dtype_name, held_params, to_array
+from hyper_parallel.checkpoint.layout import dtype_name, held_params, to_array, written_here
 from hyper_parallel.checkpoint.optimizers import optimizer_type, read_state
 from hyper_parallel.platform import get_platform
 
@@ -66,6 +66,7 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = N
     # state an optimizer keeps that a checkpoint cannot store is an error before any write
     state = None if optimizer is None else read_state(platform, optimizer, held)
     finish_pending_saves()
+    mine = written_here(platform, held)
     path = os.path.abspath(path)
     staging, rank = path + ".saving", platform.rank()
     failure = _attempt(lambda: _make_staging(staging)) if rank == 0 else None
@@ -73,7 +74,7 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = N
     snapshot = []
     if not failed:
         failure = _attempt(lambda: snapshot.append(
-            _snapshot(platform, rank, held, optimizer, state)))
+            _snapshot(platform, rank, mine, optimizer, state)))
     if not async_save:
         if not failed and failure is None:
             failure = _attempt(lambda: _write(staging, rank, *snapshot[0]))
@@ -170,8 +171,9 @@ def agree_on_failure(platform: Platform, failed: bool) -> int:
 
 def _snapshot(platform: Platform, rank: int, held: list, optimizer: Any,
               state: tuple | None) -> tuple:
-    """This rank's regions, copied to host memory as numpy, and its partial index:
-    ``([(stored name, dtype name, array)], partial)``. ``state``: ``read_state``'s."""
+    """This rank's regions of the ``held`` values it writes, copied to host memory as
+    numpy, and its partial index: ``([(stored name, dtype name, array)], partial)``.
+    ``state``: ``read_state``'s."""
     entries = []  # (stored name, Held, dtype name, this rank's region as numpy)
     partial = new_partial(None if optimizer is None else optimizer_type(optimizer))
     per_param = {}
@@ -179,8 +181,6 @@ def _snapshot(platform: Platform, rank: int, held: list, optimizer: Any,
         per_param, partial["optimizer"]["own"] = state
     with platform.no_grad():
         for h in held:
-            if not h.writes:
-                continue
             entries.append((h.key, h, h.dtype, to_array(platform, h, h.local(platform))))
             if id(h.param) not in per_param:
                 continue

@@ -400,6 +400,13 @@ class Platform(Collectives):
         """``local_full`` (this rank's tensor-parallel part) gathered into the whole tensor."""
         return local_full
 
+    def tensor_parallel_block(self, sharded_param: Any) -> tuple | None:
+        """Where this rank's tensor-parallel part of ``sharded_param`` (made by
+        ``make_sharded_param`` from a parameter tensor parallelism split) lies in the whole
+        tensor: ``(whole shape, offset in every dim)``; None where the part is not one block
+        of it (a placement that interleaves). Only asked of such parameters."""
+        raise TypeError(f"{type(self).__name__} has no tensor-parallel parameters")
+
     def refresh_converted_param(self, param: Any) -> None:
         """``param``'s values were converted in place by the framework's module conversion
         (``.to(dtype)``): make the same object a parameter of its new dtype in every

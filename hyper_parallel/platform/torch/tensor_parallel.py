@@ -107,6 +107,23 @@ class TorchTensorParallel:
         mesh = self._spmd_mesh(native_mesh, orig_param.device_mesh)
         return mesh, placements, tuple(orig_param.shape), tp
 
+    def tensor_parallel_block(self, sharded_param):
+        mesh, placements, shape, _ = getattr(sharded_param, TP_SPEC)
+        offsets, sizes = [0] * len(shape), list(shape)
+        coordinate = mesh.get_coordinate()
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Replicate):
+                continue
+            if type(placement) is not Shard:  # _StridedShard: the part is no block
+                return None
+            # DTensor's uneven split (torch.chunk's): ceil-sized chunks, trailing ones short
+            dim, count = placement.dim, mesh.size(mesh_dim)
+            chunk = -(-sizes[dim] // count)
+            start = min(coordinate[mesh_dim] * chunk, sizes[dim])
+            offsets[dim] += start
+            sizes[dim] = min(chunk, sizes[dim] - start)
+        return tuple(shape), tuple(offsets)
+
     def full_over_tensor_parallel(self, sharded_param, local_full):
         tp = getattr(sharded_param, TP_SPEC, None)
         if tp is None:
