@@ -26,7 +26,9 @@ DIM, HEAD_DIM, HIDDEN, D_OUT = 8, 2, 16, 4
 GLOBAL_BATCH, SEQ, STEPS, LR = 4, 3, 3, 0.1
 
 
-def _model_class():
+def layer_classes() -> tuple:
+    """``(Attention, MLP)``: the blocks of the suite's tensor-parallel models, each with its
+    residual; their linear layers are what the tensor-parallel plans split."""
     import torch
     import torch.nn as nn
 
@@ -55,6 +57,14 @@ def _model_class():
         def forward(self, x):
             return x + self.down(torch.relu(self.up(x)))
 
+    return Attention, MLP
+
+
+def _model_class():
+    import torch.nn as nn
+
+    Attention, MLP = layer_classes()
+
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
@@ -73,16 +83,20 @@ def _new_model(seed: int):
     return _model_class()()
 
 
-def _tp_model(seed: int, tp_mesh):
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, parallelize_module,
-    )
+def layer_plan(prefix: str = "") -> dict:
+    """The tensor-parallel plan of an ``Attention`` at ``{prefix}attn`` and an ``MLP`` at
+    ``{prefix}mlp``: column-parallel in, row-parallel out."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    model = _new_model(seed)
-    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(),
-            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
-    return parallelize_module(model, tp_mesh, plan)
+    return {f"{prefix}attn.q": ColwiseParallel(), f"{prefix}attn.k": ColwiseParallel(),
+            f"{prefix}attn.v": ColwiseParallel(), f"{prefix}attn.o": RowwiseParallel(),
+            f"{prefix}mlp.up": ColwiseParallel(), f"{prefix}mlp.down": RowwiseParallel()}
+
+
+def _tp_model(seed: int, tp_mesh):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(_new_model(seed), tp_mesh, layer_plan())
 
 
 def _batches():
