@@ -21,6 +21,8 @@ of the ranks' losses is the global loss.
   same with the second save asynchronous.
 - ``resume_run`` (torch, 1 rank): A loaded, ``STEPS`` steps; B (written on MindSpore)
   loaded and its last steps; the error checks; C loaded (what the crash left).
+- ``mesh_run`` (either framework, 4 ranks): a mesh with a dim that is not data parallel,
+  the parameters replicated over it; resumed by FSDP over the 4 ranks.
 """
 
 from __future__ import annotations
@@ -224,18 +226,20 @@ def _sharded(side, mesh_shape):
     return model, side.optimizer(model)
 
 
-def _train(side, model, opt, first: int, count: int, sliced: bool = True) -> list:
+def _train(side, model, opt, first: int, count: int, dp: tuple | None = None) -> list:
+    """Steps on this rank's slice of each batch: ``dp`` is its data-parallel index and the
+    data-parallel size, (rank, world size) unless given."""
     platform = hp.get_platform()
-    rank, world = (platform.rank(), platform.world_size()) if sliced else (0, 1)
-    rows = BATCH // world
-    return [side.step(model, opt, ids[rank * rows:(rank + 1) * rows],
-                      targets[rank * rows:(rank + 1) * rows])
+    index, size = dp if dp is not None else (platform.rank(), platform.world_size())
+    rows = BATCH // size
+    return [side.step(model, opt, ids[index * rows:(index + 1) * rows],
+                      targets[index * rows:(index + 1) * rows])
             for ids, targets in _batches()[first:first + count]]
 
 
 def _reference(side) -> list:
     model = side.build()
-    return _train(side, model, side.optimizer(model), 0, 3 * STEPS, sliced=False)
+    return _train(side, model, side.optimizer(model), 0, 3 * STEPS, dp=(0, 1))
 
 
 def save_run(dir_a: str, kind: str = "adamw") -> dict:
@@ -282,6 +286,30 @@ def resume_run(dir_a: str, mesh_shape: tuple, dir_b: str | None = None,
     if crashed is not None:
         result["crashed"] = crashed_checkpoint_loads(crashed)
     return result
+
+
+def mesh_run(path: str) -> dict:
+    """4 ranks, a (dp=2, tp=2) mesh with ``dp_mesh_dims=DataParallelMeshDims(shard="dp")``:
+    the parameters are plain (no tensor parallelism), so replicated over "tp", and each
+    "tp" pair trains on one slice. ``STEPS`` steps, checkpoint ``path``, ``STEPS`` more; a
+    fresh model sharded over all 4 ranks loads it and repeats those steps. Also: the
+    files the save wrote (one per "tp" pair)."""
+    side = _side()
+    platform = hp.get_platform()
+    mesh = hp.init_device_mesh(platform.device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+    dims = hp.DataParallelMeshDims(shard="dp")
+    model = side.build()
+    for layer in side.layers(model):
+        hp.fully_shard(layer, mesh=mesh, dp_mesh_dims=dims)
+    hp.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    opt, dp = side.optimizer(model), (platform.rank() // 2, 2)
+    losses = _train(side, model, opt, 0, STEPS, dp)
+    hp.save_checkpoint(path, model, opt)
+    losses += _train(side, model, opt, STEPS, STEPS, dp)
+    model, opt = _sharded(side, (platform.world_size(),))
+    hp.load_checkpoint(path, model, opt)
+    return {"losses": losses, "resumed": _train(side, model, opt, STEPS, STEPS),
+            "files": sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))}
 
 
 def _saved_once_then_rank1_dies_writing(path: str):

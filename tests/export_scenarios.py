@@ -32,7 +32,7 @@ def export_run(directory: str) -> dict:
     hp.export_full(os.path.join(directory, "sharded"), model, max_shard_bytes=SMALL_SHARD_BYTES)
     hp.export_full(os.path.join(directory, "renamed"), model, key_map=renamed)
     reference = side.build()
-    _train(side, reference, side.optimizer(reference), 0, STEPS, sliced=False)
+    _train(side, reference, side.optimizer(reference), 0, STEPS, dp=(0, 1))
     return hp.get_full_state_dict(reference, rank0_only=False)
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -27,10 +29,21 @@ import numpy as np
 import pytest
 
 from hyper_parallel.checkpoint import CheckpointError
+from tests import shared_launch
 from tests.checkpoint_scenarios import CORRUPTIONS, STEPS
 from tests.multirank import RankFailure, run_ranks
 
 SAME_FRAMEWORK_RTOL = 1e-5
+BACKENDS = ["torch", "mindspore"]
+
+# 4 ranks, in the suite's shared 4-rank launch of each framework (tests/shared_launch.py)
+shared_launch.register(__name__, "checkpoint_mesh", 4, "tests.checkpoint_scenarios:mesh_run",
+                       lambda backend: (os.path.join(shared_launch.directory(
+                           f"ckpt-mesh-{backend}"), "ckpt"),), timeout_s=300)
+shared_launch.register(__name__, "checkpoint_tensor_parallel", 4,
+                       "tests.tp_checkpoint_scenarios:run_all",
+                       lambda backend: (shared_launch.directory("ckpt-tp"),),
+                       backends=("torch",), timeout_s=180)
 
 
 @functools.lru_cache(maxsize=None)
@@ -379,3 +392,116 @@ def test_optimizer_state_without_counterpart_is_named():
                                               r"counterpart in mindspore.experimental"):
         _convert("index.json", torch_sgd, ms_sgd, KINDS[torch_sgd], KINDS[ms_sgd],
                  {"momentum_buffer": momentum, "velocity": momentum}, {})
+
+
+# ------------------------------------------------------------------ tensor parallelism, meshes
+NO_TENSOR_PARALLEL = ("MindSpore has no tensor-parallel parameters (no DTensor, and no "
+                      "hyper_parallel tensor-parallel layer there): the tensor-parallel "
+                      "checkpoint is torch's")
+# attn.k.bias gets a gradient that is zero up to rounding (softmax ignores what it adds to
+# every score of a query), which AdamW turns into steps of about lr: its values after
+# training follow the reduction order, which another tensor-parallel degree changes
+ROUNDING_ONLY = ("layers.0.attn.k.bias", "layers.1.attn.k.bias")
+
+
+def _tensor_parallel(backend: str) -> list:
+    if backend == "mindspore":
+        pytest.skip(NO_TENSOR_PARALLEL)
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    return shared_launch.results("checkpoint_tensor_parallel", "torch")
+
+
+def _param_diff(a: dict, b: dict, skip: tuple = ()) -> float:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a if k not in skip)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_parallel_run_resumes_in_other_layouts(backend):
+    """Saved at (dp=2, tp=2), resumed at (dp=2, tp=2) through dp_mesh_dims and through
+    mesh["dp"], with the dims swapped, replicated over dp, at (dp=1, tp=4) and without
+    tensor parallelism (FSDP over 4 ranks): losses and parameters continue the
+    uninterrupted run."""
+    from tests.tp_checkpoint_scenarios import LAYOUTS
+
+    per_rank = _tensor_parallel(backend)
+    uninterrupted = _mean(per_rank, "losses")[STEPS:]
+    assert list(per_rank[0]["layouts"]) == list(LAYOUTS)
+    for name, resumed in per_rank[0]["layouts"].items():
+        assert resumed["extra"] == {"step": STEPS}, name
+        diff = _rel(np.mean([r["layouts"][name]["losses"] for r in per_rank], axis=0),
+                    uninterrupted)
+        assert diff <= SAME_FRAMEWORK_RTOL, f"{name}: resumed losses differ by {diff:.2e}"
+        same_degree = LAYOUTS[name][0] is not None and LAYOUTS[name][0][1] == 2
+        diff = _param_diff(resumed["final"], per_rank[0]["final"],
+                           () if same_degree else ROUNDING_ONLY)
+        assert diff <= 1e-5, f"{name}: resumed parameters differ by {diff:.2e}"
+
+
+def _tiled_once(path: str) -> dict:
+    """Per stored tensor of checkpoint ``path``: how often its slices cover each element
+    (the fewest and the most), and its shape."""
+    with open(os.path.join(path, "index.json"), encoding="utf-8") as file:
+        tensors = json.load(file)["tensors"]
+    out = {}
+    for key, entry in tensors.items():
+        count = np.zeros(entry["shape"], np.int64)
+        for stored in entry["slices"]:
+            count[tuple(slice(o, o + n) for o, n in zip(stored["offsets"], stored["shape"]))] += 1
+        out[key] = (int(count.min()), int(count.max()), tuple(entry["shape"]))
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_parallel_checkpoint_holds_whole_tensors(backend, monkeypatch):
+    """Checkpoint A (saved at dp=2, tp=2) and B (the mesh["dp"] model's, just after it
+    loaded A) store every tensor at its whole shape, each element written once; both load
+    into a plain model in this process (one rank, no tensor parallelism) as the whole
+    parameters the saving run gathered, as does export_full's output; that model then
+    trains on as the uninterrupted run did."""
+    per_rank = _tensor_parallel(backend)
+    monkeypatch.setenv("HP_BACKEND", "torch")
+    from safetensors.numpy import load_file
+
+    import hyper_parallel as hp
+    from tests import tp_checkpoint_scenarios as tp
+
+    directory = shared_launch.directory("ckpt-tp")
+    saved = per_rank[0]["saved"]
+    a, b = _tiled_once(os.path.join(directory, "A")), _tiled_once(os.path.join(directory, "B"))
+    assert a == b
+    for key, (least, most, shape) in a.items():
+        assert (least, most) == (1, 1), f"{key}: elements written {least} to {most} times"
+        name = key.split(".", 2)[2] if key.startswith("optim.") else key
+        assert shape == saved[name].shape, key
+    exported = load_file(os.path.join(directory, "export", "model.safetensors"))
+    assert _param_diff(exported, saved) == 0.0
+    resumed = {}
+    for name, extra in (("B", None), ("A", {"step": STEPS})):
+        model = tp.new_model(seed=1)
+        opt = tp.optimizer(model)
+        assert hp.load_checkpoint(os.path.join(directory, name), model, opt) == extra
+        assert _param_diff(_values(model), saved) == 0.0, name
+        resumed[name] = tp.train(model, opt, tp.batches()[STEPS:])
+    assert resumed["A"] == resumed["B"]  # the optimizer state too
+    diff = _rel(resumed["A"], _mean(per_rank, "losses")[STEPS:])
+    assert diff <= SAME_FRAMEWORK_RTOL, f"resumed on one rank, losses differ by {diff:.2e}"
+    assert _param_diff(_values(model), per_rank[0]["final"], ROUNDING_ONLY) <= 1e-5
+
+
+def _values(model) -> dict:
+    return {k: v.detach().numpy() for k, v in model.named_parameters()}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mesh_with_a_dim_that_is_not_data_parallel(backend):
+    """A (dp=2, tp=2) mesh with dp_mesh_dims, plain parameters replicated over "tp": one
+    rank of each "tp" pair writes, and FSDP over the 4 ranks resumes the run."""
+    per_rank = shared_launch.results("checkpoint_mesh", backend)
+    assert per_rank[0]["files"] == ["rank-00000.safetensors", "rank-00002.safetensors"]
+    diff = _rel(_mean(per_rank, "resumed"), _mean(per_rank, "losses")[STEPS:])
+    assert diff <= SAME_FRAMEWORK_RTOL, f"resumed at FSDP 4 differs by {diff:.2e}"
