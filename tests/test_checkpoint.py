@@ -24,6 +24,8 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -374,6 +376,127 @@ def test_regions_straddling_stored_slices(tmp_path):
             np.testing.assert_array_equal(region, array[start:start + rows])
 
 
+class _ThreadRanks:
+    """A stand-in platform for ``world`` ranks run as threads of this process: enough for
+    ``written_here``, whose only collective is ``all_gather``."""
+
+    def __init__(self, world: int):
+        self.world, self._local = world, threading.local()
+        self._barrier, self._inputs = threading.Barrier(world, timeout=30), [None] * world
+
+    def rank(self):
+        return self._local.rank
+
+    def world_size(self):
+        return self.world
+
+    def is_initialized(self):
+        return True
+
+    def from_numpy(self, array):
+        return array.copy()
+
+    def to_numpy(self, array):
+        return array
+
+    def all_gather(self, tensor, group):
+        self._inputs[self.rank()] = tensor
+        self._barrier.wait()
+        pieces = list(self._inputs)
+        self._barrier.wait()
+        return SimpleNamespace(wait=lambda: SimpleNamespace(pieces=pieces))
+
+    def run(self, per_rank) -> list:
+        """``per_rank(rank)`` on every rank at once: its result, or the exception it raised."""
+        out = [None] * self.world
+
+        def call(rank):
+            self._local.rank = rank
+            try:
+                out[rank] = per_rank(rank)
+            except Exception as error:  # noqa: BLE001 - compared by the test
+                out[rank] = error
+
+        threads = [threading.Thread(target=call, args=(r,)) for r in range(self.world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return out
+
+
+def test_the_lowest_rank_holding_a_region_writes_it():
+    """3 ranks: "w" (5 rows) sharded over ranks 0 and 1 (3 and 2 rows), rank 2 a replica of
+    rank 0; "tail" split so that rank 1's part is empty; "empty" holds no elements (the
+    lowest rank writes its empty slice, so the index lists it); "whole" on every rank.
+    A rank that holds other values makes every rank raise, naming it."""
+    from hyper_parallel.checkpoint.layout import Held, written_here
+
+    regions = {  # rank: [(name, shape, offsets, region shape)]
+        0: [("w", (5, 4), (0, 0), (3, 4)), ("tail", (4,), (0,), (4,)),
+            ("empty", (0, 3), (0, 0), (0, 3)), ("whole", (), (), ())],
+        1: [("w", (5, 4), (3, 0), (2, 4)), ("tail", (4,), (4,), (0,)),
+            ("empty", (0, 3), (0, 0), (0, 3)), ("whole", (), (), ())],
+        2: [("w", (5, 4), (0, 0), (3, 4)), ("tail", (4,), (0,), (4,)),
+            ("empty", (0, 3), (0, 0), (0, 3)), ("whole", (), (), ())],
+    }
+
+    def held(rank):
+        return [Held(n, None, None, "float32", s, o, r) for n, s, o, r in regions[rank]]
+
+    ranks = _ThreadRanks(3)
+    written = ranks.run(lambda rank: [h.name for h in written_here(ranks, held(rank))])
+    assert written == [["w", "tail", "empty", "whole"], ["w"], []]
+    regions[2] = regions[2][:3]
+    errors = ranks.run(lambda rank: written_here(ranks, held(rank)))
+    for error in errors:
+        assert isinstance(error, CheckpointError), error
+        assert "rank 2 holds other parameters or shapes than rank 0 (3 values against 4)" \
+            in str(error)
+
+
+def test_tensor_parallel_block_follows_dtensor_placements():
+    """torch: this rank's block of the whole tensor under Shard and Replicate placements,
+    uneven splits included, as DTensor lays it out; a placement that interleaves
+    (_StridedShard) gives no block."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import _utils
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from hyper_parallel.platform.torch.tensor_parallel import TP_SPEC, TorchTensorParallel
+
+    class Mesh:  # what tensor_parallel_block reads of a torch DeviceMesh
+        def __init__(self, shape, coordinate):
+            self.shape, self.coordinate = shape, coordinate
+
+        def size(self, dim):
+            return self.shape[dim]
+
+        def get_coordinate(self):
+            return list(self.coordinate)
+
+    def block(shape, mesh, placements):
+        param = SimpleNamespace(**{TP_SPEC: (mesh, placements, shape, None)})
+        return TorchTensorParallel.tensor_parallel_block(None, param)
+
+    cases = [((37, 5), (2,), [Shard(0)]), ((5, 37), (4,), [Shard(1)]),
+             ((37, 6), (2, 3), [Shard(0), Shard(1)]), ((37, 6), (2, 2), [Shard(0), Shard(0)]),
+             ((7, 6), (2, 3), [Replicate(), Shard(1)]), ((3,), (4,), [Shard(0)])]
+    for shape, mesh_shape, placements in cases:
+        for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+            sizes, offsets = _utils._compute_local_shape_and_global_offset(
+                shape, mesh_shape, list(coordinate), placements)
+            got = block(shape, Mesh(mesh_shape, coordinate), placements)
+            assert got[0] == shape
+            nonempty = all(sizes)
+            assert not nonempty or got[1] == tuple(offsets), (shape, placements, coordinate)
+    assert block((8, 4), Mesh((2,), (1,)), [_StridedShard(0, split_factor=2)]) is None
+
+
 def test_optimizer_state_without_counterpart_is_named():
     """A move between corresponding optimizers (torch SGD -> MindSpore SGD) converts the
     momentum and sets MindSpore's first-step flag; a state the table does not name is an
@@ -438,6 +561,15 @@ def test_tensor_parallel_run_resumes_in_other_layouts(backend):
         diff = _param_diff(resumed["final"], per_rank[0]["final"],
                            () if same_degree else ROUNDING_ONLY)
         assert diff <= 1e-5, f"{name}: resumed parameters differ by {diff:.2e}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_parallel_parameter_outside_every_unit_is_refused(backend):
+    for rank, r in enumerate(_tensor_parallel(backend)):
+        assert r["outside_unit"] is not None and "embed.weight is a tensor-parallel parameter " \
+            "outside every fully_shard unit" in r["outside_unit"], f"rank {rank}"
+        assert not r["wrote_c"], f"rank {rank}: the refused save wrote something"
 
 
 def _tiled_once(path: str) -> dict:

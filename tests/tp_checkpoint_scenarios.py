@@ -14,7 +14,8 @@ train the same ``STEPS`` steps: the same mesh, or FSDP2's ``mesh["dp"]``, the di
 swapped (other ranks hold each region), replicated over dp (DDP + TP), another
 tensor-parallel degree (dp=1, tp=4), and no tensor parallelism (FSDP over 4 ranks). The
 ``mesh["dp"]`` model also saves checkpoint B right after loading, to be compared with A
-file for file. The test process loads A and B into a plain single-process model.
+file for file. The test process loads A and B into a plain single-process model. Last, a
+model split by tensor parallelism alone (no fully_shard) is refused.
 
 Each rank trains on its data-parallel slice of every global batch; ranks of one
 tensor-parallel group take the same slice, so the mean of all ranks' losses is the
@@ -112,14 +113,25 @@ def train(model, opt, steps: list, dp: tuple = (0, 1)) -> list:
     return losses
 
 
-def _build(name: str, seed: int) -> tuple:
-    """``(model, optimizer, (dp index, dp size))`` of layout ``name`` on this rank."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _tensor_parallel(model, tp_mesh):
+    """``model`` split over ``tp_mesh``: the vocabulary of the embedding and the head, and
+    each layer's projections."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, RowwiseParallel, parallelize_module,
     )
+
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(LAYERS):
+        plan.update(layer_plan(f"layers.{i}."))
+    return parallelize_module(model, tp_mesh, plan)
+
+
+def _build(name: str, seed: int) -> tuple:
+    """``(model, optimizer, (dp index, dp size))`` of layout ``name`` on this rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     import hyper_parallel as hp
 
@@ -128,11 +140,7 @@ def _build(name: str, seed: int) -> tuple:
     where = {}
     if shape is not None:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        plan = {"embed": RowwiseParallel(input_layouts=Replicate()),
-                "lm_head": ColwiseParallel(output_layouts=Replicate())}
-        for i in range(LAYERS):
-            plan.update(layer_plan(f"layers.{i}."))
-        parallelize_module(model, mesh["tp"], plan)
+        _tensor_parallel(model, mesh["tp"])
         where = {"mesh": mesh["dp"]} if dims == "dp_slice" else \
             {"mesh": mesh, "dp_mesh_dims": hp.DataParallelMeshDims(**dims)}
     for layer in model.layers:
@@ -169,4 +177,14 @@ def run_all(directory: str) -> dict:
         final = hp.gather_full_state_dict(model)
         out["layouts"][name] = {"extra": extra, "losses": resumed,
                                 "final": final if first else None}
+    # tensor parallelism without fully_shard: refused before anything is written
+    from torch.distributed.device_mesh import init_device_mesh
+
+    bare = _tensor_parallel(new_model(1), init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)))
+    try:
+        hp.save_checkpoint(os.path.join(directory, "C"), bare)
+        out["outside_unit"] = None
+    except hp.CheckpointError as error:
+        out["outside_unit"] = str(error)
+    out["wrote_c"] = any(f.startswith("C") for f in os.listdir(directory))
     return out
