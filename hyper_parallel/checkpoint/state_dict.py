@@ -125,8 +125,8 @@ def state_entries(model: Any, optimizer: Any = None, tensor_parallel_parts: bool
             if tensor_parallel and not tensor_parallel_parts:
                 raise NotImplementedError(
                     f"{key} is a tensor-parallel parameter: hyper_parallel's state dicts cover "
-                    "data parallelism only; use model.state_dict() with "
-                    "torch.distributed.checkpoint for this model")
+                    "data parallelism only; use hp.save_checkpoint / hp.load_checkpoint, or "
+                    "model.state_dict() with torch.distributed.checkpoint, for this model")
             local = param if fsdp_param is None else platform.local_tensor(param)
             entries.append(Entry(key, local, layout))
             by_param.setdefault(id(param), (key, layout))
