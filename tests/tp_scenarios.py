@@ -202,8 +202,10 @@ def run_all(checkpoint_dir: str) -> dict:
     result["dp_mesh_diff"] = _max_diff(_full(on_dp_mesh), ref_full)
     result["dp_mesh_gathered_full_diff"] = _max_diff(hp.gather_full_state_dict(on_dp_mesh), ref_full)
     # the shard's mesh: made from groups (a data-parallel mesh derived from ``mesh``), or
-    # ``mesh["dp"]`` and ``mesh["tp"]`` concatenated (slices of one torch mesh)
-    result["mesh_from_slices"] = [m.attn.q.weight.device_mesh._get_root_mesh() is mesh
+    # ``mesh["dp"]`` and ``mesh["tp"]`` concatenated (slices of one torch mesh). Compared
+    # by value: DTensor's sharding cache hands back the equal mesh of an earlier DTensor of
+    # the same layout, made by a job before this one in the shared launch
+    result["mesh_from_slices"] = [m.attn.q.weight.device_mesh._get_root_mesh() == mesh
                                   for m in (model, on_dp_mesh)]
 
     fsdp2 = fsdp2_model(0)
