@@ -8,7 +8,11 @@ same route through ``key_map=hp.torch_nn_names``, with its buffers and MindSpore
 ``requires_grad=False`` moving statistics, and resumes on torch without the map
 (``num_batches_tracked`` included). Four launches in all (torch 2, MindSpore 2, torch 2
 crashing, torch 1), each running both models' jobs. Regions that straddle stored slices
-(2 -> 3 ranks) are checked without processes.
+(2 -> 3 ranks), the choice of the rank that writes a region, and torch's tensor-parallel
+blocks are checked without processes. In the suite's shared 4-rank launches: torch tensor
+parallelism (tests/tp_checkpoint_scenarios.py: saved at (dp=2, tp=2), resumed in six
+layouts, then in this process in a plain model) and, on both frameworks, a mesh with a dim
+that is not data parallel.
 
 Same framework, the resumed loss curve continues the uninterrupted one to 1e-5 relative
 (fp32). Across frameworks, to twice what the two frameworks' own single-process
