@@ -17,9 +17,11 @@ every multi-rank test of the suite goes through ``run_ranks``.  It reuses the la
   (``HP_TEST_MS_LAUNCH_BLOCKING=1``, read by tests/_rank_entry.py): in MindSpore's default
   asynchronous pipeline a waiting rank spins a core, and 4 ranks on 2 cores took 205 s for
   the HSDP 2x2 launch against 53 s blocking. A caller may ask for it with fewer ranks too:
-  the suite's shared launches (tests/shared_launch.py) and the forward patterns' do; the
-  other launches (desync, state dicts, checkpoints, faults, launchers, the soak run) keep
-  the default pipeline, so the suite still trains in parity under what users run.
+  the suite's shared launches (tests/shared_launch.py), the forward patterns', the state
+  dicts' and the checkpoints' do (2 ranks, the MindSpore optimizers' checkpoint round trips:
+  13 s blocking against 48-71 s); the other launches (desync, faults, launchers, the soak
+  run, the example's training) keep the default pipeline, so the suite still trains in
+  parity under what users run.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def _jobs(world_size: int, backend: str, *calls, timeout_s: float) -> list:
     """Several rank-side functions in one launch: per rank, ``{name: return value}``."""
     return run_ranks("tests.shared_launch:run_jobs", world_size, backend,
                      [(name, f"tests.checkpoint_scenarios:{target}", args, {})
-                      for name, target, args in calls], timeout_s=timeout_s)
+                      for name, target, args in calls], timeout_s=timeout_s,
+                     env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
 
 
 @functools.lru_cache(maxsize=None)

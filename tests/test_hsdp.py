@@ -3,8 +3,9 @@ gradient accumulation, small parameters, overlap vs synchronous, collective coun
 
 Each (backend, world size) runs its configs in the suite's shared launch
 (tests/shared_launch.py, the scenarios in tests/hsdp_scenarios.py); each test reads its
-config's result. Reference: one process on the global batch, gradients
-scaled by what the config implies. SGD with momentum (kit.py says why).
+config's result (MindSpore runs the configs of MINDSPORE_4_SLOW under ``-m slow``).
+Reference: one process on the global batch, gradients scaled by what the config implies.
+SGD with momentum (kit.py says why).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ CONFIGS_4 = {
     CLIP_CONFIG: {"clip": True},
 }
 SYNC_COMPARED = ["mesh_2x2", "no_all_reduce", "threshold", "mixed_precision", "own_collectives"]
+# MindSpore's 4-rank launch takes ~5 s a config on 2 cores; these add no MindSpore path the
+# others lack (reduce op sum: scaling_tensor; a float scale: hsdp_2's mesh_2x1_scaled_sum;
+# FSDP over 4 ranks: tests/test_parity.py; threshold and is_last_backward: each alone; the
+# divide factor is the core's arithmetic, which torch runs here), so they run under -m slow
+MINDSPORE_4_SLOW = ("mesh_1x4", "sum", "divide_factor", "scaling_factor", "threshold_not_last")
 
 
 def _concrete(backend, config):
@@ -51,13 +57,25 @@ def _concrete(backend, config):
     return config
 
 
-def _register(key: str, world_size: int, table: dict, names: tuple, sync: bool = False) -> None:
+def _slow(backend: str, name: str) -> bool:
+    return backend == "mindspore" and name in MINDSPORE_4_SLOW
+
+
+def _four_names(backend: str, slow: bool = False) -> tuple:
+    return tuple(n for n in CONFIGS_4 if _slow(backend, n) == slow)
+
+
+def _register(key: str, world_size: int, table: dict, names, sync: bool = False,
+              backends: tuple = tuple(BACKENDS), slow: bool = False) -> None:
+    """``names``: the configs to run, or a function of the backend giving them."""
     # "0" keeps the overlapped pipeline even where the platform would reduce synchronously
     # (MindSpore on CPU), so both paths are compared on both backends.
+    of = names if callable(names) else (lambda backend: names)
     shared_launch.register(
         __name__, key, world_size, "tests.hsdp_scenarios:run_configs",
-        lambda backend: ([_concrete(backend, table[n]) for n in names],),
-        env={"HP_SYNC_COLLECTIVES": "1" if sync else "0"}, timeout_s=500)
+        lambda backend: ([_concrete(backend, table[n]) for n in of(backend)],),
+        backends=backends, env={"HP_SYNC_COLLECTIVES": "1" if sync else "0"}, timeout_s=500,
+        slow=slow)
 
 
 def _run(backend: str, key: str, names: tuple) -> dict:
@@ -65,12 +83,14 @@ def _run(backend: str, key: str, names: tuple) -> dict:
     return {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
 
 
-_register("hsdp_4", 4, CONFIGS_4, tuple(CONFIGS_4))
+_register("hsdp_4", 4, CONFIGS_4, _four_names)
+_register("hsdp_4_slow", 4, CONFIGS_4, lambda backend: _four_names(backend, slow=True),
+          backends=("mindspore",), slow=True)
 _register("hsdp_4_sync", 4, CONFIGS_4, tuple(SYNC_COMPARED), sync=True)
 
 
-def _four(backend):
-    return _run(backend, "hsdp_4", tuple(CONFIGS_4))
+def _four(backend, slow: bool = False):
+    return _run(backend, "hsdp_4_slow" if slow else "hsdp_4", _four_names(backend, slow))
 
 
 def _assert_parity(per_rank, atol=ATOL):
@@ -82,11 +102,12 @@ def _assert_parity(per_rank, atol=ATOL):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", [n for n in CONFIGS_4
-                                  if not n.endswith("mixed_precision") and n != CLIP_CONFIG])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,name", [
+    pytest.param(b, n, marks=[pytest.mark.slow] if _slow(b, n) else [])
+    for b in BACKENDS for n in CONFIGS_4
+    if not n.endswith("mixed_precision") and n != CLIP_CONFIG])
 def test_parity_4_ranks(backend, name):
-    _assert_parity(_four(backend)[name])
+    _assert_parity(_four(backend, _slow(backend, name))[name])
 
 
 @pytest.mark.timeout(900)

@@ -28,7 +28,8 @@ PARAM_ATOL = 1e-4
 def _chain(backend: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="hp-state-dict-") as directory:
         return {world: run_ranks("tests.state_dict_scenarios:run_phase", world, backend,
-                                 "save" if world == 4 else "load", directory, timeout_s=400)
+                                 "save" if world == 4 else "load", directory, timeout_s=400,
+                                 env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
                 for world in (4, 2, 1)}
 
 
