@@ -16,8 +16,9 @@ the model, through ``apply_fsdp_to_decoder``), ``init_weights``, the chunked los
   CPU), swapped in as torchtitan's graph_trainer tests do;
 - ``spmd_backend="partial_dtensor"``: FSDP2 takes torchtitan's parameters only in that mode
   (the default, "spmd_types", hands ``fully_shard`` parameters it rejects);
-- every unit reduces with SUM (``set_force_sum_reduction_for_comms``): torchtitan sets the
-  gradient divide factor to 1.0, which FSDP2 turns into a PREMUL_SUM that gloo lacks.
+- FSDP2's units reduce with SUM (``set_force_sum_reduction_for_comms``): torchtitan sets
+  the gradient divide factor to 1.0, which FSDP2 turns into a PREMUL_SUM that gloo lacks
+  (hyper_parallel's collectives always sum, and scale apart).
 
 hyper_parallel stands in through ``in_place_of_fsdp2``: the names torchtitan looks up.
 Its ``MixedPrecisionPolicy`` is torch's own object, which ``hp.fully_shard`` accepts.
@@ -154,10 +155,10 @@ def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: di
         for name, param in model.named_parameters():
             param.copy_(distribute_tensor(initial[_canonical(name)], param.device_mesh,
                                           param.placements))
-    unit = hp.FSDPModule if impl == "hp" else FSDPModule
-    for module in model.modules():
-        if isinstance(module, unit):  # gloo has no PREMUL_SUM (module docstring)
-            module.set_force_sum_reduction_for_comms(True)
+    if impl == "fsdp2":  # gloo has no PREMUL_SUM (module docstring)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
     return model
 
 
