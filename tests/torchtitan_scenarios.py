@@ -15,7 +15,8 @@ the model, through ``apply_fsdp_to_decoder``), ``init_weights``, the chunked los
 - attention is its ``ScaledDotProductAttention`` (its FlexAttention compiles, too slow on
   CPU), swapped in as torchtitan's graph_trainer tests do;
 - ``spmd_backend="partial_dtensor"``: FSDP2 takes torchtitan's parameters only in that mode
-  (the default, "spmd_types", hands ``fully_shard`` parameters it rejects);
+  (in the others, "spmd_types" by default, torchtitan passes ``dp_mesh_dims`` with plain
+  parameters, which FSDP2 refuses);
 - FSDP2's units reduce with SUM (``set_force_sum_reduction_for_comms``): torchtitan sets
   the gradient divide factor to 1.0, which FSDP2 turns into a PREMUL_SUM that gloo lacks
   (hyper_parallel's collectives always sum, and scale apart).
@@ -116,15 +117,16 @@ def _model_config(tied: bool):
     return config
 
 
-def _reference_values(tied: bool) -> dict:
-    """The initial parameters every run starts from: torchtitan's init on a whole model."""
+def _whole(tied: bool):
+    """The single-process model: torchtitan's init on the whole model, float32, no AC, no
+    fully_shard. Its initial parameters are every run's."""
     import torch
 
     torch.manual_seed(0)
     model = _model_config(tied).build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return model
 
 
 def _canonical(name: str) -> str:
@@ -159,18 +161,6 @@ def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: di
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-def _whole(tied: bool, initial: dict):
-    """The single-process reference: the whole model in float32, no AC, no fully_shard."""
-    import torch
-
-    model = _model_config(tied).build()
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-        for name, param in model.named_parameters():
-            param.copy_(initial[name])
     return model
 
 
@@ -254,12 +244,12 @@ def _full(param) -> np.ndarray:
     return value.detach().to(torch.float32).numpy()
 
 
-def run(configs: list) -> dict:
-    """Each of ``configs`` (names from CONFIGS) trained under FSDP2 and under hyper_parallel
-    on this rank's rows, beside the float32 whole model trained on every row."""
+def run() -> dict:
+    """Each of CONFIGS trained under FSDP2 and under hyper_parallel on this rank's rows,
+    beside the float32 whole model trained on every row."""
+    import_torchtitan()
     from torchtitan.distributed import ParallelDims, utils as dist_utils
 
-    import_torchtitan()
     dist_utils.set_spmd_backend("partial_dtensor")
     platform = hp.get_platform()
     rank, world = platform.rank(), platform.world_size()
@@ -268,14 +258,14 @@ def run(configs: list) -> dict:
     batches = _batches(world)
     rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
     out, references = {}, {}
-    for ac, mp, tied in (c for c in CONFIGS if config_name(*c) in configs):
-        initial = _reference_values(tied)
+    for ac, mp, tied in CONFIGS:
+        initial = {name: p.detach() for name, p in _whole(tied).named_parameters()}
         result = {}
         for impl in ("fsdp2", "hp"):
             model = _sharded(impl, ac, mp, tied, parallel_dims, initial)
             result[impl] = train(model, batches, rows, parallel_dims, impl == "hp")
         if tied not in references:
-            references[tied] = train(_whole(tied, initial), batches, slice(None))
+            references[tied] = train(_whole(tied), batches, slice(None))
         result["reference"] = references[tied]
         out[config_name(ac, mp, tied)] = result
     return out

@@ -139,7 +139,7 @@ class Platform(Collectives):
     def policy_from_native(self, policy: Any) -> tuple[str, dict] | None:
         """A framework's own ``fully_shard`` policy object (torch's ``MixedPrecisionPolicy``,
         ``OffloadPolicy``, ``CPUOffloadPolicy``) as ``(class name, {field: value})``, which
-        the core rebuilds as its class of that name (``policy.from_native``); None if
+        the core rebuilds as its class of that name (``policy.as_policy``); None if
         ``policy`` is not one. Recognised by class, not by field names, so an object that
         merely has a ``param_dtype`` is not taken for a policy. The default: the framework
         has no policy objects of its own."""
