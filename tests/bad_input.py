@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 import hyper_parallel as hp
 from tests.kit import get_kit
+
+
+@dataclass(frozen=True)
+class LookalikePolicy:
+    """MixedPrecisionPolicy's fields on a class that is not a policy of hyper_parallel's or
+    of the framework's."""
+
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    output_dtype: Any = None
+    cast_forward_inputs: bool = True
 
 
 def _snapshot(kit, platform, model):
@@ -72,6 +86,9 @@ def run_checks() -> dict:
         m, mp_policy=hp.MixedPrecisionPolicy(param_dtype="bf16")))
     m = block()
     out["policy_none"] = _attempt(kit, platform, m, lambda: hp.fully_shard(m, mp_policy=None))
+    m = block()
+    out["policy_lookalike"] = _attempt(kit, platform, m, lambda: hp.fully_shard(
+        m, mp_policy=LookalikePolicy(param_dtype="float32")))
     relu = kit.activation()
     returned = hp.fully_shard(relu)
     x = np.array([[-1.0, 2.0]], dtype=np.float32)

@@ -563,6 +563,66 @@ def run_checkpointed_chunked_loss(kit) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- FSDP2's policies
+def _policy_step(kit, model, opt, x, y) -> tuple:
+    out = model(kit.tensor(x))
+    loss = ((out.float() - kit.tensor(y)) ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item(), str(out.dtype)
+
+
+def run_torch_policies(kit) -> dict:
+    """torch: bf16 compute, fp32 reduction, fp32 outputs from the root, input casting off on
+    block 1, offloading (CPUOffloadPolicy on the root, OffloadPolicy on the blocks), given
+    as hyper_parallel's policies, as FSDP2's policy objects to hp.fully_shard, and as the
+    same objects to FSDP2: each run's losses, output dtypes and parameters; FSDP2's
+    objects converted by hp.fully_shard; and the TypeError for a policy of the wrong kind."""
+    import torch
+    from torch.distributed import fsdp
+
+    from hyper_parallel.fully_shard.policy import as_policy
+
+    def policies(mp_class, offload_class, cpu_offload_class, bf16, fp32) -> list:
+        """(mp_policy, offload_policy) of block 0, block 1 and the root."""
+        return [(mp_class(param_dtype=bf16, reduce_dtype=fp32), offload_class()),
+                (mp_class(param_dtype=bf16, reduce_dtype=fp32, cast_forward_inputs=False),
+                 offload_class()),
+                (mp_class(param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32),
+                 cpu_offload_class(pin_memory=False))]
+
+    ours = policies(hp.MixedPrecisionPolicy, hp.OffloadPolicy, hp.CPUOffloadPolicy,
+                    "bfloat16", "float32")
+    theirs = policies(fsdp.MixedPrecisionPolicy, fsdp.OffloadPolicy, fsdp.CPUOffloadPolicy,
+                      torch.bfloat16, torch.float32)
+    out = {}
+    for name, shard, units in (("ours", hp.fully_shard, ours),
+                               ("torch_policies", hp.fully_shard, theirs),
+                               ("fsdp2", fsdp.fully_shard, theirs)):
+        model = _build_spare(kit)
+        kit.load(model, 0)
+        for module, (mp, offload) in zip([*model.blocks, model], units):
+            shard(module, mp_policy=mp, offload_policy=offload)
+        opt = kit.optimizer(kit.params(model), kind="adamw")
+        steps = [_policy_step(kit, model, opt, x[_local()], y[_local()])
+                 for x, y in make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=71)]
+        out[name] = {"losses": [loss for loss, _ in steps],
+                     "out_dtypes": sorted({dtype for _, dtype in steps}),
+                     "params": {k: kit.to_numpy(v.full_tensor())
+                                for k, v in model.named_parameters()}}
+    # hyper_parallel's equivalents, with torch's dtype objects as FSDP2's policies hold them
+    same = policies(hp.MixedPrecisionPolicy, hp.OffloadPolicy, hp.CPUOffloadPolicy,
+                    torch.bfloat16, torch.float32)
+    describe = hp.get_platform().policy_from_native
+    out["converted"] = [as_policy(their, type(our), "policy", describe) == our
+                        for their_pair, our_pair in zip(theirs, same)
+                        for their, our in zip(their_pair, our_pair)]
+    out["wrong_kind"] = _attempt(lambda: hp.fully_shard(
+        _build_spare(kit), offload_policy=fsdp.MixedPrecisionPolicy()))
+    return out
+
+
 # ---------------------------------------------------------------------------- entry point
 def run_all() -> dict:
     kit = get_kit()
@@ -584,4 +644,5 @@ def run_all() -> dict:
     out["method_checks"] = run_method_checks(kit)
     if kit.name == "torch":
         out["checkpointed_chunked_loss"] = run_checkpointed_chunked_loss(kit)
+        out["torch_policies"] = run_torch_policies(kit)
     return out

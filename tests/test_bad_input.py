@@ -47,6 +47,7 @@ def test_backend_name_is_case_insensitive(monkeypatch):
     ("bad_own_collective_bytes", "ValueError", "own_collective_bytes must be an int >= 0, None"),
     ("unknown_dtype_name", "ValueError", "unknown dtype name 'bf16'"),
     ("policy_none", "TypeError", "mp_policy must be a hp.MixedPrecisionPolicy, got None"),
+    ("policy_lookalike", "TypeError", "mp_policy must be a hp.MixedPrecisionPolicy, got LookalikePolicy("),
 ])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_input_is_rejected_cleanly(backend, check, error_type, message):

@@ -324,3 +324,41 @@ def test_checkpoint_wrapper_with_a_chunked_loss_trains_like_fsdp2():
     per_rank = _part("torch", "checkpointed_chunked_loss")
     _assert_parity(per_rank)
     _assert_same_as_fsdp2(per_rank)
+
+
+# ---------------------------------------------------------------------------- FSDP2's policies
+@pytest.mark.timeout(600)
+def test_fsdp2s_own_policy_objects_train_as_ours_and_as_fsdp2():
+    """torch: torch.distributed.fsdp's MixedPrecisionPolicy (every field set somewhere),
+    OffloadPolicy and CPUOffloadPolicy given to hp.fully_shard become hyper_parallel's
+    equivalents, field by field, and train bit for bit as hyper_parallel's own policies
+    and as FSDP2 with the same objects; a policy of the wrong kind stays a TypeError."""
+    for r in _part("torch", "torch_policies"):
+        assert r["converted"] == [True] * 6
+        ours = r["ours"]
+        assert ours["out_dtypes"] == ["torch.float32"]  # the root's output_dtype
+        for run in (r["torch_policies"], r["fsdp2"]):
+            assert run["losses"] == ours["losses"]
+            assert run["out_dtypes"] == ours["out_dtypes"]
+            for key, value in ours["params"].items():
+                np.testing.assert_array_equal(run["params"][key], value, err_msg=key)
+        assert r["wrong_kind"][0] == "TypeError"
+        assert "offload_policy must be a hp.OffloadPolicy, got MixedPrecisionPolicy(" \
+            in r["wrong_kind"][1]
+
+
+def test_a_framework_policy_field_we_lack_is_an_error_not_dropped():
+    """A framework policy the platform recognises is rebuilt field by field; a field
+    hyper_parallel's class lacks (a newer torch's, say) is a TypeError naming it."""
+    from hyper_parallel.fully_shard.policy import MixedPrecisionPolicy, as_policy
+
+    native = object()
+    fields = {"param_dtype": "bfloat16", "reduce_dtype": None, "output_dtype": None,
+              "cast_forward_inputs": False}
+    describe = lambda value: ("MixedPrecisionPolicy", dict(fields)) if value is native else None  # noqa: E731
+    assert as_policy(native, MixedPrecisionPolicy, "mp_policy", describe) == \
+        MixedPrecisionPolicy(**fields)
+    fields["prefetch_dtype"] = "float16"
+    with pytest.raises(TypeError, match=r"has fields \['prefetch_dtype'\] that "
+                                        r"hp.MixedPrecisionPolicy does not have"):
+        as_policy(native, MixedPrecisionPolicy, "mp_policy", describe)

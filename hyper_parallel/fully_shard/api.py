@@ -24,7 +24,9 @@ from hyper_parallel.fully_shard.mesh import (
 )
 from hyper_parallel.fully_shard.layout import LayoutStrategy
 from hyper_parallel.fully_shard.param_group import FSDPParamGroup
-from hyper_parallel.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.fully_shard.policy import (
+    CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_policy,
+)
 from hyper_parallel.fully_shard.fsdp_module import (
     FSDPModule, _make_post_forward_group, _resolve_reshard_after_forward,
 )
@@ -125,6 +127,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     which need no copy into or out of a fused buffer; the others share the unit's fused
     collectives. ``None``: always fuse (FSDP2's layout); ``"auto"``: the platform's default
     (torch on CPU: 1 MiB; CUDA and MindSpore: fuse).
+    ``mp_policy`` and ``offload_policy`` are ours, or on torch FSDP2's own (policy.py).
     """
     platform = get_platform()
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -134,11 +137,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         if STATE_ATTR in m.__dict__:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "
                              f"apply it once per module (use the FSDPModule setters to change settings)")
-    for name, value, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
-                              ("offload_policy", offload_policy, OffloadPolicy)):
-        if not isinstance(value, kind):
-            raise TypeError(f"fully_shard: {name} must be a hp.{kind.__name__}, got {value!r}; "
-                            f"leave it out for the default ({kind.__name__}())")
+    mp_policy = as_policy(mp_policy, MixedPrecisionPolicy, "mp_policy", platform.policy_from_native)
+    offload_policy = as_policy(offload_policy, OffloadPolicy, "offload_policy",
+                               platform.policy_from_native)
     device_mesh = as_device_mesh(mesh)
     replicate_dims, shard_dims = data_parallel_dims(device_mesh, dp_mesh_dims)
     if isinstance(offload_policy, CPUOffloadPolicy) and platform.device_type() != "cpu":

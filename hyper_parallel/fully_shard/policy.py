@@ -1,13 +1,15 @@
 """User-facing policies: mixed precision and offload.
 
 Dtypes may be given as framework dtypes or as names ("bfloat16"); the core resolves names
-through the platform so a policy can be written once for both frameworks.
+through the platform so a policy can be written once for both frameworks. The classes carry
+torch FSDP2's names and fields with the same meaning, so torch's own policy objects are
+accepted too (``as_policy``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -48,3 +50,27 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+_CLASSES = {cls.__name__: cls for cls in (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy)}
+
+
+def as_policy(value: Any, kind: type, argument: str, describe_native: Callable[[Any], Any]):
+    """``value`` as our ``kind``: ours as it is; a framework's own policy, which
+    ``describe_native`` (``Platform.policy_from_native``) gives as (class name, fields),
+    rebuilt as our class of that name. Each of torch 2.13's fields (param_dtype,
+    reduce_dtype, output_dtype, cast_forward_inputs; pin_memory) means the same here; a
+    field we lack is an error rather than dropped."""
+    if isinstance(value, kind):
+        return value
+    native = describe_native(value)
+    ours = _CLASSES.get(native[0]) if native is not None else None
+    if ours is None or not issubclass(ours, kind):
+        raise TypeError(f"fully_shard: {argument} must be a hp.{kind.__name__}, got {value!r}; "
+                        f"leave it out for the default ({kind.__name__}()). On torch, "
+                        f"torch.distributed.fsdp.{kind.__name__} is accepted too")
+    unknown = sorted(set(native[1]) - {f.name for f in fields(ours)})
+    if unknown:
+        raise TypeError(f"fully_shard: {argument} {value!r} has fields {unknown} that "
+                        f"hp.{ours.__name__} does not have; pass a hp.{ours.__name__}")
+    return ours(**native[1])

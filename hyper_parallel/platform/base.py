@@ -136,6 +136,15 @@ class Platform(Collectives):
         """A framework mesh object described; None if ``native_mesh`` is not one."""
         return None
 
+    def policy_from_native(self, policy: Any) -> tuple[str, dict] | None:
+        """A framework's own ``fully_shard`` policy object (torch's ``MixedPrecisionPolicy``,
+        ``OffloadPolicy``, ``CPUOffloadPolicy``) as ``(class name, {field: value})``, which
+        the core rebuilds as its class of that name (``policy.as_policy``); None if
+        ``policy`` is not one. Recognised by class, not by field names, so an object that
+        merely has a ``param_dtype`` is not taken for a policy. The default: the framework
+        has no policy objects of its own."""
+        return None
+
     def mesh_from_groups(self, device_type: str, groups: Sequence[Any], rank_grid: list,
                          dim_names: Sequence[str]) -> Any:
         """The framework's own mesh whose dim ``i`` is ``groups[i]`` and whose ranks are

@@ -8,6 +8,7 @@ DeviceMesh behind our DeviceMesh, so torch tools written for FSDP2 parameters
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -130,6 +131,16 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform)
         groups = [native_mesh.get_group(i) for i in range(native_mesh.ndim)]
         return MeshDescription(tuple(native_mesh.mesh.shape), tuple(names), groups,
                                native_mesh.device_type, native_mesh.mesh.tolist())
+
+    def policy_from_native(self, policy):
+        # _composable.fsdp holds FSDP2's policies in every torch since 2.4 (torch.distributed.fsdp
+        # only re-exports them from 2.6 on); imported on the first non-hp policy only
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+        if not isinstance(policy, (MixedPrecisionPolicy, OffloadPolicy)):
+            return None
+        return type(policy).__name__, {f.name: getattr(policy, f.name)
+                                       for f in dataclasses.fields(policy)}
 
     def new_group(self, ranks, distinct=False):
         if len(ranks) == self.world_size() and not distinct:

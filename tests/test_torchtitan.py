@@ -1,0 +1,82 @@
+"""torchtitan's own Llama 3 training (tests/torchtitan_scenarios.py) on 2 torch ranks, with
+hyper_parallel's ``fully_shard`` in place of FSDP2's: its ``parallelize_llama``, its selective,
+full or no activation checkpointing, bf16 mixed precision or float32, untied or tied
+embeddings, its chunked loss, clipping, AdamW and LR schedule, 4 steps from the same
+initial parameters on the same data. hyper_parallel's losses, gradient norms and final
+parameters equal FSDP2's bit for bit, and in float32 match a single-process reference.
+
+Needs torchtitan 0.3.0 (the ``titan`` extra: ``pip install -e ".[titan]"``); skipped without.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torchtitan", minversion="0.3.0",
+                    reason='torchtitan is not installed (pip install -e ".[titan]")')
+
+from tests.multirank import run_ranks  # noqa: E402
+from tests.torchtitan_scenarios import CONFIGS, LAYERS, config_name  # noqa: E402
+
+NAMES = [config_name(*config) for config in CONFIGS]
+FLOAT32 = [name for name in NAMES if "float32" in name]
+BFLOAT16 = [name for name in NAMES if "bfloat16" in name]
+# float32 against the reference: the ranks sum their halves of each gradient and loss
+# where the reference sums them at once, a rounding apart (the suite's ATOL)
+ATOL = 1e-5
+# AdamW moves each parameter by about the learning rate (8e-4) per step whatever its
+# gradient's scale, so a rounding apart in a near-zero gradient can move it visibly; a
+# wrong gradient moves it by a step's size (tests/kit.py's ADAMW_PARAM_ATOL)
+PARAM_ATOL = 1e-4
+# bfloat16 compute against the float32 reference: bfloat16 keeps 8 significant bits
+# (relative precision 2**-8, about 4e-3)
+BF16_RTOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return run_ranks("tests.torchtitan_scenarios:run", 2, "torch", timeout_s=400)[0]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", NAMES)
+def test_hyper_parallel_trains_torchtitan_exactly_as_fsdp2(results, name):
+    ours, theirs = results[name]["hp"], results[name]["fsdp2"]
+    assert ours["losses"] == theirs["losses"]
+    assert ours["grad_norms"] == theirs["grad_norms"]
+    assert ours["params"].keys() == theirs["params"].keys()
+    for key, value in theirs["params"].items():
+        np.testing.assert_array_equal(ours["params"][key], value, err_msg=key)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", NAMES)
+def test_chunked_loss_reduces_the_head_once_for_all_chunks(results, name):
+    """torchtitan's ChunkedLossWrapper takes hyper_parallel's units for FSDP units: the
+    head's gradient sync is off for all chunks but the last. So each step reduce-scatters
+    every unit (the blocks, the embedding and [norm, lm_head], or with tied embeddings
+    [tok_embeddings, norm, lm_head]) once, and the head's unit once more, for its norm
+    (and tied embedding) in the trunk's backward; never once per chunk."""
+    units = LAYERS + (1 if name.endswith("-tied") else 2)
+    assert results[name]["hp"]["reduce_scatters"] == [units + 1] * len(results[name]["hp"]["losses"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("impl", ["hp", "fsdp2"])
+@pytest.mark.parametrize("name", FLOAT32)
+def test_float32_training_matches_the_single_process_reference(results, name, impl):
+    run, reference = results[name][impl], results[name]["reference"]
+    np.testing.assert_allclose(run["losses"], reference["losses"], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(run["grad_norms"], reference["grad_norms"], atol=ATOL, rtol=0)
+    for key, value in reference["params"].items():
+        np.testing.assert_allclose(run["params"][key], value, atol=PARAM_ATOL, rtol=0,
+                                   err_msg=key)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", BFLOAT16)
+def test_bfloat16_training_stays_near_the_float32_reference(results, name):
+    run, reference = results[name]["hp"], results[name]["reference"]
+    np.testing.assert_allclose(run["losses"], reference["losses"], rtol=BF16_RTOL)
+    np.testing.assert_allclose(run["grad_norms"], reference["grad_norms"], rtol=BF16_RTOL)

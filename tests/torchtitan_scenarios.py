@@ -1,0 +1,271 @@
+"""Rank side of tests/test_torchtitan.py: torchtitan 0.3.0's own Llama 3 training, under
+torch's ``fully_shard`` and under hyper_parallel's in its place.
+
+torchtitan's ``Trainer`` cannot be built here: its module imports tensorboard, datasets and
+a tokenizer, and its setup assumes a GPU. So ``train`` drives the pieces the trainer drives,
+with its code: the Llama 3 model (a tiny config, ``_model_config``), ``parallelize_llama``
+(activation checkpointing, then ``fully_shard`` on the blocks, on ``[norm, lm_head]`` and on
+the model, through ``apply_fsdp_to_decoder``), ``init_weights``, the chunked loss
+(``ChunkedLossWrapper``), its gradient clipping, optimizer and LR scheduler containers, and
+``Trainer.train_step``'s loop body (``_step``). What is not torchtitan's own:
+
+- ``import_torchtitan``: the expert-parallel Triton kernels torchtitan imports on every
+  model import are stubbed (there is no triton on a CPU-only torch, and a dense Llama never
+  calls them), and its meshes are built on "cpu" (its device type is "cuda" without a GPU);
+- attention is its ``ScaledDotProductAttention`` (its FlexAttention compiles, too slow on
+  CPU), swapped in as torchtitan's graph_trainer tests do;
+- ``spmd_backend="partial_dtensor"``: FSDP2 takes torchtitan's parameters only in that mode
+  (in the others, "spmd_types" by default, torchtitan passes ``dp_mesh_dims`` with plain
+  parameters, which FSDP2 refuses);
+- FSDP2's units reduce with SUM (``set_force_sum_reduction_for_comms``): torchtitan sets
+  the gradient divide factor to 1.0, which FSDP2 turns into a PREMUL_SUM that gloo lacks
+  (hyper_parallel's collectives always sum, and scale apart).
+
+hyper_parallel stands in through ``in_place_of_fsdp2``: the names torchtitan looks up.
+Its ``MixedPrecisionPolicy`` is torch's own object, which ``hp.fully_shard`` accepts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+import types
+from unittest import mock
+
+import numpy as np
+
+import hyper_parallel as hp
+
+STEPS = 4
+LOCAL_BATCH, SEQ = 2, 32
+DIM, HEADS, LAYERS, VOCAB = 64, 4, 2, 256
+CHUNKS = 8          # ChunkedLossWrapper's default
+LR = 8e-4           # the debugmodel's AdamW
+MAX_NORM = 1.0      # TrainingConfig's default
+# (activation checkpointing, mixed_precision_param, tied embeddings); the first is
+# torchtitan's debugmodel setting (selective AC, bf16 parameters with fp32 reduction)
+CONFIGS = [("selective", "bfloat16", False), ("full", "bfloat16", False),
+           ("none", "bfloat16", False), ("selective", "float32", False),
+           ("full", "float32", False), ("none", "float32", False),
+           ("selective", "bfloat16", True)]
+
+
+def config_name(ac: str, mp: str, tied: bool) -> str:
+    return f"{ac}-{mp}" + ("-tied" if tied else "")
+
+
+def import_torchtitan():
+    """torchtitan's modules the run uses, importable on a CPU-only torch (module docstring)."""
+    kernels = types.ModuleType("torchtitan.distributed.minimal_async_ep.kernels")
+
+    def missing(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def unavailable(*args, **kwargs):
+            raise RuntimeError(f"{name} is a Triton kernel of expert parallelism, stubbed "
+                               f"by tests/torchtitan_scenarios.py")
+        return unavailable
+
+    kernels.__getattr__ = missing
+    if importlib.util.find_spec("triton") is None:
+        sys.modules.setdefault(kernels.__name__, kernels)
+    import torchtitan.distributed.parallel_dims as parallel_dims
+
+    parallel_dims.device_type = "cpu"
+
+
+@contextlib.contextmanager
+def in_place_of_fsdp2():
+    """hyper_parallel's ``fully_shard`` and ``FSDPModule`` where torchtitan looks up FSDP2's:
+    the names ``torchtitan.distributed.fsdp`` imported, and the ``FSDPModule``
+    ``ChunkedLossWrapper`` imports from torch at each call (its isinstance check chooses the
+    path that keeps ``lm_head`` gathered across the chunks)."""
+    import torch.distributed._composable.fsdp as torch_fsdp
+    import torchtitan.distributed.fsdp as titan_fsdp
+
+    with mock.patch.multiple(titan_fsdp, fully_shard=hp.fully_shard, FSDPModule=hp.FSDPModule), \
+            mock.patch.object(torch_fsdp, "FSDPModule", hp.FSDPModule):
+        yield
+
+
+def _model_config(tied: bool):
+    """The debugmodel flavour's build (torchtitan.models.llama3._debugmodel), smaller, with
+    SDPA attention; ``tied``: embedding and output share their weight, as from the 1B on."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import (
+        _EMBEDDING_INIT, _NORM_INIT, Llama3Model, _build_llama3_layers, _output_linear_init,
+    )
+
+    config = Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB, enable_weight_tying=tied,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                        param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
+                              param_init=_output_linear_init(DIM)),
+        layers=_build_llama3_layers(
+            fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS,
+            hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=32),
+            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=500000,
+                                    scaling="llama"),
+            attn_backend="flex"))
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
+def _whole(tied: bool):
+    """The single-process model: torchtitan's init on the whole model, float32, no AC, no
+    fully_shard. Its initial parameters are every run's."""
+    import torch
+
+    torch.manual_seed(0)
+    model = _model_config(tied).build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+def _canonical(name: str) -> str:
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
+def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: dict):
+    """torchtitan's model, built on meta, parallelized by parallelize_llama with ``impl``'s
+    fully_shard, materialised and initialised as its trainer does, then given ``initial``."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import distribute_tensor
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from torchtitan.models.llama3 import parallelize_llama
+
+    with torch.device("meta"):
+        model = _model_config(tied).build()
+    ac_config = {"selective": SelectiveAC.Config(), "full": FullAC.Config(), "none": None}[ac]
+    with in_place_of_fsdp2() if impl == "hp" else contextlib.nullcontext():
+        parallelize_llama(model, parallel_dims=parallel_dims,
+                          training=TrainingConfig(mixed_precision_param=mp),
+                          parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+                          compile_config=CompileConfig(), ac_config=ac_config, dump_folder="")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for name, param in model.named_parameters():
+            param.copy_(distribute_tensor(initial[_canonical(name)], param.device_mesh,
+                                          param.placements))
+    if impl == "fsdp2":  # gloo has no PREMUL_SUM (module docstring)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _batches(world: int) -> list:
+    """(tokens, labels) of the global batch per step; a few labels of the first rows are
+    ignored, so the ranks hold different numbers of valid tokens."""
+    import torch
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(VOCAB, (LOCAL_BATCH * world, SEQ + 1), generator=generator)
+        labels = tokens[:, 1:].clone()
+        labels[0, :5] = IGNORE_INDEX
+        out.append((tokens[:, :-1].contiguous(), labels))
+    return out
+
+
+def _step(model, loss_fn, optimizers, schedulers, inputs, labels, batch_mesh, loss_mesh):
+    """torchtitan's ``Trainer.train_step`` for one micro-batch without pipelining (its
+    ``forward_backward_step`` and ``_forward_backward_body`` inlined): the loss is this rank's
+    sum over the global number of valid tokens, clipped, stepped; returns the global loss
+    and the gradient norm."""
+    from torchtitan.components.loss import IGNORE_INDEX
+    from torchtitan.distributed import utils as dist_utils
+
+    optimizers.zero_grad(set_to_none=False)  # disable_cuda_graphs is False by default
+    local_valid_tokens = (labels != IGNORE_INDEX).sum()
+    global_valid_tokens = (dist_utils.dist_sum_tensor(local_valid_tokens, batch_mesh)
+                           if batch_mesh is not None else local_valid_tokens)
+    pred = model(inputs)
+    loss, _ = loss_fn(pred, labels, global_valid_tokens)
+    del pred
+    loss.backward()
+    grad_norm = dist_utils.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True,
+                                           pp_mesh=None, ep_enabled=False)
+    optimizers.step()
+    schedulers.step()
+    global_loss = (dist_utils.dist_sum(loss.detach(), loss_mesh) if loss_mesh is not None
+                   else float(loss.detach()))
+    return global_loss, float(grad_norm)
+
+
+def train(model, batches, rows: slice, parallel_dims=None, stand_in: bool = False) -> dict:
+    """STEPS steps of torchtitan's training on ``rows`` of each global batch: the
+    debugmodel's chunked loss, AdamW and LR schedule (the warmup shortened to fit STEPS);
+    ``stand_in``: hyper_parallel's names in FSDP2's (``in_place_of_fsdp2``) during each
+    step. Returns the global losses, gradient norms, hyper_parallel's reduce-scatters per
+    step and the final full parameters."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    loss_fn = ChunkedLossWrapper.Config(
+        num_chunks=CHUNKS, loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB)).build()
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    optimizers = default_adamw(lr=LR).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(
+        warmup_steps=1, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0,
+    ).build(optimizers=optimizers, training_steps=STEPS)
+    meshes = ((parallel_dims.get_mesh("batch"), parallel_dims.get_optional_mesh("loss"))
+              if parallel_dims is not None else (None, None))
+    out = {"losses": [], "grad_norms": [], "reduce_scatters": []}
+    for inputs, labels in batches:
+        with in_place_of_fsdp2() if stand_in else contextlib.nullcontext(), \
+                hp.track_comms() as comms:
+            loss, norm = _step(model, loss_fn, optimizers, schedulers, inputs[rows],
+                               labels[rows], *meshes)
+        out["losses"].append(loss)
+        out["grad_norms"].append(norm)
+        out["reduce_scatters"].append(comms.calls("reduce_scatter"))
+    out["params"] = {_canonical(name): _full(param) for name, param in model.named_parameters()}
+    return out
+
+
+def _full(param) -> np.ndarray:
+    import torch
+
+    value = param.full_tensor() if hasattr(param, "full_tensor") else param
+    return value.detach().to(torch.float32).numpy()
+
+
+def run() -> dict:
+    """Each of CONFIGS trained under FSDP2 and under hyper_parallel on this rank's rows,
+    beside the float32 whole model trained on every row."""
+    import_torchtitan()
+    from torchtitan.distributed import ParallelDims, utils as dist_utils
+
+    dist_utils.set_spmd_backend("partial_dtensor")
+    platform = hp.get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1,
+                                 world_size=world, spmd_backend="partial_dtensor")
+    batches = _batches(world)
+    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    out, references = {}, {}
+    for ac, mp, tied in CONFIGS:
+        initial = {name: p.detach() for name, p in _whole(tied).named_parameters()}
+        result = {}
+        for impl in ("fsdp2", "hp"):
+            model = _sharded(impl, ac, mp, tied, parallel_dims, initial)
+            result[impl] = train(model, batches, rows, parallel_dims, impl == "hp")
+        if tied not in references:
+            references[tied] = train(_whole(tied), batches, slice(None))
+        result["reference"] = references[tied]
+        out[config_name(ac, mp, tied)] = result
+    return out
