@@ -575,6 +575,9 @@ def test_tensor_parallel_parameter_outside_every_unit_is_refused(backend):
         assert r["outside_unit"] is not None and "embed.weight is a tensor-parallel parameter " \
             "outside every fully_shard unit" in r["outside_unit"], f"rank {rank}"
         assert not r["wrote_c"], f"rank {rank}: the refused save wrote something"
+        # the full state dict too: this rank's part alone is no full value
+        assert r["full_outside_unit"] is not None and "embed.weight is a tensor-parallel " \
+            "parameter outside every fully_shard unit" in r["full_outside_unit"], f"rank {rank}"
 
 
 def _tiled_once(path: str) -> dict:

@@ -187,4 +187,9 @@ def run_all(directory: str) -> dict:
     except hp.CheckpointError as error:
         out["outside_unit"] = str(error)
     out["wrote_c"] = any(f.startswith("C") for f in os.listdir(directory))
+    try:
+        hp.gather_full_state_dict(bare)
+        out["full_outside_unit"] = None
+    except NotImplementedError as error:
+        out["full_outside_unit"] = str(error)
     return out

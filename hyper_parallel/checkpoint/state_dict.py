@@ -122,6 +122,11 @@ def state_entries(model: Any, optimizer: Any = None, tensor_parallel_parts: bool
             else:
                 layout = None
                 tensor_parallel = platform.param_local_values(param) is not param
+                if tensor_parallel:  # its whole value would take a gather no unit plans
+                    raise NotImplementedError(
+                        f"{key} is a tensor-parallel parameter outside every fully_shard unit; "
+                        f"apply fully_shard to the model's root (it takes every parameter no "
+                        f"other unit does)")
             if tensor_parallel and not tensor_parallel_parts:
                 raise NotImplementedError(
                     f"{key} is a tensor-parallel parameter: hyper_parallel's state dicts cover "
