@@ -52,6 +52,17 @@ class MeshDescription:
     rank_grid: list         # the global ranks, nested one list level per dim
 
 
+@dataclass(frozen=True)
+class PlacementDescription:
+    """A framework's own shard placement result as the core needs it
+    (``shard_placement_from_native``): the dims are names or positions in ``mesh``."""
+
+    placement: Any          # an object with ``.dim``, or None (dim 0)
+    mesh: Any               # the framework's own mesh
+    shard_dims: tuple       # the dims that shard (joined into one group if several)
+    replicate_dims: tuple   # the dims that replicate, () for none
+
+
 class Platform(Collectives):
     """One framework on one kind of device. Obtain it with ``get_platform()``."""
 
@@ -134,6 +145,11 @@ class Platform(Collectives):
 
     def mesh_from_native(self, native_mesh: Any) -> MeshDescription | None:
         """A framework mesh object described; None if ``native_mesh`` is not one."""
+        return None
+
+    def shard_placement_from_native(self, result: Any) -> PlacementDescription | None:
+        """A framework's own ``shard_placement_fn`` result (torch FSDP2's
+        ``ShardPlacementResult``) described; None if ``result`` is not one."""
         return None
 
     def mesh_from_groups(self, device_type: str, groups: Sequence[Any], rank_grid: list,
