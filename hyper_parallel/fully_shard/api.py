@@ -2,7 +2,7 @@
 
 [Note: validate everything, then change anything]
 ``fully_shard`` first computes and checks the whole plan (mesh, managed parameters, shard
-dims, ignored parameters, parameters already managed elsewhere) and only then replaces
+dims and meshes, ignored parameters, parameters already managed elsewhere) and only then replaces
 parameters, swaps the class and installs hooks, so a bad call leaves the module untouched.
 
 [Note: which parameters a unit manages]
@@ -129,7 +129,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     int k, the size of the group to reshard to (1 is False, the shard size is True; between,
     each rank keeps its part of the full parameters over a group of k ranks and the
     re-gather before backward goes over that group only, post_forward.py). ``ignored_params`` may hold parameters of other modules
-    (left alone).
+    (left alone). ``shard_placement_fn(param)`` gives a parameter's shard dim, or a
+    ``ShardPlacementResult`` with a mesh of its own too (placement.py): the unit then
+    keeps one parameter group per mesh.
     A parameter of fewer than ``shard_threshold_bytes`` bytes is not sharded: every rank
     keeps it whole and its gradient is all-reduced over the data-parallel group (default
     0: shard everything, as FSDP2).
