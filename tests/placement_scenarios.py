@@ -14,6 +14,7 @@ reference on the whole batch (same initial values); on torch also FSDP2 with tor
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -241,10 +242,29 @@ def run_bad_placements() -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _collectives(sync: str):
+    """``HP_SYNC_COLLECTIVES`` set while a model's root initializes (and trains)."""
+    saved = os.environ.get("HP_SYNC_COLLECTIVES")
+    os.environ["HP_SYNC_COLLECTIVES"] = sync
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["HP_SYNC_COLLECTIVES"]
+        else:
+            os.environ["HP_SYNC_COLLECTIVES"] = saved
+
+
 def run_all(directory: str) -> dict:
-    out = {"clipped": run_clipped_and_checkpointed(directory),
-           "accumulated": run_accumulated_resharded_to_pairs(),
-           "bad": run_bad_placements()}
+    """Both reduction paths on both frameworks: the clipped run reduces synchronously (on
+    MindSpore each unit's backward returns the reduced shards), the accumulated one
+    through the overlapped pipeline (on MindSpore into placeholders filled later)."""
+    with _collectives("1"):
+        clipped = run_clipped_and_checkpointed(directory)
+    with _collectives("0"):
+        accumulated = run_accumulated_resharded_to_pairs()
+    out = {"clipped": clipped, "accumulated": accumulated, "bad": run_bad_placements()}
     if get_kit().name == "torch":
         out["fsdp2"] = run_torch_result_against_fsdp2()
     return out

@@ -8,7 +8,9 @@ the mean of the ranks' losses equals a single-process reference's loss on the gl
 batch, and the gathered parameters equal the reference's; with clipping, the norms equal
 the reference's whole-model norms; on torch the losses and parameters equal FSDP2's with
 the same (torch) ``ShardPlacementResult``. Collective counts follow from the parameter
-groups the run reports.
+groups the run reports. The clipped run reduces synchronously and the accumulated one
+through the overlapped pipeline (``HP_SYNC_COLLECTIVES``), so both paths run on both
+frameworks.
 """
 
 from __future__ import annotations
