@@ -2,8 +2,9 @@
 
 [Note: validate everything, then change anything]
 ``fully_shard`` first computes and checks the whole plan (mesh, managed parameters, shard
-dims and meshes, ignored parameters, parameters already managed elsewhere) and only then replaces
-parameters, swaps the class and installs hooks, so a bad call leaves the module untouched.
+dims and meshes, ignored parameters, parameters already managed elsewhere) and only then
+replaces parameters, swaps the class and installs hooks, so a bad call leaves the module
+untouched.
 
 [Note: which parameters a unit manages]
 The parameters registered on the given modules and their submodules, minus those of

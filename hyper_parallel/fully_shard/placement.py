@@ -80,8 +80,7 @@ def placement_mesh(platform: Platform, result: ShardPlacementResult, fqn: str) -
     this rank among them."""
     mesh = as_device_mesh(result.mesh)
     world, rank = platform.world_size(), platform.rank()
-    outside = sorted(r for r in set(mesh.ranks) if not 0 <= r < world)
-    if outside or len(set(mesh.ranks)) != len(mesh.ranks):
+    if any(not 0 <= r < world for r in mesh.ranks) or len(set(mesh.ranks)) != len(mesh.ranks):
         raise ValueError(f"shard_placement_fn placed {fqn!r} on a mesh of ranks "
                          f"{list(mesh.ranks)}, which is not a mesh of this job's {world} ranks "
                          f"(each rank once, from 0 to {world - 1})")
