@@ -175,14 +175,18 @@ def run_accumulated_resharded_to_pairs() -> dict:
             "comms_per_step": windows[-1]}
 
 
-def run_torch_result_against_fsdp2() -> dict:
-    """torch: FSDP2's own ShardPlacementResult (an HSDPMeshInfo over a torch mesh) given
-    to hyper_parallel and to FSDP2; AdamW, no clipping (torch's clip_grad_norm_ cannot
-    stack norms of DTensors on different meshes); both against the reference."""
+def run_torch_result_against_fsdp2(directory: str) -> dict:
+    """torch: FSDP2's own ShardPlacementResult given to hyper_parallel and to FSDP2; AdamW,
+    no clipping (torch's clip_grad_norm_ cannot stack norms of DTensors on different
+    meshes). An HSDPMeshInfo over the 2 x 2 torch mesh: both against the reference. An
+    FSDPMeshInfo over the pair sub-mesh (``mesh["shard"]``, as an expert-parallel layout
+    writes it): the experts' gradients are reduced over the pair only, so the two pairs'
+    experts part ways and no single process computes this; against FSDP2 only, and a
+    checkpoint of it is refused (its mesh leaves ranks out)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        HSDPMeshInfo, ShardPlacementResult)
+        FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult)
     from torch.distributed.tensor import Shard
 
     kit = get_kit()
@@ -204,6 +208,13 @@ def run_torch_result_against_fsdp2() -> dict:
     out["local_shapes_match"] = all(
         tuple(a.to_local().shape) == tuple(b.to_local().shape)
         for a, b in zip(ours.parameters(), theirs.parameters()))
+    pair = ShardPlacementResult(Shard(0), FSDPMeshInfo(torch_mesh["shard"], shard_mesh_dim=0))
+    ours, theirs = _wrap(_build(kit), pair), _wrap(_build(kit), pair, fully_shard)
+    for name, model in (("pair_ours", ours), ("pair_theirs", theirs)):
+        out[name], _, _ = _train_clipped(kit, model, lambda p, g, *_: (None, 0.0), _rows())
+    out["pair_fsdp2_diff"] = _diff(hp.gather_full_state_dict(ours), _full_torch(kit, theirs))
+    out["pair_checkpoint"] = _attempt(kit, hp.get_platform(), ours, lambda: hp.save_checkpoint(
+        os.path.join(directory, "pair"), ours))[:2]
     return out
 
 
@@ -266,6 +277,6 @@ def run_all(directory: str) -> dict:
         accumulated = run_accumulated_resharded_to_pairs()
     out = {"clipped": clipped, "accumulated": accumulated, "bad": run_bad_placements()}
     if get_kit().name == "torch":
-        out["fsdp2"] = run_torch_result_against_fsdp2()
+        out["fsdp2"] = run_torch_result_against_fsdp2(directory)
     return out
 

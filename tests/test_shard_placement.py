@@ -138,6 +138,19 @@ def test_torchs_shard_placement_result_trains_like_fsdp2():
 
 
 @pytest.mark.timeout(600)
+def test_experts_over_a_sub_mesh_train_like_fsdp2():
+    """torch: the experts on a pair sub-mesh alone (FSDP2's FSDPMeshInfo(mesh["shard"],
+    shard_mesh_dim=0), as an expert-parallel layout writes it; gradients reduced over the
+    pair only, so no single process computes this): like FSDP2 (the same tolerance and
+    reason as above). A checkpoint of it is refused, naming the mesh's size."""
+    for r in _part("torch", "fsdp2"):
+        np.testing.assert_allclose(r["pair_ours"], r["pair_theirs"], atol=ATOL, rtol=0)
+        assert r["pair_fsdp2_diff"] <= ATOL
+        error_type, message = r["pair_checkpoint"]
+        assert error_type == "CheckpointError" and "spans 2 of 4 ranks" in message
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("case, error_type, message", [
     ("not_this_rank", "ValueError", "which does not hold this rank"),
     ("outside_the_job", "ValueError", "which is not a mesh of this job's 4 ranks"),
