@@ -154,7 +154,8 @@ def run_reshard_to_pairs() -> dict:
     }
     result["kept_bytes"] = sum(math.prod(platform.shape(shard)) *
                                platform.element_size(platform.dtype_of(shard))
-                               for pf in kept[-1] for shard in pf.shards)
+                               for per_group in kept[-1] for pf in per_group
+                               for shard in pf.shards)
     if on_torch:
         result["fsdp2_losses"] = losses[2]
         result["fsdp2_param_diff"] = max(float(np.abs(full[k] - v.full_tensor().detach().numpy()).max())
