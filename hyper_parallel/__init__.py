@@ -13,8 +13,8 @@ from hyper_parallel.comm_stats import CommStats, comm_stats, track_comms
 from hyper_parallel.distributed import destroy_distributed, init_distributed
 from hyper_parallel.fully_shard import (
     CPUOffloadPolicy, DataParallelMeshDims, DeviceMesh, FSDPModule, MixedPrecisionPolicy,
-    OffloadPolicy, UnshardHandle, fully_shard, init_device_mesh, register_fsdp_forward_method,
-    share_comm_ctx,
+    OffloadPolicy, ShardPlacementResult, UnshardHandle, fully_shard, init_device_mesh,
+    register_fsdp_forward_method, share_comm_ctx,
 )
 from hyper_parallel.platform import get_platform
 
@@ -22,8 +22,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadPolicy", "CheckpointError", "CommStats", "DataParallelMeshDims", "DeviceMesh",
-    "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "ShardedValue", "clip_grad_norm_",
-    "comm_stats", "destroy_distributed", "export_full", "fully_shard", "gather_full_state_dict",
+    "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "ShardPlacementResult", "ShardedValue",
+    "clip_grad_norm_", "comm_stats", "destroy_distributed", "export_full", "fully_shard",
+    "gather_full_state_dict",
     "get_full_state_dict", "get_platform", "get_state_dict", "init_device_mesh",
     "init_distributed", "load_checkpoint", "register_fsdp_forward_method", "save_checkpoint",
     "set_state_dict", "share_comm_ctx", "torch_nn_names", "track_comms", "UnshardHandle",

@@ -195,9 +195,9 @@ def _ms_units(model):
     states = []
     for _, cell in hp.get_platform().named_modules(model):
         state = cell.__dict__.get(STATE_ATTR)
-        if state is not None and state.group is not None and all(state is not s for s in states):
+        if state is not None and state.groups and all(state is not s for s in states):
             states.append(state)
-    return [fp for state in states for fp in state.group.params]
+    return [fp for state in states for fp in state.params]
 
 
 def run_ms_flow(mine: slice) -> dict:

@@ -415,7 +415,7 @@ def run_post_optim_event(kit) -> dict:
 def run_separate_reduce_scatter_group(kit) -> dict:
     model, ref = _pair(kit)
     model.set_separate_reduce_scatter_group()
-    infos = [u._hp_state.group.mesh_info for u in _units(model)]
+    infos = [g.mesh_info for u in _units(model) for g in u._hp_state.groups]
     separate = all(i.reduce_scatter_group is not i.shard_group for i in infos)
     start = hp.comm_stats().calls("reduce_scatter")
     out = _train(kit, model, ref, seed=55)

@@ -110,8 +110,8 @@ def run_config(config: dict) -> dict:
         "all_gather_bytes": training_gather_bytes,
         "param_dtypes": sorted({str(platform.dtype_of(p)).split(".")[-1].lower() for p in kit.params(model)}),
         "replicated_params": sorted(fp.fqn for _, sub in platform.named_modules(model)
-                                    if "_hp_state" in sub.__dict__ and sub.__dict__["_hp_state"].group
-                                    for fp in sub.__dict__["_hp_state"].group.params if not fp.is_sharded),
+                                    if "_hp_state" in sub.__dict__
+                                    for fp in sub.__dict__["_hp_state"].params if not fp.is_sharded),
     }
 
 

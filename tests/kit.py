@@ -113,7 +113,47 @@ class TorchKit:
                     x = checkpoint(block, x, use_reentrant=False) if self.recompute else block(x)
                 return self.norm(x)
 
-        self.Block, self.Stack, self.LM = Block, Stack, LM
+        class MoEBlock(nn.Module):
+            """A dense (attention-shaped) layer, a router, and ``experts`` feed-forward
+            experts whose weights are one tensor each, ``(experts, ...)``, mixed by the
+            router's softmax. ``expert_bias``: the experts' output bias is used (else no
+            backward reaches it)."""
+
+            def __init__(self, dim, hidden, experts, expert_bias=True):
+                super().__init__()
+                self.attn, self.router = nn.Linear(dim, dim), nn.Linear(dim, experts, bias=False)
+                self.w_in = nn.Parameter(torch.empty(experts, dim, hidden))
+                self.w_out = nn.Parameter(torch.empty(experts, hidden, dim))
+                self.b_out = nn.Parameter(torch.empty(experts, dim))
+                self.expert_bias = expert_bias
+
+            def experts(self):
+                return [self.w_in, self.w_out, self.b_out]
+
+            def forward(self, x):
+                h = x + torch.tanh(self.attn(x))
+                gates = torch.softmax(self.router(h), -1).T.unsqueeze(-1)  # (experts, batch, 1)
+                out = torch.relu(h.unsqueeze(0) @ self.w_in) @ self.w_out
+                if self.expert_bias:
+                    out = out + self.b_out.unsqueeze(1)
+                return h + (gates * out).sum(0)
+
+        class MoE(nn.Module):
+            """An input projection, MoE blocks (the last without its expert bias), a head."""
+
+            def __init__(self, d_in, dim, hidden, experts, n_blocks, d_out):
+                super().__init__()
+                self.proj, self.head = nn.Linear(d_in, dim), nn.Linear(dim, d_out)
+                self.blocks = nn.ModuleList([MoEBlock(dim, hidden, experts, i < n_blocks - 1)
+                                             for i in range(n_blocks)])
+
+            def forward(self, x):
+                x = self.proj(x)
+                for block in self.blocks:
+                    x = block(x)
+                return self.head(x)
+
+        self.Block, self.Stack, self.LM, self.MoE = Block, Stack, LM, MoE
 
     def linear(self, d_in, d_out):
         return self.nn.Linear(d_in, d_out)
@@ -262,7 +302,45 @@ class MindSporeKit:
                     x = ms.recompute(block, x) if self.recompute else block(x)
                 return self.norm(x)
 
-        self.Block, self.Stack, self.LM = Block, Stack, LM
+        class MoEBlock(nn.Cell):
+            """See the torch kit's MoEBlock."""
+
+            def __init__(self, dim, hidden, experts, expert_bias=True):
+                super().__init__()
+                self.attn = nn.Dense(dim, dim)
+                self.router = nn.Dense(dim, experts, has_bias=False)
+                self.w_in = ms.Parameter(ms.Tensor(np.zeros((experts, dim, hidden), np.float32)))
+                self.w_out = ms.Parameter(ms.Tensor(np.zeros((experts, hidden, dim), np.float32)))
+                self.b_out = ms.Parameter(ms.Tensor(np.zeros((experts, dim), np.float32)))
+                self.expert_bias = expert_bias
+
+            def experts(self):
+                return [self.w_in, self.w_out, self.b_out]
+
+            def construct(self, x):
+                h = x + ops.tanh(self.attn(x))
+                gates = ops.softmax(self.router(h), -1).swapaxes(0, 1).expand_dims(-1)
+                out = ops.matmul(ops.relu(ops.matmul(h.expand_dims(0), self.w_in)), self.w_out)
+                if self.expert_bias:
+                    out = out + self.b_out.expand_dims(1)
+                return h + (gates * out).sum(0)
+
+        class MoE(nn.Cell):
+            """See the torch kit's MoE."""
+
+            def __init__(self, d_in, dim, hidden, experts, n_blocks, d_out):
+                super().__init__()
+                self.proj, self.head = nn.Dense(d_in, dim), nn.Dense(dim, d_out)
+                self.blocks = nn.CellList([MoEBlock(dim, hidden, experts, i < n_blocks - 1)
+                                           for i in range(n_blocks)])
+
+            def construct(self, x):
+                x = self.proj(x)
+                for block in self.blocks:
+                    x = block(x)
+                return self.head(x)
+
+        self.Block, self.Stack, self.LM, self.MoE = Block, Stack, LM, MoE
 
     def linear(self, d_in, d_out):
         return self.nn.Dense(d_in, d_out)

@@ -83,7 +83,8 @@ def run_scenario(name: str) -> dict:
         ref_losses.append(kit.train_step(ref, ref_opt, x, y))
     full = hp.gather_full_state_dict(model)
     ref_full = {k: kit.to_numpy(v) for k, v in _named(kit, ref).items()}
-    info = model.__dict__[STATE_ATTR].group.mesh_info
+    (group,) = model.__dict__[STATE_ATTR].groups
+    info = group.mesh_info
     return {
         "losses": losses, "ref_losses": ref_losses,
         "param_diff": max(float(np.abs(full[k] - ref_full[k]).max()) for k in ref_full),
@@ -143,17 +144,18 @@ def run_reshard_to_pairs() -> dict:
     full = hp.gather_full_state_dict(model)
     ref_full = {k: kit.to_numpy(v) for k, v in _named(kit, ref).items()}
     states = [block.__dict__[STATE_ATTR] for block in model.blocks]
-    info = states[0].group.mesh_info
+    info = states[0].groups[0].mesh_info
     result = {
         "losses": losses[0], "ref_losses": losses[1],
         "param_diff": max(float(np.abs(full[k] - ref_full[k]).max()) for k in ref_full),
         "gathered": gathered, "units": len(states) + 1,
-        "block_gathered_bytes": sum(state.group.gathered_bytes for state in states),
+        "block_gathered_bytes": sum(g.gathered_bytes for state in states for g in state.groups),
         "post_forward_ranks": _group_ranks(platform, info.post_forward_group(2), 2),
     }
     result["kept_bytes"] = sum(math.prod(platform.shape(shard)) *
                                platform.element_size(platform.dtype_of(shard))
-                               for pf in kept[-1] for shard in pf.shards)
+                               for per_group in kept[-1] for pf in per_group
+                               for shard in pf.shards)
     if on_torch:
         result["fsdp2_losses"] = losses[2]
         result["fsdp2_param_diff"] = max(float(np.abs(full[k] - v.full_tensor().detach().numpy()).max())

@@ -379,7 +379,7 @@ def run_reshard_after_forward(kit) -> dict:
     for value in (0, 3, "yes"):
         setter[f"bad {value!r}"] = _attempt(lambda: model.set_reshard_after_forward(value))[:2] + (
             [_state(m).reshard_after_forward for m in (model.blocks[0], model)],)
-    group = _state(model.blocks[0]).group
+    (group,) = _state(model.blocks[0]).groups
     real_info = group.mesh_info
     group.mesh_info = MeshInfo(four)  # as if block 0 were sharded over 4 ranks
     try:

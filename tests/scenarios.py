@@ -125,7 +125,7 @@ def run_scenario(name: str, seed: int = 0) -> dict:
         "refill_copies": refill_copies[0],  # last step: rank pieces copied into fulls
         "backed_shards": _backed_shards(platform, model),
         "placeholders": placeholders[0],  # last step: gradients filled in after backward
-        "managed_params": sum(len(s.group.params) for s in _states(platform, model)),
+        "managed_params": sum(len(s.params) for s in _states(platform, model)),
         "reduces_in_backward": platform.capabilities.returns_grads_from_backward
                                and not platform.capabilities.collectives_overlap_compute,
     }
@@ -135,14 +135,14 @@ def _backed_shards(platform, model) -> list:
     """For every shard kept at the start of its padded piece: does the parameter still
     live there after the optimizer's steps (so the all-gather reads it without a copy)?"""
     return [platform.starts_with(fp.padded_shard, platform.local_tensor(fp.sharded_param))
-            for state in _states(platform, model) for fp in state.group.params
+            for state in _states(platform, model) for fp in state.params
             if fp.padded_shard is not None]
 
 
 def _states(platform, model) -> list:
     """The fully_shard states with parameters under ``model``, each once."""
     states = {id(s): s for _, m in platform.named_modules(model)
-              if (s := m.__dict__.get(STATE_ATTR)) is not None and s.group is not None}
+              if (s := m.__dict__.get(STATE_ATTR)) is not None and s.groups}
     return list(states.values())
 
 

@@ -203,12 +203,23 @@ def test_reshard_after_forward_int_maps_to_bool(backend):
 
 def test_reshard_after_forward_resolution_over_a_larger_shard_group():
     """The rule itself, for a shard group of 4 (in-process, no ranks)."""
-    assert [_resolve_reshard_after_forward(v, 4) for v in (None, True, False, 4)] == \
+    assert [_resolve_reshard_after_forward(v, [4]) for v in (None, True, False, 4)] == \
         [None, True, False, True]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert _resolve_reshard_after_forward(1, 4) is False
-    assert _resolve_reshard_after_forward(2, 4) == 2  # a post-forward group of 2 ranks
+        assert _resolve_reshard_after_forward(1, [4]) is False
+    assert _resolve_reshard_after_forward(2, [4]) == 2  # a post-forward group of 2 ranks
     for bad in (0, 3, 8, -4):
         with pytest.raises(ValueError, match="factor of the shard group size 4"):
-            _resolve_reshard_after_forward(bad, 4)
+            _resolve_reshard_after_forward(bad, [4])
+
+
+def test_reshard_after_forward_resolution_over_several_meshes():
+    """A unit of parameter groups on meshes of 4 and 2 shard ranks (shard_placement_fn):
+    the int must divide both; equal to both it is True; a unit without parameters takes
+    any int."""
+    assert _resolve_reshard_after_forward(2, [4, 2]) == 2  # pairs; the 2-rank group: True
+    assert _resolve_reshard_after_forward(2, [2, 2]) is True
+    assert _resolve_reshard_after_forward(3, []) is True
+    with pytest.raises(ValueError, match=r"each of the unit's meshes \(2 and 4\), got 4"):
+        _resolve_reshard_after_forward(4, [4, 2])

@@ -39,6 +39,7 @@ import numpy as np
 from hyper_parallel.checkpoint.index import DTYPES, CheckpointError
 from hyper_parallel.checkpoint.names import resolve
 from hyper_parallel.checkpoint.state_dict import slot_owners
+from hyper_parallel.fully_shard.state import STATE_ATTR
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.param import FSDPParam
@@ -79,6 +80,7 @@ def held_params(platform: Platform, model: Any, key_map: Any = None,
     """One ``Held`` per distinct parameter of ``model`` (and, with ``buffers``, per buffer),
     by its first qualified name, stored under what ``key_map`` makes of it (names.py); the
     values it maps to None are left out."""
+    _check_unit_meshes(platform, model)
     owners = slot_owners(platform, model)
     found, seen = [], set()  # found: (name, value, FSDPParam or None)
     for module_name, sub in platform.named_modules(model):
@@ -95,6 +97,23 @@ def held_params(platform: Platform, model: Any, key_map: Any = None,
     return [_held_managed(platform, name, fsdp_param, keys[name]) if fsdp_param is not None
             else _held_whole(platform, name, value, keys[name])
             for name, value, fsdp_param in found if name in keys]
+
+
+def _check_unit_meshes(platform: Platform, model: Any) -> None:
+    """A unit whose parameter groups' meshes span different numbers of ranks (a
+    ``shard_placement_fn`` sub-mesh, as expert parallelism with other experts per rank
+    builds) is refused: the ranks it leaves out keep copies of their own, which may differ,
+    and the lowest rank's would be stored for all (see [Note: one writer per region])."""
+    for name, sub in platform.named_modules(model):
+        state = sub.__dict__.get(STATE_ATTR)
+        sizes = sorted({g.mesh_info.source.size() for g in state.groups}) if state else []
+        if len(sizes) > 1:
+            raise CheckpointError(
+                f"the fully_shard unit at {name or 'the root'!r} has a parameter group whose "
+                f"mesh spans {sizes[0]} of {sizes[-1]} ranks of its other meshes: the ranks "
+                f"it leaves out hold copies of their own, which a checkpoint cannot tell "
+                f"apart; give every group a mesh over the same ranks (e.g. a 2-D mesh whose "
+                f"replicate dim joins the copies)")
 
 
 def _held_whole(platform: Platform, name: str, param: Any, key: str) -> Held:

@@ -93,8 +93,8 @@ def slot_owners(platform: Platform, model: Any) -> dict:
     owners = {}
     for _, sub in platform.named_modules(model):
         state = sub.__dict__.get(STATE_ATTR)
-        if state is not None and state.group is not None:
-            for fsdp_param in state.group.params:
+        if state is not None:
+            for fsdp_param in state.params:
                 for slot_module, attr in fsdp_param.slots:
                     owners[(id(slot_module), attr)] = fsdp_param
     return owners

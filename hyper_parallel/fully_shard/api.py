@@ -2,8 +2,9 @@
 
 [Note: validate everything, then change anything]
 ``fully_shard`` first computes and checks the whole plan (mesh, managed parameters, shard
-dims, ignored parameters, parameters already managed elsewhere) and only then replaces
-parameters, swaps the class and installs hooks, so a bad call leaves the module untouched.
+dims and meshes, ignored parameters, parameters already managed elsewhere) and only then
+replaces parameters, swaps the class and installs hooks, so a bad call leaves the module
+untouched.
 
 [Note: which parameters a unit manages]
 The parameters registered on the given modules and their submodules, minus those of
@@ -20,8 +21,10 @@ from typing import Callable, Iterable
 
 from hyper_parallel.fully_shard.param import SHARDED_BY as _SHARDED_BY, FSDPParam
 from hyper_parallel.fully_shard.mesh import (
-    DataParallelMeshDims, MeshInfo, as_device_mesh, data_parallel_dims, data_parallel_mesh,
+    DataParallelMeshDims, DeviceMesh, MeshInfo, as_device_mesh, data_parallel_dims,
+    data_parallel_mesh,
 )
+from hyper_parallel.fully_shard.placement import placement_mesh, resolve_placement
 from hyper_parallel.fully_shard.layout import LayoutStrategy
 from hyper_parallel.fully_shard.param_group import FSDPParamGroup
 from hyper_parallel.fully_shard.policy import (
@@ -45,16 +48,27 @@ def _resolve_dtype(platform, dtype):
     return platform.dtype(dtype) if isinstance(dtype, str) else dtype
 
 
-def _shard_dim(param, fqn: str, ndim: int, shard_placement_fn: Callable | None) -> int:
-    if ndim == 0:
-        raise ValueError(f"parameter {fqn!r} is 0-dimensional and cannot be sharded; "
-                         f"pass it in ignored_params")
-    chosen = shard_placement_fn(param) if shard_placement_fn is not None else None
-    dim = 0 if chosen is None else getattr(chosen, "dim", chosen)
-    if not isinstance(dim, int) or not -ndim <= dim < ndim:
-        raise ValueError(f"shard_placement_fn returned {chosen!r} for parameter {fqn!r} of "
-                         f"{ndim} dims; return a dim in [{-ndim}, {ndim}) (or None for dim 0)")
-    return dim % ndim
+def _mesh_info(mesh: DeviceMesh, replicate_dims: tuple, shard_dims: tuple) -> MeshInfo:
+    return MeshInfo(data_parallel_mesh(mesh, replicate_dims, shard_dims), mesh, shard_dims)
+
+
+def _group_by_mesh(platform, default: MeshInfo, plan: list) -> list:
+    """``[(MeshInfo, plan entries)]``: one per distinct set of groups the parameters are
+    sharded over, in order of first use (placement.py, [Note: a unit over several meshes])."""
+    found = []
+    for entry in plan:
+        fqn, placed = entry[0], entry[4]
+        info = default
+        if placed is not None:
+            mesh = placement_mesh(platform, placed, fqn)
+            info = _mesh_info(mesh, *data_parallel_dims(mesh, placed.dp_mesh_dims))
+        for known, entries in found:
+            if known.same_groups(info):
+                entries.append(entry)
+                break
+        else:
+            found.append((info, [entry]))
+    return found
 
 
 def _ignored_list(platform, ignored_params) -> list:
@@ -118,7 +132,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     int k, the size of the group to reshard to (1 is False, the shard size is True; between,
     each rank keeps its part of the full parameters over a group of k ranks and the
     re-gather before backward goes over that group only, post_forward.py). ``ignored_params`` may hold parameters of other modules
-    (left alone).
+    (left alone). ``shard_placement_fn(param)`` gives a parameter's shard dim, or a
+    ``ShardPlacementResult`` with a mesh of its own too (placement.py): the unit then
+    keeps one parameter group per mesh.
     A parameter of fewer than ``shard_threshold_bytes`` bytes is not sharded: every rank
     keeps it whole and its gradient is all-reduced over the data-parallel group (default
     0: shard everything, as FSDP2).
@@ -175,33 +191,40 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
                 f"owns it)")
         local = platform.param_local_values(param)  # what this rank shards (tensor parallel)
         nbytes = math.prod(platform.shape(local)) * platform.element_size(platform.dtype_of(local))
-        plan.append((fqn, param, slots, _shard_dim(param, fqn, len(platform.shape(param)),
-                                                 shard_placement_fn), nbytes >= shard_threshold_bytes))
+        dim, placed = resolve_placement(platform, param, fqn, len(platform.shape(param)),
+                                        shard_placement_fn)
+        plan.append((fqn, param, slots, dim, placed, nbytes >= shard_threshold_bytes))
 
-    info = MeshInfo(data_parallel_mesh(device_mesh, replicate_dims, shard_dims), device_mesh,
-                    shard_dims)
-    has_small = not all(is_sharded for *_, is_sharded in plan)
-    if has_small and info.replicate_size > 1 and info.shard_size > 1 \
-            and info.mesh.size() != platform.world_size():
-        raise ValueError("shard_threshold_bytes with both a shard and a replicate dim is only "
-                         "supported where the data-parallel ranks are the whole job (small "
-                         "parameters are all-reduced over the whole job); use a mesh of only "
-                         "data-parallel dims over all ranks, or shard_threshold_bytes=0")
-    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, info.shard_size)
-    _make_post_forward_group(platform, reshard_after_forward, info)
+    default = _mesh_info(device_mesh, replicate_dims, shard_dims)
+    by_mesh = _group_by_mesh(platform, default, plan)
+    for info, entries in by_mesh:
+        has_small = not all(is_sharded for *_, is_sharded in entries)
+        if has_small and info.replicate_size > 1 and info.shard_size > 1 \
+                and info.mesh.size() != platform.world_size():
+            raise ValueError("shard_threshold_bytes with both a shard and a replicate dim is "
+                             "only supported where the data-parallel ranks are the whole job "
+                             "(small parameters are all-reduced over the whole job); use a mesh "
+                             "of only data-parallel dims over all ranks, or "
+                             "shard_threshold_bytes=0")
+    infos = [info for info, _ in by_mesh] or [default]
+    reshard_after_forward = _resolve_reshard_after_forward(
+        reshard_after_forward, [info.shard_size for info in infos])
+    for info in infos:
+        _make_post_forward_group(platform, reshard_after_forward, info)
     unit_name = "+".join(type(m).__name__ for m in modules)
-    fsdp_params = []
-    for fqn, param, slots, dim, is_sharded in plan:  # may still fail: nothing changed yet
-        fsdp_params.append(FSDPParam(platform, fqn, param, slots, dim, info, is_sharded=is_sharded))
-    for fsdp_param, (_, param, *_) in zip(fsdp_params, plan):
-        fsdp_param.register()
-        object.__setattr__(param, _REPLACED_BY, unit_name)
-        object.__setattr__(fsdp_param.sharded_param, _SHARDED_BY, unit_name)
-    group = None
-    if fsdp_params:
-        group = FSDPParamGroup(platform, fsdp_params, info, param_dtype, reduce_dtype,
-                               LayoutStrategy(own_collective_bytes))
-    state = FSDPState(platform, unit_name, modules, group, reshard_after_forward, mp_policy)
+    made = []  # may still fail: nothing changed yet
+    for info, entries in by_mesh:
+        made.append((info, [FSDPParam(platform, fqn, param, slots, dim, info, is_sharded=is_sharded)
+                            for fqn, param, slots, dim, _, is_sharded in entries], entries))
+    for _, fsdp_params, entries in made:
+        for fsdp_param, (_, param, *_) in zip(fsdp_params, entries):
+            fsdp_param.register()
+            object.__setattr__(param, _REPLACED_BY, unit_name)
+            object.__setattr__(fsdp_param.sharded_param, _SHARDED_BY, unit_name)
+    groups = [FSDPParamGroup(platform, fsdp_params, info, param_dtype, reduce_dtype,
+                             LayoutStrategy(own_collective_bytes))
+              for info, fsdp_params, _ in made]
+    state = FSDPState(platform, unit_name, modules, groups, reshard_after_forward, mp_policy)
     for m in modules:
         object.__setattr__(m, STATE_ATTR, state)
         m.__class__ = _fsdp_class(type(m))

@@ -12,6 +12,7 @@ from typing import Any
 
 from hyper_parallel.fully_shard.mesh import MeshInfo
 from hyper_parallel.fully_shard.param import library_attrs, restore_library_attrs
+from hyper_parallel.fully_shard.post_forward import post_forward_size
 from hyper_parallel.fully_shard.reduce_op import normalize_reduce_op, validate_factor
 from hyper_parallel.fully_shard.state import STATE_ATTR, FSDPState
 from hyper_parallel.platform import get_platform
@@ -42,10 +43,9 @@ class FSDPModule:
         dtype (``Platform.refresh_converted_param``)."""
         state = _state_of(self)
         state.reshard()
-        params = state.group.params if state.group is not None else []
-        kept = [library_attrs(fsdp_param.sharded_param) for fsdp_param in params]
+        kept = [library_attrs(fsdp_param.sharded_param) for fsdp_param in state.params]
         result = super()._apply(fn, *args, **kwargs)
-        for fsdp_param, attrs in zip(params, kept):
+        for fsdp_param, attrs in zip(state.params, kept):
             restore_library_attrs(fsdp_param.sharded_param, attrs)
             state.platform.refresh_converted_param(fsdp_param.sharded_param)
         return result
@@ -57,13 +57,12 @@ class FSDPModule:
         size of the group to reshard to (1: False, the shard size: True)."""
         states = _states_under(self, recurse)
         # resolve for every unit first: a value one unit rejects changes none
-        values = []
-        for state in states:
-            shard_size = None if state.group is None else state.group.mesh_info.shard_size
-            values.append(_resolve_reshard_after_forward(reshard_after_forward, shard_size))
+        values = [_resolve_reshard_after_forward(
+            reshard_after_forward, [group.mesh_info.shard_size for group in state.groups])
+            for state in states]
         for state, value in zip(states, values):
-            if state.group is not None:
-                _make_post_forward_group(state.platform, value, state.group.mesh_info)
+            for group in state.groups:
+                _make_post_forward_group(state.platform, value, group.mesh_info)
         for state, value in zip(states, values):
             state.reshard_after_forward = value
 
@@ -203,18 +202,17 @@ class FSDPModule:
         """True: gradients are reduce-scattered over a process group of their own (the
         same ranks as the shard group), so they can progress beside all-gathers; made once
         per mesh, so call it on every rank. False: back to the shard group."""
-        states = [s for s in _states_under(self, recurse) if s.group is not None]
+        units = [(state, group.mesh_info) for state in _states_under(self, recurse)
+                 for group in state.groups]
         platform = get_platform()
-        for state in states:  # every check before any group is made
-            info = state.group.mesh_info
+        for state, info in units:  # every check before any group is made
             if enable and info.shard_size > 1 and info.source.size() != platform.world_size():
                 raise ValueError(
                     f"set_separate_reduce_scatter_group makes new process groups, which needs "
-                    f"a mesh over all {platform.world_size()} ranks; {state.name} is on one of "
-                    f"{info.source.size()}: pass the whole mesh to fully_shard (with "
-                    f"dp_mesh_dims)")
-        for state in states:
-            info = state.group.mesh_info
+                    f"a mesh over all {platform.world_size()} ranks; {state.name} shards over "
+                    f"one of {info.source.size()}: pass the whole mesh to fully_shard (or to "
+                    f"hp.ShardPlacementResult), with dp_mesh_dims")
+        for _, info in units:
             separate = enable and info.shard_size > 1
             info.reduce_scatter_group = info.separate_shard_group() if separate else info.shard_group
 
@@ -322,19 +320,24 @@ def _states_under(module: Any, recurse: bool) -> list:
     return states
 
 
-def _resolve_reshard_after_forward(value, shard_size: int | None):
+def _resolve_reshard_after_forward(value, shard_sizes: list):
     """``reshard_after_forward`` as the unit stores it: True, False or None (every unit but
     the root) or an int. An int is the size of the group to reshard to after forward and
-    must divide ``shard_size`` (FSDP2's rule): 1 is False, ``shard_size`` is True, and a
-    size between stays an int (post_forward.py). ``shard_size`` None (a unit without
-    parameters, which has nothing to reshard): any int >= 1 is accepted."""
+    must divide the shard size of each of the unit's meshes (FSDP2's rule, per parameter
+    group): 1 is False, a size equal to every shard size is True, and otherwise it stays
+    an int (post_forward.py; a group whose shard size it equals reshards as with True).
+    ``shard_sizes`` empty (a unit without parameters, which has nothing to reshard): any
+    int >= 1 is accepted."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
         raise ValueError(f"reshard_after_forward must be a bool, None or an int (the size of the "
                          f"group to reshard to), got {value!r} of type {type(value).__name__}")
-    if value < 1 or (shard_size is not None and shard_size % value != 0):
-        rule = "be >= 1" if shard_size is None else f"be a factor of the shard group size {shard_size}"
+    if value < 1 or any(size % value for size in shard_sizes):
+        sizes = " and ".join(str(size) for size in sorted(set(shard_sizes)))
+        rule = "be >= 1" if not shard_sizes else (
+            f"be a factor of the shard group size {sizes}" if len(set(shard_sizes)) == 1 else
+            f"be a factor of the shard group size of each of the unit's meshes ({sizes})")
         raise ValueError(f"reshard_after_forward as an int is the size of the group to reshard "
                          f"to after forward and must {rule}, got {value}")
     if value == 1:
@@ -343,15 +346,15 @@ def _resolve_reshard_after_forward(value, shard_size: int | None):
                       "i.e. keeping the full parameters: reshard_after_forward=False, not "
                       "True", UserWarning, stacklevel=3)
         return False
-    if shard_size is None or value == shard_size:
+    if all(size == value for size in shard_sizes):
         return True
     return value
 
 
 def _make_post_forward_group(platform, value, mesh_info: MeshInfo) -> None:
-    """Make the groups ``reshard_after_forward=value`` reshards to (a collective call, on
-    every rank), where the platform can free full parameters after forward; elsewhere an
-    int keeps them until backward, as True does there."""
-    if (not isinstance(value, bool) and isinstance(value, int)
-            and platform.capabilities.can_release_storage):
-        mesh_info.post_forward_group(value)
+    """Make the groups ``reshard_after_forward=value`` reshards to on ``mesh_info`` (a
+    collective call, on every rank), where the platform can free full parameters after
+    forward; elsewhere an int keeps them until backward, as True does there."""
+    size = post_forward_size(value, mesh_info)
+    if size is not None and platform.capabilities.can_release_storage:
+        mesh_info.post_forward_group(size)

@@ -25,14 +25,16 @@ class Memory:
 
     def __init__(self) -> None:
         self.live = True
-        self.post_forward: PostForwardShards | None = None  # kept while released
+        # kept while released: per parameter group, its post-forward shards or None
+        self.post_forward: list[PostForwardShards | None] | None = None
 
 
 class FullParams:
     """The full parameters one unshard node produced (see the note "FullParams")."""
 
     def __init__(self, memory: Memory | None = None):
-        self.tensors: list = []
+        self.tensors: list = []    # one per parameter of the unit (``FSDPState.params``)
+        self.per_group: list = []  # the same tensors cut per parameter group
         self.memory = memory if memory is not None else Memory()
         self.spent = False  # the node's backward ran, or no forward will (an explicit unshard)
 

@@ -1,8 +1,10 @@
 """One unit's gradients on their way from full to sharded, in the order they travel.
 
 [Note: the path of a gradient]
-``reduce_gradients`` (called by the unit's unshard node in backward) runs, per leg of the
-unit (param_group.py: the parameters that share a collective):
+``reduce_gradients`` (called by the unit's unshard node in backward) makes one
+``UnitReduction`` per parameter group of the unit (one per mesh, placement.py), each over
+its own groups, and runs, per leg of the group (param_group.py: the parameters that share
+a collective):
 
 1. layout: each full gradient in the reduce dtype, cut into one piece per rank of the
    shard group (``FSDPParam.gradient_pieces``: views, zeros for padding, no copy);
@@ -34,9 +36,10 @@ optimizer with weight decay or moments moves it where the reference leaves it al
 that did not use it still takes part in every collective with zeros, so ranks that used
 different parameters (experts no token was routed to on one rank) stay in step. Whether any
 rank used it travels with the gradients: one leg's buffer (``_flag_leg``, one that is
-concatenated anyway where there is one) carries one count per parameter of the unit after
-its padded pieces, a 1 from each rank that used it, summed by the same reduce-scatter and
-all-reduce (and deferred sum) as the gradients; a count of 0 is delivered as nothing. Only a
+concatenated anyway where there is one) of each parameter group carries one count per
+parameter of the group after its padded pieces, a 1 from each rank that used it, summed by
+the same reduce-scatter and all-reduce (and deferred sum) as the gradients, so over the
+group's own mesh; a count of 0 is delivered as nothing. Only a
 rank whose own backward missed a parameter reads the counts back (a wait for the device on
 CUDA); a rank that used every parameter knows each was used. With gradient sync off, a
 parameter counts as used if any accumulated backward used it.
@@ -107,13 +110,14 @@ class LegGradients:
 
 
 def reduce_gradients(state: FSDPState, full_grads: list) -> list:
-    """Start reducing one unit's full gradients (its unshard node's backward); return what
-    autograd receives for the local shards: placeholders, the reduced shards themselves
-    (see the note), or Nones while gradient sync is off (accumulated unsharded here)."""
-    p, group = state.platform, state.group
+    """Start reducing one unit's full gradients (its unshard node's backward), one
+    reduction per parameter group, each over its own mesh; return what autograd receives
+    for the local shards: placeholders, the reduced shards themselves (see the note), or
+    Nones while gradient sync is off (accumulated unsharded here)."""
+    p, first = state.platform, state.groups[0]  # every group has the unit's mp_policy
     present = [g for g in full_grads if g is not None]  # None: unused (see the note)
-    grad_dtype = p.dtype_of(present[0]) if present else group.params[0].orig_dtype
-    dtype = resolve_reduce_dtype(group.reduce_dtype, group.param_dtype, grad_dtype)
+    grad_dtype = p.dtype_of(present[0]) if present else state.params[0].orig_dtype
+    dtype = resolve_reduce_dtype(first.reduce_dtype, first.param_dtype, grad_dtype)
     full_grads = [None if g is None else p.cast(g, dtype) for g in full_grads]
     if state.unsharded_grads is not None:
         full_grads = [_accumulate(p, acc, g) for acc, g in zip(state.unsharded_grads, full_grads)]
@@ -122,23 +126,30 @@ def reduce_gradients(state: FSDPState, full_grads: list) -> list:
         logger.debug("%s: gradient sync off, accumulating unsharded gradients", state.name)
         state.unsharded_grads = full_grads
         return [None] * len(full_grads)
-    plan = plan_reduction(group.mesh_info.data_parallel_size, reduce_op=state.reduce_op,
-                          custom_divide_factor=state.divide_factor,
-                          scaling_factor=state.scaling_factor,
-                          reduce_in_fp16=dtype == p.dtype("float16"),
-                          force_sum=state.force_sum_reduction)
     sync = state.iteration.sync_collectives
     returned = sync and p.capabilities.returns_grads_from_backward and not state.to_main_grad
-    placeholders = None if returned else [fp.grad_placeholder() for fp in group.params]
+    placeholders = None if returned else [fp.grad_placeholder() for fp in state.params]
     used = ([g is not None for g in full_grads] if p.capabilities.reports_unused_grads
             else None)
     if state.reduce_scatter_unused_params:  # FSDP2's: every parameter gets a gradient
         used = None
-    reduction = UnitReduction(state.name, state.path, group, full_grads, dtype, plan,
-                              placeholders, state.to_main_grad, async_op=not sync,
-                              requires_all_reduce=state.requires_all_reduce, used=used,
-                              hook=state.all_reduce_hook)
-    delivered = state.iteration.enqueue(reduction)
+    nothing = [None] * len(state.groups)
+    reductions = []
+    for group, grads, group_placeholders, group_used in zip(
+            state.groups, state.per_group(full_grads),
+            nothing if placeholders is None else state.per_group(placeholders),
+            nothing if used is None else state.per_group(used)):
+        plan = plan_reduction(group.mesh_info.data_parallel_size, reduce_op=state.reduce_op,
+                              custom_divide_factor=state.divide_factor,
+                              scaling_factor=state.scaling_factor,
+                              reduce_in_fp16=dtype == p.dtype("float16"),
+                              force_sum=state.force_sum_reduction)
+        reductions.append(UnitReduction(state.name, state.path, group, grads, dtype, plan,
+                                        group_placeholders, state.to_main_grad,
+                                        async_op=not sync,
+                                        requires_all_reduce=state.requires_all_reduce,
+                                        used=group_used, hook=state.all_reduce_hook))
+    delivered = state.iteration.enqueue(reductions)
     return delivered if returned else placeholders
 
 
@@ -149,7 +160,7 @@ def _accumulate(platform: Platform, acc: Any, grad: Any) -> Any:
 
 
 def _flag_leg(group: FSDPParamGroup) -> Leg:
-    """The leg whose buffer carries the unit's usage counts (see the note "unused
+    """The leg whose buffer carries the group's usage counts (see the note "unused
     parameters"): one whose parts are concatenated anyway (the small leg, or a fused leg
     of several parameters) where there is one, so no own leg's gradient is copied for it."""
     for leg in group.legs:
@@ -159,7 +170,8 @@ def _flag_leg(group: FSDPParamGroup) -> Leg:
 
 
 class UnitReduction:
-    """Reduce one unit's full gradients for one backward (steps 1 and 2 on creation)."""
+    """Reduce the full gradients of one parameter group of a unit for one backward, over
+    the group's mesh (steps 1 and 2 on creation)."""
 
     def __init__(self, name: str, path: str, group: FSDPParamGroup, full_grads: list, dtype: Any,
                  plan: ReducePlan, placeholders: list | None, to_main_grad: bool, async_op: bool,

@@ -72,7 +72,7 @@ class IterationContext:
         self.states = states
         self.root = states[0]
         self.sync_collectives = _sync_collectives(platform)
-        self.pending_reduce_scatter: UnitReduction | None = None
+        self.pending_reduce_scatter: list = []  # one unit's reductions, one per group
         self.pending_all_reduce: list = []
         self._final_callback_queued = False
         self._forward_order: list = []       # units by first forward, this iteration
@@ -100,12 +100,13 @@ class IterationContext:
         computing, one prefetched). Asked again each iteration: the setting may change."""
         kept, resharded = 0, []
         for state in self.states:
-            if state.group is None:
+            if not state.groups:
                 continue
+            gathered = sum(group.gathered_bytes for group in state.groups)
             if not state.reshards_after_forward:
-                kept += state.group.gathered_bytes
+                kept += gathered
             else:
-                resharded.append(state.group.gathered_bytes)
+                resharded.append(gathered)
         if self.platform.capabilities.can_release_storage:
             self.platform.keep_released_memory(kept + sum(sorted(resharded)[-2:]))
 
@@ -132,16 +133,19 @@ class IterationContext:
             self._final_callback_queued = True
             self.platform.queue_backward_final_callback(self.finish_backward)
 
-    def enqueue(self, reduction: UnitReduction) -> list | None:
-        """A unit's reduce-scatter was issued: advance the one issued before it. With
-        synchronous collectives run all the unit's steps now and return what
-        ``UnitReduction.finish`` returns."""
+    def enqueue(self, reductions: list[UnitReduction]) -> list | None:
+        """A unit's reduce-scatters (one per parameter group) were issued: advance the unit
+        issued before it. With synchronous collectives run all the unit's steps now and
+        return what ``UnitReduction.finish`` returns, joined in group order."""
         if self.sync_collectives:
-            reduction.finish_reduce_scatter()
-            reduction.start_all_reduce()
-            return reduction.finish()
+            delivered = []
+            for reduction in reductions:
+                reduction.finish_reduce_scatter()
+                reduction.start_all_reduce()
+                delivered.append(reduction.finish())
+            return None if delivered[0] is None else [g for part in delivered for g in part]
         self._advance()
-        self.pending_reduce_scatter = reduction
+        self.pending_reduce_scatter = reductions
         return None
 
     def _advance(self) -> None:
@@ -151,8 +155,8 @@ class IterationContext:
         delivered during backward, one unit after its reduce-scatter (or its all-reduce)
         was issued, with one collective of each kind still overlapping compute."""
         issued_before, self.pending_all_reduce = self.pending_all_reduce, []
-        if self.pending_reduce_scatter is not None:
-            reduction, self.pending_reduce_scatter = self.pending_reduce_scatter, None
+        scattering, self.pending_reduce_scatter = self.pending_reduce_scatter, []
+        for reduction in scattering:
             reduction.finish_reduce_scatter()
             reduction.start_all_reduce()
             self.pending_all_reduce.append(reduction)
@@ -170,7 +174,7 @@ class IterationContext:
             reduction.finish()
 
     def has_pending(self) -> bool:
-        return self.pending_reduce_scatter is not None or bool(self.pending_all_reduce)
+        return bool(self.pending_reduce_scatter) or bool(self.pending_all_reduce)
 
     def finish_backward(self) -> None:
         """After the whole backward: drain (on a last backward) and reshard every unit
@@ -190,9 +194,8 @@ class IterationContext:
         ``set_requires_gradient_sync(False)`` are lost, as in FSDP2), reshard every unit and
         forget the aborted iteration's forward order and queued final callback. The order
         of the last complete iteration stays known."""
-        in_flight = [self.pending_reduce_scatter] if self.pending_reduce_scatter else []
-        in_flight += self.pending_all_reduce
-        self.pending_reduce_scatter, self.pending_all_reduce = None, []
+        in_flight = self.pending_reduce_scatter + self.pending_all_reduce
+        self.pending_reduce_scatter, self.pending_all_reduce = [], []
         for reduction in in_flight:
             reduction.abandon()
         self._final_callback_queued = False

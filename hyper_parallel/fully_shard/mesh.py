@@ -310,6 +310,13 @@ class MeshInfo:
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.reduce_scatter_group = self.shard_group  # set_separate_reduce_scatter_group
 
+    def same_groups(self, other: MeshInfo) -> bool:
+        """Whether ``other`` communicates over the same shard and replicate groups: its
+        parameters then join this one's parameter group (placement.py)."""
+        return (self.shard_size, self.replicate_size) == (other.shard_size, other.replicate_size) \
+            and self.shard_group == other.shard_group \
+            and self.replicate_group == other.replicate_group
+
     @property
     def data_parallel_size(self) -> int:
         return self.shard_size * self.replicate_size

@@ -1,4 +1,5 @@
-"""One fully_shard unit's parameters and their flat communication buffers.
+"""One parameter group of a fully_shard unit (its parameters on one mesh, placement.py)
+and their flat communication buffers.
 
 [Note: one code path]
 The group gathers and lays out gradients leg by leg (layout.py decides the legs, each
@@ -32,7 +33,8 @@ class LegGather:
 
 
 class FSDPParamGroup:
-    """Gather shards into full parameters; lay gradients out for their reduction."""
+    """Gather shards into full parameters over one mesh; lay gradients out for their
+    reduction."""
 
     def __init__(self, platform: Platform, params: list[FSDPParam], mesh_info: MeshInfo,
                  param_dtype: Any, reduce_dtype: Any, layout: LayoutStrategy):
@@ -57,7 +59,7 @@ class FSDPParamGroup:
 
     @property
     def gathered_bytes(self) -> int:
-        """What the unit's full parameters take in their compute dtypes now (see
+        """What the group's full parameters take in their compute dtypes now (see
         IterationContext.keep_working_set)."""
         return sum(fp.shard_size * fp.padded_numel * self.platform.element_size(self.compute_dtype(fp))
                    for fp in self.params)
@@ -67,7 +69,7 @@ class FSDPParamGroup:
                      post_forward: PostForwardShards | None = None) -> None:
         """Start the all-gathers of the current shards (no-op if they are already in flight).
 
-        ``released``: this unit's full parameters (``params`` order) whose memory was
+        ``released``: this group's full parameters (``params`` order) whose memory was
         released, for a re-gather before backward: a leg whose parameter ``gathers_in_place``
         is gathered straight into its full tensor (see ``refill``). ``post_forward``: what
         was kept of them after forward, gathered instead of the shards, over its smaller

@@ -22,7 +22,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from hyper_parallel.fully_shard.mesh import MeshInfo
     from hyper_parallel.fully_shard.param_group import FSDPParamGroup, Leg
+
+
+def post_forward_size(value, mesh_info: MeshInfo) -> int | None:
+    """The size of the group a parameter group on ``mesh_info`` reshards to after forward
+    with the resolved ``reshard_after_forward=value``, or None where that is its whole
+    shard group (True) or no group (False)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value >= mesh_info.shard_size:
+        return None
+    return value
 
 
 class PostForwardShards:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.fully_shard.full_params import FullParams, Memory
 from hyper_parallel.fully_shard.iteration import IterationContext
-from hyper_parallel.fully_shard.post_forward import PostForwardShards
+from hyper_parallel.fully_shard.post_forward import PostForwardShards, post_forward_size
 from hyper_parallel.fully_shard.pytree import cast_floating, tensors_in
 from hyper_parallel.fully_shard.unit_state import UnitState, check_transition
 from hyper_parallel.fully_shard.gradients import reduce_gradients
@@ -60,13 +60,16 @@ STATE_ATTR = "_hp_state"
 class FSDPState:
     """State and hooks of one fully_shard unit (one module or a list of modules)."""
 
-    def __init__(self, platform: Platform, name: str, modules: list, group: FSDPParamGroup | None,
+    def __init__(self, platform: Platform, name: str, modules: list, groups: list[FSDPParamGroup],
                  reshard_after_forward: bool | int | None, mp_policy: MixedPrecisionPolicy):
         self.platform = platform
         self.unit_type = name
         self.name = self.path = name  # refined by the root: for logs, and for errors
         self.modules = modules
-        self.group = group
+        self.groups = groups  # one per mesh (placement.py); none without parameters
+        # every group's parameters, in group order: the order of the unshard node's
+        # inputs and outputs, and of every per-parameter list here
+        self.params = [fsdp_param for group in groups for fsdp_param in group.params]
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -82,7 +85,7 @@ class FSDPState:
         self.all_reduce_hook = None          # hook(reduced buffer), see gradients.py
         self.post_optim_event = None         # the root waits it before its next forward
         self.to_main_grad = mp_policy.apply_grad_on_fp32_main_grad
-        self.param_dtype = group.param_dtype if group is not None else None
+        self.param_dtype = groups[0].param_dtype if groups else None  # one mp_policy for all
         self.output_dtype = (platform.dtype(mp_policy.output_dtype)
                              if isinstance(mp_policy.output_dtype, str) else mp_policy.output_dtype)
         self.cast_forward_inputs = mp_policy.cast_forward_inputs
@@ -107,7 +110,7 @@ class FSDPState:
                 state.name, state.path = f"{fqn or '<root>'} ({state.unit_type})", fqn or "root"
                 states.append(state)
         for state in states:  # every check before anything changes
-            for fsdp_param in state.group.params if state.group is not None else ():
+            for fsdp_param in state.params:
                 module, attr = fsdp_param.slots[0]
                 prefix = names.get(id(module))
                 if prefix is not None:  # errors name the parameter as the user does
@@ -192,15 +195,15 @@ class FSDPState:
             self._keep_full = False
         else:
             self.reshard()
-        if self._full is None and self.group is not None:
+        if self._full is None:
             # parameters replaced since the last iteration (a load between steps)
-            for fsdp_param in self.group.params:
+            for fsdp_param in self.params:
                 fsdp_param.pick_up_replacement()
 
     # ---------------------------------------------------------------- unshard / reshard
     def unshard(self) -> None:
         """Make the full parameters the modules' attributes (gathering them if needed)."""
-        if self.group is None:
+        if not self.groups:
             return
         full = self._full
         if full is None:
@@ -216,31 +219,46 @@ class FSDPState:
         elif not full.live:
             self._refill(full)
         self._full = full
-        for fsdp_param, tensor in zip(self.group.params, full.tensors):
+        for fsdp_param, tensor in zip(self.params, full.tensors):
             fsdp_param.attach(tensor)
         self._enter(UnitState.UNSHARDED)
+
+    def per_group(self, values: list) -> list:
+        """``values`` (one per parameter, ``params`` order) cut into one list per group."""
+        cut, start = [], 0
+        for group in self.groups:
+            cut.append(values[start:start + len(group.params)])
+            start += len(group.params)
+        return cut
 
     def _new_full(self, forward_fn, memory: Memory | None = None) -> FullParams:
         """One unshard node: the local shards in, ``forward_fn``'s full parameters out."""
         full = FullParams(memory)
         held = weakref.ref(full)  # weakly: see the note "FullParams"
         full.tensors = self.platform.differentiable_call(
-            self.group.local_shards(), forward_fn, lambda grads: self._post_backward(held(), grads),
+            [shard for group in self.groups for shard in group.local_shards()], forward_fn,
+            lambda grads: self._post_backward(held(), grads),
             grads_to_inputs=self.platform.capabilities.returns_grads_from_backward)
+        # kept as lists: a prefetched re-gather is matched to its fulls by identity
+        full.per_group = self.per_group(full.tensors)
         return full
 
     def prefetch(self) -> None:
-        """Start this unit's all-gather early, to overlap another unit's compute."""
-        if self.group is not None and self._full is None and not self.group.has_pending_gather():
+        """Start this unit's all-gathers early, to overlap another unit's compute."""
+        if self._full is None and not self._gathers_pending():
             logger.debug("%s: prefetch all-gather issued", self.name)
-            self.group.issue_gather(async_op=True)
+            for group in self.groups:
+                group.issue_gather(async_op=True)
+
+    def _gathers_pending(self) -> bool:
+        """Whether every group's all-gather is in flight (True without groups)."""
+        return all(group.has_pending_gather() for group in self.groups)
 
     def reshard(self) -> None:
         """Free the full parameters; the modules see their sharded parameters again."""
         self._keep_full = False
-        if self.group is None:
-            return
-        self.group.discard_gather()
+        for group in self.groups:
+            group.discard_gather()
         if self._full is None:
             return
         self._detach()
@@ -255,8 +273,9 @@ class FSDPState:
         self.reshard()
         self._forwards_done = 0
         self.unsharded_grads = None
-        for leg in self.group.legs if self.group is not None else ():
-            leg.bucket.discard_deferred()
+        for group in self.groups:
+            for leg in group.legs:
+                leg.bucket.discard_deferred()
 
     def keep_until_next_forward(self) -> None:
         self._keep_full = True
@@ -264,26 +283,35 @@ class FSDPState:
     def _gather_for_forward(self, local_shards: list) -> list:
         # The shards arrive as the node's inputs for autograd's sake; the gather reads the
         # same values (possibly already in flight from a prefetch or an async unshard).
-        return self.group.wait_gather()
+        return [full for group in self.groups for full in group.wait_gather()]
 
     def _refill(self, full: FullParams) -> None:
         logger.debug("%s: re-gather full parameters for backward", self.name)
         with self.platform.no_grad():
-            self.group.refill(full.tensors, full.memory.post_forward)
+            for group, fulls, kept in self._released_per_group(full):
+                group.refill(fulls, kept)
         full.memory.post_forward = None
         full.memory.live = True
 
+    def _released_per_group(self, full: FullParams) -> list:
+        """``[(group, its fulls, its post-forward shards or None)]`` of released ``full``."""
+        kept = full.memory.post_forward or [None] * len(self.groups)
+        return list(zip(self.groups, full.per_group, kept))
+
     def _detach(self) -> None:
-        for fsdp_param in self.group.params:
+        for fsdp_param in self.params:
             fsdp_param.detach()
 
     def _release(self, full: FullParams, after_forward: bool = False) -> None:
         """Free ``full``'s memory where the platform can (autograd keeps the tensors); after
         forward with ``reshard_after_forward`` an int, keep its post-forward shards."""
         if self.platform.capabilities.can_release_storage and full.live:
-            size = self.reshard_after_forward
-            if after_forward and not isinstance(size, bool) and isinstance(size, int):
-                full.memory.post_forward = PostForwardShards(self.group, full.tensors, size)
+            sizes = [post_forward_size(self.reshard_after_forward, group.mesh_info)
+                     for group in self.groups]
+            if after_forward and any(sizes):
+                full.memory.post_forward = [
+                    None if size is None else PostForwardShards(group, fulls, size)
+                    for group, fulls, size in zip(self.groups, full.per_group, sizes)]
             for tensor in full.tensors:
                 self.platform.release_storage(tensor)
             full.memory.live = False
@@ -301,7 +329,7 @@ class FSDPState:
                 # in this backward (activation checkpointing) reads the module's attributes
                 self._full = full
             if full is self._full:
-                for fsdp_param, tensor in zip(self.group.params, full.tensors):
+                for fsdp_param, tensor in zip(self.params, full.tensors):
                     fsdp_param.attach(tensor)
                 self._enter(UnitState.UNSHARDED)
         targets = self.backward_prefetch
@@ -312,12 +340,12 @@ class FSDPState:
 
     def _pre_backward_prefetch(self) -> None:
         full = self._full
-        if self.group is not None and full is not None and not full.live \
-                and self.unshard_in_backward and not self.group.has_pending_gather():
+        if full is not None and not full.live and self.unshard_in_backward \
+                and not self._gathers_pending():
             logger.debug("%s: prefetch re-gather issued", self.name)
             # its own pre-backward waits for it
-            self.group.issue_gather(async_op=True, released=full.tensors,
-                                    post_forward=full.memory.post_forward)
+            for group, fulls, kept in self._released_per_group(full):
+                group.issue_gather(async_op=True, released=fulls, post_forward=kept)
 
     def _post_backward(self, full: FullParams | None, full_grads: list) -> list:
         """The backward of ``full``'s unshard node (None once nothing else holds it): start

@@ -52,6 +52,17 @@ class MeshDescription:
     rank_grid: list         # the global ranks, nested one list level per dim
 
 
+@dataclass(frozen=True)
+class PlacementDescription:
+    """A framework's own shard placement result as the core needs it
+    (``shard_placement_from_native``): the dims are names or positions in ``mesh``."""
+
+    placement: Any          # an object with ``.dim``, or None (dim 0)
+    mesh: Any               # the framework's own mesh
+    shard_dims: tuple       # the dims that shard (joined into one group if several)
+    replicate_dims: tuple   # the dims that replicate, () for none
+
+
 class Platform(Collectives):
     """One framework on one kind of device. Obtain it with ``get_platform()``."""
 
@@ -143,6 +154,11 @@ class Platform(Collectives):
         ``policy`` is not one. Recognised by class, not by field names, so an object that
         merely has a ``param_dtype`` is not taken for a policy. The default: the framework
         has no policy objects of its own."""
+        return None
+
+    def shard_placement_from_native(self, result: Any) -> PlacementDescription | None:
+        """A framework's own ``shard_placement_fn`` result (torch FSDP2's
+        ``ShardPlacementResult``) described; None if ``result`` is not one."""
         return None
 
     def mesh_from_groups(self, device_type: str, groups: Sequence[Any], rank_grid: list,

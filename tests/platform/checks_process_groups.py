@@ -56,6 +56,9 @@ def check_mesh_1d_groups(ctx):
     _check(ctx.mesh1.get_local_rank(0) == ctx.rank, "mesh.get_local_rank(0)")
     native = ctx.mesh1.native
     _check(p.mesh_from_native(object()) is None, "mesh_from_native(not a mesh) is not None")
+    # what shard_placement_fn returns most often: a dim, or nothing to convert
+    _check(p.shard_placement_from_native(1) is None,
+           "shard_placement_from_native(a dim) is not None")
     if native is not None:
         described = p.mesh_from_native(native)
         _check(described is not None, "mesh_from_native(the mesh's own native mesh) is None")

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from hyper_parallel.platform.base import MeshDescription, Platform
+from hyper_parallel.platform.base import MeshDescription, PlacementDescription, Platform
 from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.storage_release import StorageRelease
@@ -31,6 +31,12 @@ from hyper_parallel.platform.torch.released_memory import ReleasedMemory
 from hyper_parallel.platform.torch.unshard_function import run_differentiable
 
 MIN_TORCH = (2, 4)
+
+try:  # FSDP2's per-parameter mesh (torch 2.13); older releases have none to convert
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        ShardPlacementResult as _FSDP2ShardPlacementResult)
+except ImportError:
+    _FSDP2ShardPlacementResult = None
 
 _DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -141,6 +147,18 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform)
             return None
         return type(policy).__name__, {f.name: getattr(policy, f.name)
                                        for f in dataclasses.fields(policy)}
+
+    def shard_placement_from_native(self, result):
+        if _FSDP2ShardPlacementResult is None or not isinstance(result, _FSDP2ShardPlacementResult):
+            return None
+        info = result.mesh_info
+        named = getattr(info, "dp_mesh_dims", None)
+        if named is not None:  # FSDP2 read the data-parallel dims of a whole mesh by name
+            return PlacementDescription(result.placement, info.spmd_mesh, named.shard_names,
+                                        named.replicate_names)
+        shard, replicate = info.shard_mesh_dim, getattr(info, "replicate_mesh_dim", None)
+        return PlacementDescription(result.placement, info.mesh, () if shard is None else (shard,),
+                                    () if replicate is None else (replicate,))
 
     def new_group(self, ranks, distinct=False):
         if len(ranks) == self.world_size() and not distinct:
