@@ -320,6 +320,9 @@ def check_mesh2d_tensor_parallel_param(ctx):
            f"{p.shape(sharded)} must be the tensor-parallel parameter's, (3, {4 * tp_size})")
     _same(_values(ctx, p.local_tensor(sharded)), part[:, 2 * dp:2 * dp + 2],
           "local_tensor of a tensor-parallel sharded parameter")
+    block = p.tensor_parallel_block(sharded)
+    _check(block == ((3, 4 * tp_size), (0, 4 * tp)), f"tensor_parallel_block {block}, expected "
+           f"whole shape (3, {4 * tp_size}) and this rank's part at offset (0, {4 * tp})")
     _same(_values(ctx, p.full_over_tensor_parallel(sharded, p.from_numpy(part))), full,
           "full_over_tensor_parallel: every rank's tensor-parallel part, whole")
     model = ctx.side.model()

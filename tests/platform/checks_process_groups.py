@@ -9,7 +9,7 @@ import numpy as np
 import hyper_parallel as hp
 from hyper_parallel.platform.base import Platform
 from tests.platform.conformance import (
-    _check, _check_gathered, _f32, _same, _values, collective_check)
+    _check, _check_gathered, _f32, _same, _values, collective_check, local_check)
 
 
 @collective_check()
@@ -45,6 +45,27 @@ def check_default_group(ctx):
     _same(np.concatenate([_values(ctx, piece) for piece in gathered.pieces]),
           np.arange(w, dtype=np.float32), "all_gather over group None")
     _same(_values(ctx, chunk), [10.0 * w * r + s + w], "reduce_scatter over group None")
+
+
+@local_check
+def check_policy_from_native(ctx):
+    """Only the framework's own policy objects convert, field for field; hyper_parallel's
+    policies and look-alikes with the same field names are not taken for them."""
+    p = ctx.p
+
+    class LookAlike:
+        param_dtype, reduce_dtype, pin_memory = None, None, True
+
+    for other in (object(), LookAlike(), hp.MixedPrecisionPolicy(), hp.CPUOffloadPolicy()):
+        _check(p.policy_from_native(other) is None,
+               f"policy_from_native({type(other).__name__}) is not None")
+    for native, name, expected in getattr(ctx.side, "native_policies", list)():
+        described = p.policy_from_native(native)
+        _check(described is not None, f"policy_from_native({name}) is None")
+        got_name, fields = described
+        _check(got_name == name, f"policy_from_native({name}) names {got_name!r}")
+        wrong = {k: fields.get(k) for k, v in expected.items() if fields.get(k) != v}
+        _check(not wrong, f"policy_from_native({name}) fields {wrong}, expected {expected}")
 
 
 @collective_check()
