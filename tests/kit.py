@@ -158,6 +158,10 @@ class TorchKit:
     def linear(self, d_in, d_out):
         return self.nn.Linear(d_in, d_out)
 
+    def norm_then_linear(self, d_in, d_out):
+        """LayerNorm(d_in) followed by a linear layer (a transformer's output head)."""
+        return self.nn.Sequential(self.nn.LayerNorm(d_in), self.nn.Linear(d_in, d_out))
+
     def ids(self, array):
         return self.torch.from_numpy(array.astype(np.int64))
 
@@ -344,6 +348,10 @@ class MindSporeKit:
 
     def linear(self, d_in, d_out):
         return self.nn.Dense(d_in, d_out)
+
+    def norm_then_linear(self, d_in, d_out):
+        """LayerNorm(d_in) followed by a linear layer (a transformer's output head)."""
+        return self.nn.SequentialCell([self.nn.LayerNorm((d_in,)), self.nn.Dense(d_in, d_out)])
 
     def ids(self, array):
         return self.ms.Tensor(array.astype(np.int32))

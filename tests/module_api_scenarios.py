@@ -42,6 +42,14 @@ def _build(kit):
     return kit.Stack([kit.Block(D_IN, 53, 29), kit.Block(29, 41, 23)], kit.linear(23, D_OUT))
 
 
+def _build_normed(kit):
+    """As ``_build``, with a LayerNorm before the head: recovery must also leave the
+    framework's autograd able to differentiate it (MindSpore kept state of the aborted
+    ``value_and_grad`` that failed the next LayerNorm backward)."""
+    return kit.Stack([kit.Block(D_IN, 53, 29), kit.Block(29, 41, 23)],
+                     kit.norm_then_linear(23, D_OUT))
+
+
 def _pair(kit, build=_build, seed=0):
     model, ref = build(kit), build(kit)
     kit.load(model, seed)
@@ -199,7 +207,7 @@ def _recover(kit, model, opt) -> None:
 def run_reset(kit, mode: str) -> dict:
     """A step aborted by an exception, reset_iter_state on the root, then training goes
     on: every later step equals a reference that skipped the aborted step."""
-    model, ref = _pair(kit)
+    model, ref = _pair(kit, _build_normed)
     _wrap(model)
     opt, ref_opt = kit.optimizer(kit.params(model)), kit.optimizer(kit.params(ref))
     out = {"losses": [], "ref_losses": []}
@@ -223,7 +231,7 @@ def _fsdp2_reset(kit, mode: str):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     try:
-        theirs = _build(kit)
+        theirs = _build_normed(kit)
         kit.load(theirs, 0)
         _wrap(theirs, torch_fully_shard, mesh=_torch_mesh())
         opt = kit.optimizer(kit.params(theirs))

@@ -192,8 +192,9 @@ class IterationContext:
         collective in flight and drop what it carried (the aborted iteration's gradients,
         gradients deferred by ``set_requires_all_reduce(False)`` and those accumulated with
         ``set_requires_gradient_sync(False)`` are lost, as in FSDP2), reshard every unit and
-        forget the aborted iteration's forward order and queued final callback. The order
-        of the last complete iteration stays known."""
+        forget the aborted iteration's forward order and queued final callback, and let the
+        platform drop what its autograd kept of the aborted recording. The order of the last
+        complete iteration stays known."""
         in_flight = self.pending_reduce_scatter + self.pending_all_reduce
         self.pending_reduce_scatter, self.pending_all_reduce = [], []
         for reduction in in_flight:
@@ -202,4 +203,5 @@ class IterationContext:
         self._forward_order, self._seen = [], set()
         for state in self.states:
             state.reset()  # also waits and drops an all-gather in flight
+        self.platform.discard_aborted_autograd()
         logger.debug("iteration state reset: %d reductions in flight dropped", len(in_flight))

@@ -310,6 +310,11 @@ class Platform(Collectives):
     def queue_backward_final_callback(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` once after the current backward pass; only valid during backward."""
 
+    def discard_aborted_autograd(self) -> None:
+        """An exception ended a step midway (``reset_iter_state``): drop what the framework's
+        autograd still holds of the aborted recording, so that the next step starts clean.
+        The default does nothing (torch's graph goes with the tensors that referenced it)."""
+
     # ------------------------------------------------------------------ modules and parameters
     @abc.abstractmethod
     def named_modules(self, module: Any) -> list:

@@ -220,3 +220,31 @@ def check_in_backward(ctx):
     ctx.side.backward(loss_fn, [np.ones(2, np.float32)])
     _check(seen == [True], f"in_backward() in a grad hook during backward gave {seen}")
     _check(p.in_backward() is False, "in_backward() is still True after backward returned")
+
+
+class _InjectedAbort(Exception):
+    """Raised by check_discard_aborted_autograd's forward on purpose."""
+
+
+@local_check
+def check_discard_aborted_autograd(ctx):
+    """A backward whose forward raised midway, then discard_aborted_autograd: the next
+    backward gives the right gradients (on MindSpore under launch_blocking, the aborted
+    recording left open broke the next backward through a LayerNorm; tests/test_module_api.py
+    trains one after reset_iter_state)."""
+    p = ctx.p
+    param = ctx.side.new_param(_arange(2, 3), "conf.aborted")
+    weights = _arange(2, 3) + 1.0
+
+    def aborted(_):
+        ctx.side.weighted_sum(param, weights)
+        raise _InjectedAbort("the forward fails midway")
+    try:
+        ctx.side.backward(aborted, [], [param])
+        raised = False
+    except _InjectedAbort:
+        raised = True
+    _check(raised, "the framework side's backward swallowed the forward's exception")
+    p.discard_aborted_autograd()
+    _, _, (grad,) = ctx.side.backward(lambda _: ctx.side.weighted_sum(param, weights), [], [param])
+    _same(grad, weights, "gradient of the first backward after discard_aborted_autograd")

@@ -376,3 +376,12 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, Platform):
         from mindspore.common.api import _pynative_executor
 
         _pynative_executor.queue_backward_final_callback(fn)
+
+    def discard_aborted_autograd(self) -> None:
+        from mindspore.common.api import _pynative_executor
+
+        # value_and_grad opens a graph before calling the function and closes it after it
+        # returns: an exception in between leaves the graph open, and under launch_blocking
+        # the next LayerNorm backward then fails ("LayerNormGrad, the index 7 is out of
+        # range"). MindSpore's own jit and recompute paths clear the executor on an exception.
+        _pynative_executor.clear_res()
