@@ -68,7 +68,7 @@ def _sync(tensor=None) -> None:
     """Wait for every queued kernel, collectives included (``tensor.asnumpy()`` waits for
     that tensor's producers only: the fallback if the private sync moves)."""
     try:
-        from mindspore.common.api import _pynative_executor
+        from mindspore.graph.api import _pynative_executor
 
         _pynative_executor.sync()
     except (ImportError, AttributeError):

@@ -271,19 +271,19 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, Platform):
         return tensor  # a Cell may output an existing tensor as its own output
 
     def no_grad(self):
-        from mindspore.common.api import _no_grad
+        from mindspore.graph.api import _no_grad
 
         return _no_grad()
 
     def is_grad_enabled(self) -> bool:
-        from mindspore.common.api import _pynative_executor
+        from mindspore.graph.api import _pynative_executor
 
         # requires_grad: a value_and_grad is recording this forward (outside one, no
         # backward can follow it, as under torch's no_grad)
         return bool(_pynative_executor.enable_grad() and _pynative_executor.requires_grad())
 
     def in_backward(self) -> bool:
-        from mindspore.common.api import _pynative_executor
+        from mindspore.graph.api import _pynative_executor
 
         return _pynative_executor.get_current_autodiff_engine_id() != -1  # -1: no backward
 
@@ -373,12 +373,12 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, Platform):
         tensor.register_hook(lambda grad: fn())
 
     def queue_backward_final_callback(self, fn) -> None:
-        from mindspore.common.api import _pynative_executor
+        from mindspore.graph.api import _pynative_executor
 
         _pynative_executor.queue_backward_final_callback(fn)
 
     def discard_aborted_autograd(self) -> None:
-        from mindspore.common.api import _pynative_executor
+        from mindspore.graph.api import _pynative_executor
 
         # value_and_grad opens a graph before calling the function and closes it after it
         # returns: an exception in between leaves the graph open, and under launch_blocking
