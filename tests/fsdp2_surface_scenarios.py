@@ -614,7 +614,7 @@ def run_torch_policies(kit) -> dict:
     # hyper_parallel's equivalents, with torch's dtype objects as FSDP2's policies hold them
     same = policies(hp.MixedPrecisionPolicy, hp.OffloadPolicy, hp.CPUOffloadPolicy,
                     torch.bfloat16, torch.float32)
-    describe = hp.get_platform().policy_from_native
+    describe = hp.get_platform().option_from_native
     out["converted"] = [as_policy(their, type(our), "policy", describe) == our
                         for their_pair, our_pair in zip(theirs, same)
                         for their, our in zip(their_pair, our_pair)]

@@ -25,7 +25,8 @@ from tests.scenarios import D_IN, D_OUT, GLOBAL_BATCH, STEPS, _build, _named
 
 Dims = hp.DataParallelMeshDims
 
-# name: (mesh maker, shape, dim names, dp_mesh_dims, data-parallel index of rank r, dp size)
+# name: (mesh maker, shape, dim names, dp_mesh_dims, data-parallel index of rank r, dp size);
+# a dict of dp_mesh_dims is torch's own DataParallelMeshDims with those fields (torch only)
 SCENARIOS = {
     "hsdp_named": ("hp", (2, 2), ("dp_replicate", "dp_shard"), None, lambda r: r, 4),
     "hsdp_torch_unnamed": ("torch", (2, 2), None, None, lambda r: r, 4),
@@ -33,13 +34,15 @@ SCENARIOS = {
     "dp_tp_by_position": ("hp", (2, 2), ("dp", "tp"), Dims(shard=0), lambda r: r // 2, 2),
     "tp_dp_by_position": ("hp", (2, 2), ("tp", "dp"), Dims(shard=1), lambda r: r % 2, 2),
     "dp_tp_torch_mesh": ("torch", (2, 2), ("dp", "tp"), Dims(shard="dp"), lambda r: r // 2, 2),
+    "dp_tp_torch_dims": ("torch", (2, 2), ("dp", "tp"), {"shard": "dp"}, lambda r: r // 2, 2),
     "ddp_tp": ("hp", (2, 2), ("dp", "tp"), Dims(replicate="dp"), lambda r: r // 2, 2),
     "flatten_shard": ("hp", (2, 2), ("a", "b"), Dims(shard=("a", "b")), lambda r: r, 4),
     "flatten_shard_torch_mesh": ("torch", (2, 2), ("a", "b"), Dims(shard=("a", 1)), lambda r: r, 4),
     "hsdp_flatten_replicate": ("hp", (2, 1, 2), ("a", "b", "c"),
                                Dims(replicate=("a", "b"), shard="c"), lambda r: r, 4),
 }
-TORCH_ONLY = ("hsdp_torch_unnamed", "dp_tp_torch_mesh", "flatten_shard_torch_mesh")
+TORCH_ONLY = ("hsdp_torch_unnamed", "dp_tp_torch_mesh", "dp_tp_torch_dims",
+              "flatten_shard_torch_mesh")
 
 
 def _mesh(maker: str, shape: tuple, names):
@@ -66,6 +69,10 @@ def run_scenario(name: str) -> dict:
     rank = platform.rank()
     maker, shape, names, dims, dp_index, dp_size = SCENARIOS[name]
     mesh = _mesh(maker, shape, names)
+    if isinstance(dims, dict):
+        from torch.distributed.fsdp import DataParallelMeshDims
+
+        dims = DataParallelMeshDims(**dims)
     model, ref = _build(kit, "nested"), _build(kit, "nested")
     kit.load(model, 0)
     kit.load(ref, 0)

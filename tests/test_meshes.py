@@ -48,6 +48,7 @@ EXPECTED = {
     "dp_tp_by_position": (_stride2, _alone, ["shard"], _stride2),
     "tp_dp_by_position": (_pair, _alone, ["shard"], _pair),
     "dp_tp_torch_mesh": (_stride2, _alone, ["shard"], _stride2),
+    "dp_tp_torch_dims": (_stride2, _alone, ["shard"], _stride2),
     "ddp_tp": (_alone, _stride2, ["replicate"], lambda r: [[x] for x in _stride2(r)]),
     "flatten_shard": (_all, _alone, ["shard"], _all),
     "flatten_shard_torch_mesh": (_all, _alone, ["shard"], _all),
@@ -70,7 +71,8 @@ def _launch(backend):
 
 def _results(backend, name):
     if name not in _names(backend):
-        pytest.skip(f"{name} passes a torch DeviceMesh, which exists only on torch")
+        pytest.skip(f"{name} passes torch's own DeviceMesh (and DataParallelMeshDims), which "
+                    f"exist only on torch")
     return [per_rank[name] for per_rank in _launch(backend)]
 
 
@@ -181,6 +183,31 @@ def test_data_parallel_mesh_dims_needs_a_role_and_dim_names_or_positions():
         hp.DataParallelMeshDims(shard=["dp"])
     with pytest.raises(TypeError, match="got True"):
         hp.DataParallelMeshDims(replicate=True)
+
+
+def test_a_framework_dp_mesh_dims_is_rebuilt_as_ours(monkeypatch):
+    """What the platform describes as its own DataParallelMeshDims becomes ours, field by
+    field, wherever dp_mesh_dims is read; a field ours lacks is a TypeError naming it; an
+    object the platform does not recognise keeps the type error."""
+    import hyper_parallel as hp
+    from hyper_parallel.fully_shard import mesh as mesh_module
+
+    native, fields = object(), {"shard": "c", "replicate": "a"}
+    platform = hp.get_platform()
+    monkeypatch.setattr(platform, "option_from_native", lambda value: (
+        "DataParallelMeshDims", dict(fields)) if value is native else None)
+    three = _fake_mesh(hp, (2, 1, 2), ("a", "b", "c"))
+    assert mesh_module.as_dp_mesh_dims(native) == hp.DataParallelMeshDims(shard="c",
+                                                                          replicate="a")
+    assert mesh_module.data_parallel_dims(three, native) == ((0,), (2,))
+    assert hp.ShardPlacementResult(0, three, native).dp_mesh_dims == \
+        hp.DataParallelMeshDims(shard="c", replicate="a")
+    with pytest.raises(TypeError, match="DataParallelMeshDims, got object"):
+        mesh_module.data_parallel_dims(three, object())
+    fields["context"] = "b"
+    with pytest.raises(TypeError, match=r"has fields \['context'\] that "
+                                        r"hp.DataParallelMeshDims does not have"):
+        mesh_module.data_parallel_dims(three, native)
 
 
 def test_dims_are_read_by_position_and_roles_ascend():

@@ -3,7 +3,8 @@ hyper_parallel's ``fully_shard`` in place of FSDP2's: its ``parallelize_llama``,
 full or no activation checkpointing, bf16 mixed precision or float32, untied or tied
 embeddings, its chunked loss, clipping, AdamW and LR schedule, 4 steps from the same
 initial parameters on the same data. hyper_parallel's losses, gradient norms and final
-parameters equal FSDP2's bit for bit, and in float32 match a single-process reference.
+parameters equal FSDP2's bit for bit, also under torchtitan's default spmd_backend, which
+FSDP2 refuses, and in float32 match a single-process reference.
 
 Needs torchtitan 0.3.0 (the ``titan`` extra: ``pip install -e ".[titan]"``); skipped without.
 """
@@ -17,7 +18,8 @@ pytest.importorskip("torchtitan", minversion="0.3.0",
                     reason='torchtitan is not installed (pip install -e ".[titan]")')
 
 from tests.multirank import run_ranks  # noqa: E402
-from tests.torchtitan_scenarios import CONFIGS, LAYERS, config_name  # noqa: E402
+from tests.torchtitan_scenarios import (  # noqa: E402
+    CONFIGS, LAYERS, SPMD_DEFAULT, SPMD_DEFAULT_CONFIGS, config_name)
 
 NAMES = [config_name(*config) for config in CONFIGS]
 FLOAT32 = [name for name in NAMES if "float32" in name]
@@ -43,6 +45,20 @@ def results() -> dict:
 @pytest.mark.parametrize("name", NAMES)
 def test_hyper_parallel_trains_torchtitan_exactly_as_fsdp2(results, name):
     ours, theirs = results[name]["hp"], results[name]["fsdp2"]
+    assert ours["losses"] == theirs["losses"]
+    assert ours["grad_norms"] == theirs["grad_norms"]
+    assert ours["params"].keys() == theirs["params"].keys()
+    for key, value in theirs["params"].items():
+        np.testing.assert_array_equal(ours["params"][key], value, err_msg=key)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [config_name(*config) for config in SPMD_DEFAULT_CONFIGS])
+def test_torchtitan_default_spmd_backend_trains_as_fsdp2_under_partial_dtensor(results, name):
+    """Under torchtitan's default spmd_backend, "spmd_types", its parallelize_llama passes
+    torch's DataParallelMeshDims with plain parameters: FSDP2 refuses them, hyper_parallel
+    takes them and trains exactly as FSDP2 does under "partial_dtensor"."""
+    ours, theirs = results[name][f"hp_{SPMD_DEFAULT}"], results[name]["fsdp2"]
     assert ours["losses"] == theirs["losses"]
     assert ours["grad_norms"] == theirs["grad_norms"]
     assert ours["params"].keys() == theirs["params"].keys()

@@ -15,8 +15,9 @@ the model, through ``apply_fsdp_to_decoder``), ``init_weights``, the chunked los
 - attention is its ``ScaledDotProductAttention`` (its FlexAttention compiles, too slow on
   CPU), swapped in as torchtitan's graph_trainer tests do;
 - ``spmd_backend="partial_dtensor"``: FSDP2 takes torchtitan's parameters only in that mode
-  (in the others, "spmd_types" by default, torchtitan passes ``dp_mesh_dims`` with plain
-  parameters, which FSDP2 refuses);
+  (in the others, "spmd_types" by default, torchtitan passes torch's ``DataParallelMeshDims``
+  with plain parameters, which FSDP2 refuses); hyper_parallel takes them, so it also runs
+  ``SPMD_DEFAULT_CONFIGS`` under torchtitan's default "spmd_types";
 - FSDP2's units reduce with SUM (``set_force_sum_reduction_for_comms``): torchtitan sets
   the gradient divide factor to 1.0, which FSDP2 turns into a PREMUL_SUM that gloo lacks
   (hyper_parallel's collectives always sum, and scale apart).
@@ -49,6 +50,9 @@ CONFIGS = [("selective", "bfloat16", False), ("full", "bfloat16", False),
            ("none", "bfloat16", False), ("selective", "float32", False),
            ("full", "float32", False), ("none", "float32", False),
            ("selective", "bfloat16", True)]
+SPMD_DEFAULT = "spmd_types"  # torchtitan's default spmd_backend, which FSDP2 refuses
+# the configs hyper_parallel also trains under SPMD_DEFAULT: the debugmodel's, and float32
+SPMD_DEFAULT_CONFIGS = [("selective", "bfloat16", False), ("selective", "float32", False)]
 
 
 def config_name(ac: str, mp: str, tied: bool) -> str:
@@ -135,7 +139,8 @@ def _canonical(name: str) -> str:
 
 def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: dict):
     """torchtitan's model, built on meta, parallelized by parallelize_llama with ``impl``'s
-    fully_shard, materialised and initialised as its trainer does, then given ``initial``."""
+    fully_shard under ``parallel_dims``' spmd_backend, materialised and initialised as its
+    trainer does, then given ``initial``."""
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import distribute_tensor
@@ -149,7 +154,7 @@ def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: di
     with in_place_of_fsdp2() if impl == "hp" else contextlib.nullcontext():
         parallelize_llama(model, parallel_dims=parallel_dims,
                           training=TrainingConfig(mixed_precision_param=mp),
-                          parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+                          parallelism=ParallelismConfig(spmd_backend=parallel_dims.spmd_backend),
                           compile_config=CompileConfig(), ac_config=ac_config, dump_folder="")
     model.to_empty(device="cpu")
     with torch.no_grad():
@@ -250,11 +255,15 @@ def run() -> dict:
     import_torchtitan()
     from torchtitan.distributed import ParallelDims, utils as dist_utils
 
-    dist_utils.set_spmd_backend("partial_dtensor")
     platform = hp.get_platform()
     rank, world = platform.rank(), platform.world_size()
-    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1,
-                                 world_size=world, spmd_backend="partial_dtensor")
+
+    def parallel_dims_for(spmd_backend: str):
+        dist_utils.set_spmd_backend(spmd_backend)
+        return ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1,
+                            world_size=world, spmd_backend=spmd_backend)
+
+    parallel_dims = parallel_dims_for("partial_dtensor")
     batches = _batches(world)
     rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
     out, references = {}, {}
@@ -268,4 +277,10 @@ def run() -> dict:
             references[tied] = train(_whole(tied), batches, slice(None))
         result["reference"] = references[tied]
         out[config_name(ac, mp, tied)] = result
+    parallel_dims = parallel_dims_for(SPMD_DEFAULT)
+    for ac, mp, tied in SPMD_DEFAULT_CONFIGS:
+        initial = {name: p.detach() for name, p in _whole(tied).named_parameters()}
+        model = _sharded("hp", ac, mp, tied, parallel_dims, initial)
+        out[config_name(ac, mp, tied)][f"hp_{SPMD_DEFAULT}"] = train(model, batches, rows,
+                                                                     parallel_dims, True)
     return out

@@ -153,9 +153,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
         if STATE_ATTR in m.__dict__:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "
                              f"apply it once per module (use the FSDPModule setters to change settings)")
-    mp_policy = as_policy(mp_policy, MixedPrecisionPolicy, "mp_policy", platform.policy_from_native)
+    mp_policy = as_policy(mp_policy, MixedPrecisionPolicy, "mp_policy", platform.option_from_native)
     offload_policy = as_policy(offload_policy, OffloadPolicy, "offload_policy",
-                               platform.policy_from_native)
+                               platform.option_from_native)
     device_mesh = as_device_mesh(mesh)
     replicate_dims, shard_dims = data_parallel_dims(device_mesh, dp_mesh_dims)
     if isinstance(offload_policy, CPUOffloadPolicy) and platform.device_type() != "cpu":

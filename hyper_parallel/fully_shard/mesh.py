@@ -162,9 +162,27 @@ class DataParallelMeshDims:
         return tuple(value) if isinstance(value, tuple) else (value,)
 
 
+def as_dp_mesh_dims(value: Any) -> Any:
+    """``value`` as our DataParallelMeshDims where it is the framework's own (torch's
+    ``torch.distributed.fsdp.DataParallelMeshDims``: the same fields, meaning the same, as
+    ``Platform.option_from_native`` describes it); anything else as it is, for the caller's
+    type check. A field ours lacks (a later torch's) is a TypeError naming it."""
+    if value is None or isinstance(value, DataParallelMeshDims):
+        return value
+    native = get_platform().option_from_native(value)
+    if native is None or native[0] != "DataParallelMeshDims":
+        return value
+    unknown = sorted(set(native[1]) - {"shard", "replicate"})
+    if unknown:
+        raise TypeError(f"dp_mesh_dims {value!r} has fields {unknown} that "
+                        f"hp.DataParallelMeshDims does not have; pass a hp.DataParallelMeshDims")
+    return DataParallelMeshDims(**native[1])
+
+
 def data_parallel_dims(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None) -> tuple:
     """``(replicate_dims, shard_dims)``: the positions in ``mesh`` of each role, ascending.
     Every mistake is a ValueError saying how to fix it."""
+    dp_mesh_dims = as_dp_mesh_dims(dp_mesh_dims)
     if dp_mesh_dims is None:
         if mesh.ndim > 2:
             raise ValueError(
@@ -176,7 +194,8 @@ def data_parallel_dims(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | No
         return ((0,), (1,)) if mesh.ndim == 2 else ((), (0,))
     if not isinstance(dp_mesh_dims, DataParallelMeshDims):
         raise TypeError(f"dp_mesh_dims must be a hyper_parallel DataParallelMeshDims, got "
-                        f"{type(dp_mesh_dims).__name__}")
+                        f"{type(dp_mesh_dims).__name__} (on torch, "
+                        f"torch.distributed.fsdp.DataParallelMeshDims is accepted too)")
     roles = {role: tuple(_position(mesh, role, dim) for dim in dp_mesh_dims.dims_of(role))
              for role in ("replicate", "shard")}
     for role, dims in roles.items():

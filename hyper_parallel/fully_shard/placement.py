@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from hyper_parallel.fully_shard.mesh import DataParallelMeshDims, DeviceMesh, as_device_mesh
+from hyper_parallel.fully_shard.mesh import (
+    DataParallelMeshDims, DeviceMesh, as_device_mesh, as_dp_mesh_dims)
 
 if TYPE_CHECKING:
     from hyper_parallel.platform import Platform
@@ -45,10 +46,12 @@ class ShardPlacementResult:
         if self.mesh is None:
             raise TypeError("ShardPlacementResult needs a mesh; to shard over fully_shard's own "
                             "mesh, return the dim alone (Shard(dim), an int or None)")
+        object.__setattr__(self, "dp_mesh_dims", as_dp_mesh_dims(self.dp_mesh_dims))
         if self.dp_mesh_dims is not None and not isinstance(self.dp_mesh_dims,
                                                             DataParallelMeshDims):
             raise TypeError(f"ShardPlacementResult.dp_mesh_dims must be a hp.DataParallelMeshDims "
-                            f"or None, got {type(self.dp_mesh_dims).__name__}")
+                            f"(on torch, torch.distributed.fsdp.DataParallelMeshDims too) or "
+                            f"None, got {type(self.dp_mesh_dims).__name__}")
 
 
 def resolve_placement(platform: Platform, param: Any, fqn: str, ndim: int,

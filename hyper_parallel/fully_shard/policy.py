@@ -57,7 +57,7 @@ _CLASSES = {cls.__name__: cls for cls in (MixedPrecisionPolicy, OffloadPolicy, C
 
 def as_policy(value: Any, kind: type, argument: str, describe_native: Callable[[Any], Any]):
     """``value`` as our ``kind``: ours as it is; a framework's own policy, which
-    ``describe_native`` (``Platform.policy_from_native``) gives as (class name, fields),
+    ``describe_native`` (``Platform.option_from_native``) gives as (class name, fields),
     rebuilt as our class of that name. Each of torch 2.13's fields (param_dtype,
     reduce_dtype, output_dtype, cast_forward_inputs; pin_memory) means the same here; a
     field we lack is an error rather than dropped."""

@@ -147,13 +147,14 @@ class Platform(Collectives):
         """A framework mesh object described; None if ``native_mesh`` is not one."""
         return None
 
-    def policy_from_native(self, policy: Any) -> tuple[str, dict] | None:
-        """A framework's own ``fully_shard`` policy object (torch's ``MixedPrecisionPolicy``,
-        ``OffloadPolicy``, ``CPUOffloadPolicy``) as ``(class name, {field: value})``, which
-        the core rebuilds as its class of that name (``policy.as_policy``); None if
-        ``policy`` is not one. Recognised by class, not by field names, so an object that
-        merely has a ``param_dtype`` is not taken for a policy. The default: the framework
-        has no policy objects of its own."""
+    def option_from_native(self, option: Any) -> tuple[str, dict] | None:
+        """A framework's own object for one of ``fully_shard``'s options (torch's
+        ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``,
+        ``DataParallelMeshDims``) as ``(class name, {field: value})``, which the core
+        rebuilds as its class of that name (``policy.as_policy``, ``mesh.as_dp_mesh_dims``);
+        None if ``option`` is not one. Recognised by class, not by field names, so an
+        object that merely has a ``param_dtype`` is not taken for a policy. The default: the
+        framework has no such objects of its own."""
         return None
 
     def shard_placement_from_native(self, result: Any) -> PlacementDescription | None:

@@ -48,24 +48,25 @@ def check_default_group(ctx):
 
 
 @local_check
-def check_policy_from_native(ctx):
-    """Only the framework's own policy objects convert, field for field; hyper_parallel's
-    policies and look-alikes with the same field names are not taken for them."""
+def check_option_from_native(ctx):
+    """Only the framework's own fully_shard option objects convert, field for field;
+    hyper_parallel's and look-alikes with the same field names are not taken for them."""
     p = ctx.p
 
     class LookAlike:
-        param_dtype, reduce_dtype, pin_memory = None, None, True
+        param_dtype, reduce_dtype, pin_memory, shard, replicate = None, None, True, "dp", None
 
-    for other in (object(), LookAlike(), hp.MixedPrecisionPolicy(), hp.CPUOffloadPolicy()):
-        _check(p.policy_from_native(other) is None,
-               f"policy_from_native({type(other).__name__}) is not None")
-    for native, name, expected in getattr(ctx.side, "native_policies", list)():
-        described = p.policy_from_native(native)
-        _check(described is not None, f"policy_from_native({name}) is None")
+    ours = (hp.MixedPrecisionPolicy(), hp.CPUOffloadPolicy(), hp.DataParallelMeshDims(shard="dp"))
+    for other in (object(), LookAlike(), *ours):
+        _check(p.option_from_native(other) is None,
+               f"option_from_native({type(other).__name__}) is not None")
+    for native, name, expected in getattr(ctx.side, "native_options", list)():
+        described = p.option_from_native(native)
+        _check(described is not None, f"option_from_native({name}) is None")
         got_name, fields = described
-        _check(got_name == name, f"policy_from_native({name}) names {got_name!r}")
+        _check(got_name == name, f"option_from_native({name}) names {got_name!r}")
         wrong = {k: fields.get(k) for k, v in expected.items() if fields.get(k) != v}
-        _check(not wrong, f"policy_from_native({name}) fields {wrong}, expected {expected}")
+        _check(not wrong, f"option_from_native({name}) fields {wrong}, expected {expected}")
 
 
 @collective_check()

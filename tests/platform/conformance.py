@@ -165,16 +165,19 @@ class _TorchSide:
                                     run_check=False)
         return self.torch.nn.Parameter(tensor)
 
-    def native_policies(self) -> list:
-        """torch's own FSDP2 policy objects with non-default fields, as
-        ``(policy, class name, {field: value expected})``."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    def native_options(self) -> list:
+        """torch's own FSDP2 option objects with non-default fields, as
+        ``(object, class name, {field: value expected})``."""
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy)
 
         torch = self.torch
         return [(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                  "MixedPrecisionPolicy", {"param_dtype": torch.bfloat16,
                                           "reduce_dtype": torch.float32}),
-                (CPUOffloadPolicy(pin_memory=False), "CPUOffloadPolicy", {"pin_memory": False})]
+                (CPUOffloadPolicy(pin_memory=False), "CPUOffloadPolicy", {"pin_memory": False}),
+                (DataParallelMeshDims(shard="dp", replicate="rep"), "DataParallelMeshDims",
+                 {"shard": "dp", "replicate": "rep"})]
 
     def weighted_sum(self, tensor, weights: np.ndarray):
         """sum(tensor * weights) as a differentiable scalar."""

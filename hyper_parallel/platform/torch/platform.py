@@ -138,15 +138,18 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform)
         return MeshDescription(tuple(native_mesh.mesh.shape), tuple(names), groups,
                                native_mesh.device_type, native_mesh.mesh.tolist())
 
-    def policy_from_native(self, policy):
+    def option_from_native(self, option):
         # _composable.fsdp holds FSDP2's policies in every torch since 2.4 (torch.distributed.fsdp
-        # only re-exports them from 2.6 on); imported on the first non-hp policy only
+        # only re-exports them from 2.6 on); DataParallelMeshDims is newer (2.13 has it; an
+        # empty tuple where it is missing matches nothing). Imported on the first non-hp object.
+        import torch.distributed.fsdp as fsdp
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-        if not isinstance(policy, (MixedPrecisionPolicy, OffloadPolicy)):
+        known = (MixedPrecisionPolicy, OffloadPolicy, getattr(fsdp, "DataParallelMeshDims", ()))
+        if not isinstance(option, known):
             return None
-        return type(policy).__name__, {f.name: getattr(policy, f.name)
-                                       for f in dataclasses.fields(policy)}
+        return type(option).__name__, {f.name: getattr(option, f.name)
+                                       for f in dataclasses.fields(option)}
 
     def shard_placement_from_native(self, result):
         if _FSDP2ShardPlacementResult is None or not isinstance(result, _FSDP2ShardPlacementResult):
