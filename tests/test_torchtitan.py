@@ -36,6 +36,15 @@ PARAM_ATOL = 1e-4
 BF16_RTOL = 1e-2
 
 
+def _assert_bitwise_equal(ours: dict, theirs: dict) -> None:
+    """The same losses, gradient norms and final parameters, bit for bit."""
+    assert ours["losses"] == theirs["losses"]
+    assert ours["grad_norms"] == theirs["grad_norms"]
+    assert ours["params"].keys() == theirs["params"].keys()
+    for key, value in theirs["params"].items():
+        np.testing.assert_array_equal(ours["params"][key], value, err_msg=key)
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
     return run_ranks("tests.torchtitan_scenarios:run", 2, "torch", timeout_s=400)[0]
@@ -44,12 +53,7 @@ def results() -> dict:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", NAMES)
 def test_hyper_parallel_trains_torchtitan_exactly_as_fsdp2(results, name):
-    ours, theirs = results[name]["hp"], results[name]["fsdp2"]
-    assert ours["losses"] == theirs["losses"]
-    assert ours["grad_norms"] == theirs["grad_norms"]
-    assert ours["params"].keys() == theirs["params"].keys()
-    for key, value in theirs["params"].items():
-        np.testing.assert_array_equal(ours["params"][key], value, err_msg=key)
+    _assert_bitwise_equal(results[name]["hp"], results[name]["fsdp2"])
 
 
 @pytest.mark.timeout(600)
@@ -58,12 +62,7 @@ def test_torchtitan_default_spmd_backend_trains_as_fsdp2_under_partial_dtensor(r
     """Under torchtitan's default spmd_backend, "spmd_types", its parallelize_llama passes
     torch's DataParallelMeshDims with plain parameters: FSDP2 refuses them, hyper_parallel
     takes them and trains exactly as FSDP2 does under "partial_dtensor"."""
-    ours, theirs = results[name][f"hp_{SPMD_DEFAULT}"], results[name]["fsdp2"]
-    assert ours["losses"] == theirs["losses"]
-    assert ours["grad_norms"] == theirs["grad_norms"]
-    assert ours["params"].keys() == theirs["params"].keys()
-    for key, value in theirs["params"].items():
-        np.testing.assert_array_equal(ours["params"][key], value, err_msg=key)
+    _assert_bitwise_equal(results[name][f"hp_{SPMD_DEFAULT}"], results[name]["fsdp2"])
 
 
 @pytest.mark.timeout(600)
