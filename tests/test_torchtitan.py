@@ -4,7 +4,8 @@ full or no activation checkpointing, bf16 mixed precision or float32, untied or 
 embeddings, its chunked loss, clipping, AdamW and LR schedule, 4 steps from the same
 initial parameters on the same data. hyper_parallel's losses, gradient norms and final
 parameters equal FSDP2's bit for bit, also under torchtitan's default spmd_backend, which
-FSDP2 refuses, and in float32 match a single-process reference.
+FSDP2 refuses, and in float32 match a single-process reference. The same on 4 ranks with
+torchtitan's tensor parallelism over 2 of them.
 
 Needs torchtitan 0.3.0 (the ``titan`` extra: ``pip install -e ".[titan]"``); skipped without.
 """
@@ -19,9 +20,10 @@ pytest.importorskip("torchtitan", minversion="0.3.0",
 
 from tests.multirank import run_ranks  # noqa: E402
 from tests.torchtitan_scenarios import (  # noqa: E402
-    CONFIGS, LAYERS, SPMD_DEFAULT, SPMD_DEFAULT_CONFIGS, config_name)
+    CONFIGS, LAYERS, SPMD_DEFAULT, SPMD_DEFAULT_CONFIGS, TP_CONFIGS, config_name)
 
 NAMES = [config_name(*config) for config in CONFIGS]
+TP_NAMES = [config_name(*config) for config in TP_CONFIGS]
 FLOAT32 = [name for name in NAMES if "float32" in name]
 BFLOAT16 = [name for name in NAMES if "bfloat16" in name]
 # float32 against the reference: the ranks sum their halves of each gradient and loss
@@ -45,9 +47,24 @@ def _assert_bitwise_equal(ours: dict, theirs: dict) -> None:
         np.testing.assert_array_equal(ours["params"][key], value, err_msg=key)
 
 
+def _assert_near_float32_reference(run: dict, reference: dict) -> None:
+    """Losses, gradient norms and final parameters within the float32 tolerances above."""
+    np.testing.assert_allclose(run["losses"], reference["losses"], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(run["grad_norms"], reference["grad_norms"], atol=ATOL, rtol=0)
+    for key, value in reference["params"].items():
+        np.testing.assert_allclose(run["params"][key], value, atol=PARAM_ATOL, rtol=0,
+                                   err_msg=key)
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
     return run_ranks("tests.torchtitan_scenarios:run", 2, "torch", timeout_s=400)[0]
+
+
+@pytest.fixture(scope="module")
+def tp_results() -> dict:
+    return run_ranks("tests.torchtitan_scenarios:run_tensor_parallel", 4, "torch",
+                     timeout_s=400)[0]
 
 
 @pytest.mark.timeout(600)
@@ -81,12 +98,7 @@ def test_chunked_loss_reduces_the_head_once_for_all_chunks(results, name):
 @pytest.mark.parametrize("impl", ["hp", "fsdp2"])
 @pytest.mark.parametrize("name", FLOAT32)
 def test_float32_training_matches_the_single_process_reference(results, name, impl):
-    run, reference = results[name][impl], results[name]["reference"]
-    np.testing.assert_allclose(run["losses"], reference["losses"], atol=ATOL, rtol=0)
-    np.testing.assert_allclose(run["grad_norms"], reference["grad_norms"], atol=ATOL, rtol=0)
-    for key, value in reference["params"].items():
-        np.testing.assert_allclose(run["params"][key], value, atol=PARAM_ATOL, rtol=0,
-                                   err_msg=key)
+    _assert_near_float32_reference(results[name][impl], results[name]["reference"])
 
 
 @pytest.mark.timeout(600)
@@ -95,3 +107,19 @@ def test_bfloat16_training_stays_near_the_float32_reference(results, name):
     run, reference = results[name]["hp"], results[name]["reference"]
     np.testing.assert_allclose(run["losses"], reference["losses"], rtol=BF16_RTOL)
     np.testing.assert_allclose(run["grad_norms"], reference["grad_norms"], rtol=BF16_RTOL)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("run", ["hp", f"hp_{SPMD_DEFAULT}"])
+@pytest.mark.parametrize("name", TP_NAMES)
+def test_tensor_parallel_torchtitan_trains_exactly_as_fsdp2(tp_results, name, run):
+    """torchtitan's tensor parallelism over 2 of 4 ranks, fully_shard over the other 2:
+    hyper_parallel (under "partial_dtensor" and under the default "spmd_types") trains as
+    FSDP2 does under "partial_dtensor", bit for bit."""
+    _assert_bitwise_equal(tp_results[name][run], tp_results[name]["fsdp2"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [name for name in TP_NAMES if "float32" in name])
+def test_tensor_parallel_float32_matches_the_single_process_reference(tp_results, name):
+    _assert_near_float32_reference(tp_results[name]["hp"], tp_results[name]["reference"])

@@ -53,6 +53,8 @@ CONFIGS = [("selective", "bfloat16", False), ("full", "bfloat16", False),
 SPMD_DEFAULT = "spmd_types"  # torchtitan's default spmd_backend, which FSDP2 refuses
 # the configs hyper_parallel also trains under SPMD_DEFAULT: the debugmodel's, and float32
 SPMD_DEFAULT_CONFIGS = [("selective", "bfloat16", False), ("selective", "float32", False)]
+# the configs trained with tensor parallelism too (run_tensor_parallel, 4 ranks)
+TP_CONFIGS = [("selective", "bfloat16", False), ("selective", "float32", False)]
 
 
 def config_name(ac: str, mp: str, tied: bool) -> str:
@@ -169,7 +171,7 @@ def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: di
     return model
 
 
-def _batches(world: int) -> list:
+def _batches(data_parallel: int) -> list:
     """(tokens, labels) of the global batch per step; a few labels of the first rows are
     ignored, so the ranks hold different numbers of valid tokens."""
     import torch
@@ -178,7 +180,8 @@ def _batches(world: int) -> list:
     generator = torch.Generator().manual_seed(1)
     out = []
     for _ in range(STEPS):
-        tokens = torch.randint(VOCAB, (LOCAL_BATCH * world, SEQ + 1), generator=generator)
+        tokens = torch.randint(VOCAB, (LOCAL_BATCH * data_parallel, SEQ + 1),
+                               generator=generator)
         labels = tokens[:, 1:].clone()
         labels[0, :5] = IGNORE_INDEX
         out.append((tokens[:, :-1].contiguous(), labels))
@@ -249,23 +252,31 @@ def _full(param) -> np.ndarray:
     return value.detach().to(torch.float32).numpy()
 
 
-def run() -> dict:
-    """Each of CONFIGS trained under FSDP2 and under hyper_parallel on this rank's rows,
-    beside the float32 whole model trained on every row."""
-    import_torchtitan()
+def _parallel_dims(spmd_backend: str, world: int, tp: int = 1):
+    """torchtitan's ParallelDims of ``world`` ranks, tensor parallel over ``tp`` of them and
+    fully sharded over the rest, under ``spmd_backend`` (set globally, as its trainer does)."""
     from torchtitan.distributed import ParallelDims, utils as dist_utils
 
-    platform = hp.get_platform()
-    rank, world = platform.rank(), platform.world_size()
+    dist_utils.set_spmd_backend(spmd_backend)
+    return ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=tp, pp=1, ep=1,
+                        world_size=world, spmd_backend=spmd_backend)
 
-    def parallel_dims_for(spmd_backend: str):
-        dist_utils.set_spmd_backend(spmd_backend)
-        return ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1,
-                            world_size=world, spmd_backend=spmd_backend)
 
-    parallel_dims = parallel_dims_for("partial_dtensor")
-    batches = _batches(world)
-    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+def _rows(tp: int) -> slice:
+    """This rank's rows of each global batch: tensor parallelism is the mesh's innermost
+    dim, so the ranks of one tensor-parallel group share their data-parallel index."""
+    index = hp.get_platform().rank() // tp
+    return slice(index * LOCAL_BATCH, (index + 1) * LOCAL_BATCH)
+
+
+def run() -> dict:
+    """Each of CONFIGS trained under FSDP2 and under hyper_parallel on this rank's rows,
+    beside the float32 whole model trained on every row; SPMD_DEFAULT_CONFIGS under
+    hyper_parallel with SPMD_DEFAULT too."""
+    import_torchtitan()
+    world = hp.get_platform().world_size()
+    parallel_dims = _parallel_dims("partial_dtensor", world)
+    batches, rows = _batches(world), _rows(1)
     out, references = {}, {}
     for ac, mp, tied in CONFIGS:
         initial = {name: p.detach() for name, p in _whole(tied).named_parameters()}
@@ -277,10 +288,33 @@ def run() -> dict:
             references[tied] = train(_whole(tied), batches, slice(None))
         result["reference"] = references[tied]
         out[config_name(ac, mp, tied)] = result
-    parallel_dims = parallel_dims_for(SPMD_DEFAULT)
+    parallel_dims = _parallel_dims(SPMD_DEFAULT, world)
     for ac, mp, tied in SPMD_DEFAULT_CONFIGS:
         initial = {name: p.detach() for name, p in _whole(tied).named_parameters()}
         model = _sharded("hp", ac, mp, tied, parallel_dims, initial)
         out[config_name(ac, mp, tied)][f"hp_{SPMD_DEFAULT}"] = train(model, batches, rows,
                                                                      parallel_dims, True)
+    return out
+
+
+def run_tensor_parallel() -> dict:
+    """On 4 ranks, tensor parallel over 2 (torchtitan's own TP plan on attention and
+    feed-forward) and fully sharded over 2: each of TP_CONFIGS under FSDP2 and under
+    hyper_parallel with "partial_dtensor", under hyper_parallel with SPMD_DEFAULT, and the
+    float32 whole model on every row."""
+    import_torchtitan()
+    world, tp = hp.get_platform().world_size(), 2
+    batches, rows = _batches(world // tp), _rows(tp)
+    out = {}
+    for ac, mp, tied in TP_CONFIGS:
+        initial = {name: p.detach() for name, p in _whole(tied).named_parameters()}
+        result = {}
+        for key, impl, spmd_backend in (("fsdp2", "fsdp2", "partial_dtensor"),
+                                        ("hp", "hp", "partial_dtensor"),
+                                        (f"hp_{SPMD_DEFAULT}", "hp", SPMD_DEFAULT)):
+            parallel_dims = _parallel_dims(spmd_backend, world, tp)
+            model = _sharded(impl, ac, mp, tied, parallel_dims, initial)
+            result[key] = train(model, batches, rows, parallel_dims, impl == "hp")
+        result["reference"] = train(_whole(tied), batches, slice(None))
+        out[config_name(ac, mp, tied)] = result
     return out
