@@ -5,7 +5,7 @@ embeddings, its chunked loss, clipping, AdamW and LR schedule, 4 steps from the 
 initial parameters on the same data. hyper_parallel's losses, gradient norms and final
 parameters equal FSDP2's bit for bit, also under torchtitan's default spmd_backend, which
 FSDP2 refuses, and in float32 match a single-process reference. The same on 4 ranks with
-torchtitan's tensor parallelism over 2 of them.
+torchtitan's tensor parallelism over 2 of them, and for its Qwen3-MoE with load balancing.
 
 Needs torchtitan 0.3.0 (the ``titan`` extra: ``pip install -e ".[titan]"``); skipped without.
 """
@@ -45,6 +45,9 @@ def _assert_bitwise_equal(ours: dict, theirs: dict) -> None:
     assert ours["params"].keys() == theirs["params"].keys()
     for key, value in theirs["params"].items():
         np.testing.assert_array_equal(ours["params"][key], value, err_msg=key)
+    assert ours["expert_biases"].keys() == theirs["expert_biases"].keys()
+    for key, value in theirs["expert_biases"].items():
+        np.testing.assert_array_equal(ours["expert_biases"][key], value, err_msg=key)
 
 
 def _assert_near_float32_reference(run: dict, reference: dict) -> None:
@@ -59,6 +62,11 @@ def _assert_near_float32_reference(run: dict, reference: dict) -> None:
 @pytest.fixture(scope="module")
 def results() -> dict:
     return run_ranks("tests.torchtitan_scenarios:run", 2, "torch", timeout_s=400)[0]
+
+
+@pytest.fixture(scope="module")
+def moe_results() -> dict:
+    return run_ranks("tests.torchtitan_scenarios:run_moe", 2, "torch", timeout_s=400)[0]
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +131,28 @@ def test_tensor_parallel_torchtitan_trains_exactly_as_fsdp2(tp_results, name, ru
 @pytest.mark.parametrize("name", [name for name in TP_NAMES if "float32" in name])
 def test_tensor_parallel_float32_matches_the_single_process_reference(tp_results, name):
     _assert_near_float32_reference(tp_results[name]["hp"], tp_results[name]["reference"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("run", ["hp", f"hp_{SPMD_DEFAULT}"])
+def test_mixture_of_experts_trains_exactly_as_fsdp2(moe_results, run):
+    """torchtitan's Qwen3-MoE (grouped experts, top-2 routing, its load-balancing hook
+    updating each layer's expert bias from the tokens every rank routed) trains under
+    hyper_parallel as under FSDP2, bit for bit, expert biases included."""
+    _assert_bitwise_equal(moe_results[run], moe_results["fsdp2"])
+    biases = moe_results[run]["expert_biases"]
+    assert len(biases) == LAYERS and all(np.any(b != 0) for b in biases.values())
+
+
+@pytest.mark.timeout(600)
+def test_mixture_of_experts_matches_the_single_process_reference(moe_results):
+    """Losses and gradient norms to rounding, and the same expert biases: the ranks' token
+    counts summed make the reference's. (Parameters are compared with FSDP2 above: FSDP2's
+    are as far from the reference's, up to a whole AdamW step, the learning rate, where a
+    rounding apart flips a near-zero gradient or a top-2 choice.)"""
+    run, reference = moe_results["hp"], moe_results["reference"]
+    assert run["expert_biases"].keys() == reference["expert_biases"].keys()
+    np.testing.assert_allclose(run["losses"], reference["losses"], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(run["grad_norms"], reference["grad_norms"], atol=ATOL, rtol=0)
+    for key, value in reference["expert_biases"].items():
+        np.testing.assert_array_equal(run["expert_biases"][key], value, err_msg=key)

@@ -53,8 +53,14 @@ CONFIGS = [("selective", "bfloat16", False), ("full", "bfloat16", False),
 SPMD_DEFAULT = "spmd_types"  # torchtitan's default spmd_backend, which FSDP2 refuses
 # the configs hyper_parallel also trains under SPMD_DEFAULT: the debugmodel's, and float32
 SPMD_DEFAULT_CONFIGS = [("selective", "bfloat16", False), ("selective", "float32", False)]
+# (result key, fully_shard's implementation, spmd_backend) of the tensor-parallel and the
+# mixture-of-experts runs
+RUNS = (("fsdp2", "fsdp2", "partial_dtensor"), ("hp", "hp", "partial_dtensor"),
+        (f"hp_{SPMD_DEFAULT}", "hp", SPMD_DEFAULT))
 # the configs trained with tensor parallelism too (run_tensor_parallel, 4 ranks)
 TP_CONFIGS = [("selective", "bfloat16", False), ("selective", "float32", False)]
+# Qwen3-MoE (run_moe): selective AC, float32 (ties do not apply)
+MOE_AC, MOE_MP = "selective", "float32"
 
 
 def config_name(ac: str, mp: str, tied: bool) -> str:
@@ -123,13 +129,39 @@ def _model_config(tied: bool):
     return config
 
 
-def _whole(tied: bool):
+def _moe_config():
+    """Qwen3-MoE's build (torchtitan.models.qwen3's debugmodel_moe), smaller, with SDPA
+    attention: 4 experts, 2 routed per token, auxiliary-loss-free load balancing (its
+    default ``load_balance_coeff``)."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm,
+    )
+
+    head_dim = DIM // HEADS
+    config = Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                        param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(
+            fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=HEADS // 2,
+            head_dim=head_dim, moe_hidden_dim=48, num_experts=4, top_k=2, attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=SEQ, theta=1000000.0),
+            moe_comm_backend="standard"))
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
+def _whole(tied: bool, moe: bool = False):
     """The single-process model: torchtitan's init on the whole model, float32, no AC, no
     fully_shard. Its initial parameters are every run's."""
     import torch
 
     torch.manual_seed(0)
-    model = _model_config(tied).build()
+    model = (_moe_config() if moe else _model_config(tied)).build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model
@@ -139,22 +171,25 @@ def _canonical(name: str) -> str:
     return name.replace("._checkpoint_wrapped_module", "")
 
 
-def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: dict):
-    """torchtitan's model, built on meta, parallelized by parallelize_llama with ``impl``'s
-    fully_shard under ``parallel_dims``' spmd_backend, materialised and initialised as its
-    trainer does, then given ``initial``."""
+def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: dict,
+             moe: bool = False):
+    """torchtitan's model (Llama 3, or with ``moe`` Qwen3-MoE), built on meta, parallelized
+    by its own ``parallelize_*`` with ``impl``'s fully_shard under ``parallel_dims``'
+    spmd_backend, materialised and initialised as its trainer does, then given ``initial``."""
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import distribute_tensor
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
     with torch.device("meta"):
-        model = _model_config(tied).build()
+        model = (_moe_config() if moe else _model_config(tied)).build()
     ac_config = {"selective": SelectiveAC.Config(), "full": FullAC.Config(), "none": None}[ac]
+    parallelize = parallelize_qwen3 if moe else parallelize_llama
     with in_place_of_fsdp2() if impl == "hp" else contextlib.nullcontext():
-        parallelize_llama(model, parallel_dims=parallel_dims,
+        parallelize(model, parallel_dims=parallel_dims,
                           training=TrainingConfig(mixed_precision_param=mp),
                           parallelism=ParallelismConfig(spmd_backend=parallel_dims.spmd_backend),
                           compile_config=CompileConfig(), ac_config=ac_config, dump_folder="")
@@ -215,18 +250,21 @@ def _step(model, loss_fn, optimizers, schedulers, inputs, labels, batch_mesh, lo
 
 def train(model, batches, rows: slice, parallel_dims=None, stand_in: bool = False) -> dict:
     """STEPS steps of torchtitan's training on ``rows`` of each global batch: the
-    debugmodel's chunked loss, AdamW and LR schedule (the warmup shortened to fit STEPS);
-    ``stand_in``: hyper_parallel's names in FSDP2's (``in_place_of_fsdp2``) during each
-    step. Returns the global losses, gradient norms, hyper_parallel's reduce-scatters per
-    step and the final full parameters."""
+    debugmodel's chunked loss, AdamW and LR schedule (the warmup shortened to fit STEPS),
+    and for a mixture of experts its load-balancing hook (each step's expert bias from the
+    tokens routed on every rank); ``stand_in``: hyper_parallel's names in FSDP2's
+    (``in_place_of_fsdp2``) during each step. Returns the global losses, gradient norms,
+    hyper_parallel's reduce-scatters per step, the final full parameters and expert biases."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.components.optimizer import (
+        LRSchedulersContainer, default_adamw, register_moe_load_balancing_hook)
 
     loss_fn = ChunkedLossWrapper.Config(
         num_chunks=CHUNKS, loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB)).build()
     loss_fn.set_lm_head(model.lm_head)
     model._skip_lm_head = True
     optimizers = default_adamw(lr=LR).build(model_parts=[model])
+    register_moe_load_balancing_hook(optimizers, [model], parallel_dims or _OneProcess())
     schedulers = LRSchedulersContainer.Config(
         warmup_steps=1, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0,
     ).build(optimizers=optimizers, training_steps=STEPS)
@@ -242,7 +280,19 @@ def train(model, batches, rows: slice, parallel_dims=None, stand_in: bool = Fals
         out["grad_norms"].append(norm)
         out["reduce_scatters"].append(comms.calls("reduce_scatter"))
     out["params"] = {_canonical(name): _full(param) for name, param in model.named_parameters()}
+    out["expert_biases"] = {_canonical(name): _full(buffer)
+                            for name, buffer in model.named_buffers() if "expert_bias" in name}
     return out
+
+
+class _OneProcess:
+    """What torchtitan's load-balancing hook reads of its ParallelDims, for the
+    single-process reference: no expert or tensor parallelism, no mesh to sum tokens over."""
+
+    ep_enabled, tp = False, 1
+
+    def get_optional_mesh(self, name):
+        return None
 
 
 def _full(param) -> np.ndarray:
@@ -309,12 +359,27 @@ def run_tensor_parallel() -> dict:
     for ac, mp, tied in TP_CONFIGS:
         initial = {name: p.detach() for name, p in _whole(tied).named_parameters()}
         result = {}
-        for key, impl, spmd_backend in (("fsdp2", "fsdp2", "partial_dtensor"),
-                                        ("hp", "hp", "partial_dtensor"),
-                                        (f"hp_{SPMD_DEFAULT}", "hp", SPMD_DEFAULT)):
+        for key, impl, spmd_backend in RUNS:
             parallel_dims = _parallel_dims(spmd_backend, world, tp)
             model = _sharded(impl, ac, mp, tied, parallel_dims, initial)
             result[key] = train(model, batches, rows, parallel_dims, impl == "hp")
         result["reference"] = train(_whole(tied), batches, slice(None))
         out[config_name(ac, mp, tied)] = result
+    return out
+
+
+def run_moe() -> dict:
+    """torchtitan's Qwen3-MoE (``_moe_config``) with its load balancing, float32, selective
+    AC, on this rank's rows: under FSDP2 and hyper_parallel with "partial_dtensor", under
+    hyper_parallel with SPMD_DEFAULT, and the whole model on every row."""
+    import_torchtitan()
+    world = hp.get_platform().world_size()
+    batches, rows = _batches(world), _rows(1)
+    initial = {name: p.detach() for name, p in _whole(False, moe=True).named_parameters()}
+    out = {}
+    for key, impl, spmd_backend in RUNS:
+        parallel_dims = _parallel_dims(spmd_backend, world)
+        model = _sharded(impl, MOE_AC, MOE_MP, False, parallel_dims, initial, moe=True)
+        out[key] = train(model, batches, rows, parallel_dims, impl == "hp")
+    out["reference"] = train(_whole(False, moe=True), batches, slice(None))
     return out
