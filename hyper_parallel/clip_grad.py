@@ -15,6 +15,8 @@ single-process norm of the full gradients:
   once, locally;
 - units on different meshes reduce over their own groups, in the order their parameters
   come (the same on every rank, which passes the same parameters);
+- meshes that span different numbers of ranks are refused (``placement.ranks_spanned``):
+  the ranks a sub-mesh leaves out hold parameters of their own, which no rank sees;
 - padding rows of a padded local shard (MindSpore) are left out of the norm;
 - each gradient's norm is taken in float32 whatever its dtype, and the groups' sums are
   combined on the host in double precision.
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hyper_parallel.fully_shard.param import FSDPParam, fsdp_param_of
+from hyper_parallel.fully_shard.placement import ranks_spanned
 from hyper_parallel.platform import get_platform
 
 if TYPE_CHECKING:
@@ -91,6 +94,17 @@ def total_norm(platform: Platform, pairs: list, norm_type: float) -> float:
     gradient), the same on every rank: see the design note."""
     whole = []  # norms of gradients every rank holds whole
     by_group: dict = {}  # id(shard group) -> (group, norms of this rank's shards)
+    spans = ranks_spanned(fp.mesh_info for fp in map(fsdp_param_of, (p for p, _ in pairs))
+                          if fp is not None)
+    if len(spans) > 1:
+        raise NotImplementedError(
+            f"the parameters are sharded over meshes spanning {spans[0]} and {spans[-1]} "
+            f"ranks: the ranks a smaller mesh leaves out hold parameters of their own (other "
+            f"experts, with expert parallelism), whose gradients no rank sees, so no rank can "
+            f"take the total norm. Pass each mesh's parameters apart (clip_grad_norm_(them, "
+            f"float('inf')) returns their norm and scales nothing), combine the norms across "
+            f"the ranks that hold different parameters and scale the gradients yourself; or "
+            f"shard every parameter over meshes of the same ranks")
     for param, grad in pairs:
         fsdp_param = fsdp_param_of(param)
         if fsdp_param.is_tensor_parallel if fsdp_param is not None else \

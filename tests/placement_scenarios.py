@@ -215,6 +215,20 @@ def run_torch_result_against_fsdp2(directory: str) -> dict:
     out["pair_fsdp2_diff"] = _diff(hp.gather_full_state_dict(ours), _full_torch(kit, theirs))
     out["pair_checkpoint"] = _attempt(kit, hp.get_platform(), ours, lambda: hp.save_checkpoint(
         os.path.join(directory, "pair"), ours))[:2]
+    x, y = make_batches(1, GLOBAL_BATCH, D_IN, D_OUT, seed=21)[0]
+    _backward(kit, lambda: ((ours(kit.tensor(x[_rows()])) - kit.tensor(y[_rows()])) ** 2).mean(),
+              None)
+    out["pair_clip"] = _attempt(kit, hp.get_platform(), ours, lambda: hp.clip_grad_norm_(
+        list(ours.parameters()), MAX_NORM))[:2]
+    # whole blocks (dense layers and experts) as units over the pair sub-mesh, the root over
+    # every rank: the meshes differ between units rather than inside one
+    blocks_on_pairs = _build(kit)
+    for block in blocks_on_pairs.blocks:
+        hp.fully_shard(block, mesh=torch_mesh["shard"])
+    hp.fully_shard(blocks_on_pairs)
+    out["units_on_pairs_checkpoint"] = _attempt(
+        kit, hp.get_platform(), blocks_on_pairs, lambda: hp.save_checkpoint(
+            os.path.join(directory, "units-on-pairs"), blocks_on_pairs))[:2]
     return out
 
 

@@ -142,12 +142,17 @@ def test_experts_over_a_sub_mesh_train_like_fsdp2():
     """torch: the experts on a pair sub-mesh alone (FSDP2's FSDPMeshInfo(mesh["shard"],
     shard_mesh_dim=0), as an expert-parallel layout writes it; gradients reduced over the
     pair only, so no single process computes this): like FSDP2 (the same tolerance and
-    reason as above). A checkpoint of it is refused, naming the mesh's size."""
+    reason as above). A checkpoint of it is refused, naming the mesh's size, and so is one
+    of whole units over the pair sub-mesh beside a root over every rank; clipping by the
+    total norm is refused too (no rank sees the other pair's experts' gradients)."""
     for r in _part("torch", "fsdp2"):
         np.testing.assert_allclose(r["pair_ours"], r["pair_theirs"], atol=ATOL, rtol=0)
         assert r["pair_fsdp2_diff"] <= ATOL
-        error_type, message = r["pair_checkpoint"]
-        assert error_type == "CheckpointError" and "spans 2 of 4 ranks" in message
+        for key in ("pair_checkpoint", "units_on_pairs_checkpoint"):
+            error_type, message = r[key]
+            assert error_type == "CheckpointError" and "spans 2 of 4 ranks" in message, key
+        error_type, message = r["pair_clip"]
+        assert error_type == "NotImplementedError" and "spanning 2 and 4 ranks" in message
 
 
 @pytest.mark.timeout(600)

@@ -39,6 +39,7 @@ import numpy as np
 from hyper_parallel.checkpoint.index import DTYPES, CheckpointError
 from hyper_parallel.checkpoint.names import resolve
 from hyper_parallel.checkpoint.state_dict import slot_owners
+from hyper_parallel.fully_shard.placement import ranks_spanned
 from hyper_parallel.fully_shard.state import STATE_ATTR
 
 if TYPE_CHECKING:
@@ -100,20 +101,22 @@ def held_params(platform: Platform, model: Any, key_map: Any = None,
 
 
 def _check_unit_meshes(platform: Platform, model: Any) -> None:
-    """A unit whose parameter groups' meshes span different numbers of ranks (a
-    ``shard_placement_fn`` sub-mesh, as expert parallelism with other experts per rank
-    builds) is refused: the ranks it leaves out keep copies of their own, which may differ,
-    and the lowest rank's would be stored for all (see [Note: one writer per region])."""
-    for name, sub in platform.named_modules(model):
-        state = sub.__dict__.get(STATE_ATTR)
-        sizes = sorted({g.mesh_info.source.size() for g in state.groups}) if state else []
-        if len(sizes) > 1:
-            raise CheckpointError(
-                f"the fully_shard unit at {name or 'the root'!r} has a parameter group whose "
-                f"mesh spans {sizes[0]} of {sizes[-1]} ranks of its other meshes: the ranks "
-                f"it leaves out hold copies of their own, which a checkpoint cannot tell "
-                f"apart; give every group a mesh over the same ranks (e.g. a 2-D mesh whose "
-                f"replicate dim joins the copies)")
+    """Parameter groups whose meshes span different numbers of ranks (a sub-mesh, as
+    expert parallelism with other experts per rank builds, in one unit or in units of their
+    own) are refused: the ranks a sub-mesh leaves out keep copies of their own, which may
+    differ, and the lowest rank's would be stored for all (see [Note: one writer per
+    region])."""
+    groups = [(name, group) for name, sub in platform.named_modules(model)
+              if (state := sub.__dict__.get(STATE_ATTR)) is not None for group in state.groups]
+    sizes = ranks_spanned(group.mesh_info for _, group in groups)
+    if len(sizes) > 1:
+        small = next(name for name, group in groups if group.mesh_info.source.size() == sizes[0])
+        raise CheckpointError(
+            f"the fully_shard unit at {small or 'the root'!r} has a parameter group whose "
+            f"mesh spans {sizes[0]} of {sizes[-1]} ranks of the model's other meshes: the "
+            f"ranks it leaves out hold copies of their own, which a checkpoint cannot tell "
+            f"apart; give every group a mesh over the same ranks (e.g. a 2-D mesh whose "
+            f"replicate dim joins the copies)")
 
 
 def _held_whole(platform: Platform, name: str, param: Any, key: str) -> Held:

@@ -93,3 +93,12 @@ def placement_mesh(platform: Platform, result: ShardPlacementResult, fqn: str) -
                          f"shards a parameter over a mesh it belongs to (a sub-mesh per group "
                          f"of ranks, or the whole mesh with dp_mesh_dims)")
     return mesh
+
+
+def ranks_spanned(mesh_infos) -> list:
+    """The distinct numbers of ranks the meshes of ``mesh_infos`` (parameter groups) were
+    given over, ascending. More than one means parameters sharded over a sub-mesh whose
+    left-out ranks hold parameters of their own (expert parallelism with other experts per
+    rank, or copies that part ways), whose values and gradients no rank sees: checkpoints
+    and the total gradient norm refuse such a model rather than take one rank's for all."""
+    return sorted({info.source.size() for info in mesh_infos})
