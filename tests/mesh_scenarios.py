@@ -26,6 +26,7 @@ from tests.scenarios import D_IN, D_OUT, GLOBAL_BATCH, STEPS, _build, _named
 Dims = hp.DataParallelMeshDims
 
 # name: (mesh maker, shape, dim names, dp_mesh_dims, data-parallel index of rank r, dp size);
+# maker "hp_dp_slice": the hp mesh's sub-mesh mesh["dp"] (FSDP2's way with tensor parallelism);
 # a dict of dp_mesh_dims is torch's own DataParallelMeshDims with those fields (torch only)
 SCENARIOS = {
     "hsdp_named": ("hp", (2, 2), ("dp_replicate", "dp_shard"), None, lambda r: r, 4),
@@ -35,6 +36,7 @@ SCENARIOS = {
     "tp_dp_by_position": ("hp", (2, 2), ("tp", "dp"), Dims(shard=1), lambda r: r % 2, 2),
     "dp_tp_torch_mesh": ("torch", (2, 2), ("dp", "tp"), Dims(shard="dp"), lambda r: r // 2, 2),
     "dp_tp_torch_dims": ("torch", (2, 2), ("dp", "tp"), {"shard": "dp"}, lambda r: r // 2, 2),
+    "dp_slice_of_dp_tp": ("hp_dp_slice", (2, 2), ("dp", "tp"), None, lambda r: r // 2, 2),
     "ddp_tp": ("hp", (2, 2), ("dp", "tp"), Dims(replicate="dp"), lambda r: r // 2, 2),
     "flatten_shard": ("hp", (2, 2), ("a", "b"), Dims(shard=("a", "b")), lambda r: r, 4),
     "flatten_shard_torch_mesh": ("torch", (2, 2), ("a", "b"), Dims(shard=("a", 1)), lambda r: r, 4),
@@ -51,7 +53,8 @@ def _mesh(maker: str, shape: tuple, names):
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh("cpu", shape, mesh_dim_names=names)
-    return hp.init_device_mesh(platform.device_type(), shape, mesh_dim_names=names)
+    mesh = hp.init_device_mesh(platform.device_type(), shape, mesh_dim_names=names)
+    return mesh["dp"] if maker == "hp_dp_slice" else mesh
 
 
 def _group_ranks(platform, group, size: int) -> list:

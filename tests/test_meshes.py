@@ -49,6 +49,7 @@ EXPECTED = {
     "tp_dp_by_position": (_pair, _alone, ["shard"], _pair),
     "dp_tp_torch_mesh": (_stride2, _alone, ["shard"], _stride2),
     "dp_tp_torch_dims": (_stride2, _alone, ["shard"], _stride2),
+    "dp_slice_of_dp_tp": (_stride2, _alone, ["shard"], _stride2),
     "ddp_tp": (_alone, _stride2, ["replicate"], lambda r: [[x] for x in _stride2(r)]),
     "flatten_shard": (_all, _alone, ["shard"], _all),
     "flatten_shard_torch_mesh": (_all, _alone, ["shard"], _all),
@@ -208,6 +209,26 @@ def test_a_framework_dp_mesh_dims_is_rebuilt_as_ours(monkeypatch):
     with pytest.raises(TypeError, match=r"has fields \['context'\] that "
                                         r"hp.DataParallelMeshDims does not have"):
         mesh_module.data_parallel_dims(three, native)
+
+
+def test_a_sub_mesh_holds_the_ranks_that_share_this_ranks_other_coordinates(monkeypatch):
+    """mesh["b"], mesh["a", "c"]: the named dims' shape and groups, and the ranks whose
+    coordinates on the other dims are this rank's (here rank 3 of a (1, 2, 2) mesh)."""
+    import hyper_parallel as hp
+
+    mesh = hp.DeviceMesh("cpu", (1, 2, 2), ("a", "b", "c"), ["group a", "group b", "group c"])
+    monkeypatch.setattr(hp.get_platform(), "rank", lambda: 3)
+    b = mesh["b"]
+    assert (b.shape, b.mesh_dim_names, b.ranks, b.get_group(0)) == ((2,), ("b",), (1, 3),
+                                                                    "group b")
+    a_c = mesh["a", "c"]
+    assert (a_c.shape, a_c.ranks, a_c.get_group("c")) == ((1, 2), (2, 3), "group c")
+    with pytest.raises(KeyError, match="taken by dim names"):
+        mesh["x"]
+    with pytest.raises(KeyError, match="taken by dim names"):
+        mesh[0]
+    with pytest.raises(ValueError, match="in the mesh's order"):
+        mesh["c", "a"]
 
 
 def test_dims_are_read_by_position_and_roles_ascend():

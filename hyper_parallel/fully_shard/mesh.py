@@ -66,6 +66,27 @@ class DeviceMesh:
             return self.mesh_dim_names.index(dim)
         return dim
 
+    def __getitem__(self, names: str | tuple) -> DeviceMesh:
+        """The sub-mesh of this rank along the named dims (torch's ``mesh["dp"]``,
+        ``mesh["dp", "cp"]``): those dims' groups, and the ranks that share this rank's
+        coordinates on every other dim. Names must follow the mesh's order."""
+        wanted = (names,) if isinstance(names, str) else names if isinstance(names, tuple) else ()
+        if not wanted or any(n not in self.mesh_dim_names for n in wanted):
+            raise KeyError(f"a sub-mesh is taken by dim names, of {self.mesh_dim_names}; "
+                           f"got {names!r}")
+        dims = [self.mesh_dim_names.index(n) for n in wanted]
+        if dims != sorted(set(dims)):
+            raise ValueError(f"sub-mesh dims {wanted} must be distinct and in the mesh's order "
+                             f"{self.mesh_dim_names}")
+        if self.native is not None:  # the framework's own sub-mesh, with its own bookkeeping
+            return as_device_mesh(self.native[wanted[0] if len(wanted) == 1 else wanted])
+        position = self.ranks.index(get_platform().rank())
+        strides = self._strides()
+        base = position - sum((position // strides[d]) % self.shape[d] * strides[d] for d in dims)
+        return DeviceMesh(self.device_type, [self.shape[d] for d in dims], wanted,
+                          [self._groups[d] for d in dims],
+                          ranks=[self.ranks[base + step] for step in self._offsets(dims)])
+
     def _strides(self) -> list:
         return [math.prod(self.shape[d + 1:]) for d in range(self.ndim)]
 
