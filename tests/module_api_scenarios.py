@@ -38,16 +38,16 @@ def _local() -> slice:
     return slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
 
 
-def _build(kit):
-    return kit.Stack([kit.Block(D_IN, 53, 29), kit.Block(29, 41, 23)], kit.linear(23, D_OUT))
+def _build(kit, head=None):
+    return kit.Stack([kit.Block(D_IN, 53, 29), kit.Block(29, 41, 23)],
+                     head if head is not None else kit.linear(23, D_OUT))
 
 
 def _build_normed(kit):
     """As ``_build``, with a LayerNorm before the head: recovery must also leave the
     framework's autograd able to differentiate it (MindSpore kept state of the aborted
     ``value_and_grad`` that failed the next LayerNorm backward)."""
-    return kit.Stack([kit.Block(D_IN, 53, 29), kit.Block(29, 41, 23)],
-                     kit.norm_then_linear(23, D_OUT))
+    return _build(kit, kit.norm_then_linear(23, D_OUT))
 
 
 def _pair(kit, build=_build, seed=0):
