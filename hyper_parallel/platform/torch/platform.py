@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from hyper_parallel.platform.base import MeshDescription, PlacementDescription, Platform
 from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
-from hyper_parallel.platform.storage_release import StorageRelease
 from hyper_parallel.platform.torch.state_io import TorchStateIO
+from hyper_parallel.platform.torch.storage_release import TorchStorageRelease
 from hyper_parallel.platform.torch.tensor_parallel import (
     TP_SPEC, TorchTensorParallel, as_tensor_parallel)
 from hyper_parallel.platform.torch.eager_hooks import call_eagerly, eager
@@ -83,7 +83,7 @@ def _uses_list_reduce_scatter(group, input_bytes: int) -> bool:
     return dist.get_backend(group) == "gloo" and input_bytes >= _GLOO_LIST_REDUCE_SCATTER_BYTES
 
 
-class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform):
+class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchStorageRelease, Platform):
     name = "torch"
 
     def __init__(self) -> None:
@@ -106,10 +106,6 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform)
     @property
     def capabilities(self) -> Capabilities:
         return self._capabilities
-
-    def keep_released_memory(self, nbytes: int) -> None:
-        if self._released is not None:
-            self._released.raise_limit(nbytes)
 
     # ------------------------------------------------------------------ process groups
     def is_initialized(self) -> bool:
@@ -267,40 +263,6 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, StorageRelease, Platform)
         # the in-place modification the version counter guards against.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
             dst.copy_(src)
-
-    def copy_into_slice(self, dst, dim, start, src) -> None:
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
-            dst.narrow(dim, start, src.shape[dim]).copy_(src)
-
-    def release_storage(self, tensor) -> None:
-        storage = tensor.untyped_storage()
-        if self._released is not None:
-            self._released.release(storage)
-        elif storage.size() != 0:
-            storage.resize_(0)
-
-    def restored_flat(self, full, numel, start):
-        offset = full.storage_offset() - start
-        storage = self._grow_storage(full, numel, offset)
-        # A new tensor on the same memory, not a view of ``full``: a collective's write then
-        # leaves the version counter autograd checks for ``full`` alone (it was saved by
-        # the forward, and refilling the values it had is no modification).
-        with torch.no_grad():
-            return full.new_empty(0).set_(storage, offset, (numel,))
-
-    def restore_storage(self, tensor) -> None:
-        # Several full parameters may be views of one buffer: size it for the furthest.
-        self._grow_storage(tensor, tensor.numel(), tensor.storage_offset())
-
-    def _grow_storage(self, tensor, numel: int, offset: int):
-        """The tensor's storage, given memory (kept memory first, see released_memory.py)
-        if needed to hold ``numel`` elements from element ``offset`` of the storage."""
-        storage = tensor.untyped_storage()
-        needed = (offset + numel) * tensor.element_size()
-        if storage.size() < needed and not (
-                self._released is not None and self._released.fill(storage, needed)):
-            storage.resize_(needed)
-        return storage
 
     def no_grad(self):
         return torch.no_grad()
