@@ -16,13 +16,6 @@ gradient is reduced over them. fully_shard then works on the data-parallel mesh,
 several dims joins them into one group ("flattening"), whose ranks ascend, whatever order
 the dims are listed in (both frameworks order a group's ranks so); that group is new, made
 once per mesh and dims.
-
-[Note: device names]
-A mesh names its device the way torch does, on both frameworks: "cpu", "cuda" or "npu"
-(MindSpore's device targets "CPU", "GPU" and "Ascend" are "cpu", "cuda" and "npu" here).
-Any other name is an error naming these, and so is a device this process does not compute
-on ("cpu" always exists): a CPU-only build asked for "cuda" says so at once rather than
-failing inside the framework.
 """
 
 from __future__ import annotations
@@ -33,10 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hyper_parallel.distributed import require_joined_job
+from hyper_parallel.fully_shard.device_names import check_device_type
 from hyper_parallel.platform import get_platform
-
-DEVICE_NAMES = ("cpu", "cuda", "npu")
-_OTHER_SPELLINGS = {"gpu": "cuda", "ascend": "npu"}  # MindSpore's device_target names
 
 
 class DeviceMesh:
@@ -134,22 +125,6 @@ def _validate(mesh_shape, mesh_dim_names, world_size) -> tuple:
     if len(set(names)) != len(names):
         raise ValueError(f"mesh_dim_names {names} has duplicates; give each dim its own name")
     return shape, names
-
-
-def check_device_type(platform, device_type: Any) -> None:
-    """Raise unless ``device_type`` is a known name of a device this process computes on
-    ([Note: device names])."""
-    if not isinstance(device_type, str) or device_type not in DEVICE_NAMES:
-        hint = ""
-        if isinstance(device_type, str) and device_type.strip().lower() in _OTHER_SPELLINGS:
-            hint = f" (for {device_type!r} write {_OTHER_SPELLINGS[device_type.strip().lower()]!r})"
-        raise ValueError(f"device_type must be one of {', '.join(map(repr, DEVICE_NAMES))}, got "
-                         f"{device_type!r}{hint}")
-    if device_type not in ("cpu", platform.device_type()):
-        raise ValueError(f"device_type {device_type!r}: this process has no {device_type} device "
-                         f"({platform.name} computes on {platform.device_type()!r} here: a build "
-                         f"without {device_type} support or a machine without one); use "
-                         f"{platform.device_type()!r}")
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int] | int, *,
