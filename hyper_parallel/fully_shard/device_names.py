@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 DEVICE_NAMES = ("cpu", "cuda", "npu")
-_OTHER_SPELLINGS = {"gpu": "cuda", "ascend": "npu"}  # MindSpore's device_target names
+# other spellings, lower-cased: MindSpore's device targets ("CPU", "GPU", "Ascend"), capitals
+_OTHER_SPELLINGS = {"gpu": "cuda", "ascend": "npu", **{name: name for name in DEVICE_NAMES}}
 
 
 def check_device_type(platform, device_type: Any) -> None:
