@@ -192,8 +192,8 @@ def as_dp_mesh_dims(value: Any) -> Any:
     ``torch.distributed.fsdp.DataParallelMeshDims``: the same fields, meaning the same, as
     ``Platform.option_from_native`` describes it); anything else as it is, for the caller's
     type check. A field ours lacks (a later torch's) is a TypeError naming it."""
-    if value is None or isinstance(value, DataParallelMeshDims):
-        return value
+    if value is None or isinstance(value, (DataParallelMeshDims, str, int, tuple, list)):
+        return value  # ours, or a plain value no framework makes: the caller's type check
     native = get_platform().option_from_native(value)
     if native is None or native[0] != "DataParallelMeshDims":
         return value

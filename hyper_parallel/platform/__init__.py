@@ -52,7 +52,7 @@ def module_framework(obj: Any) -> str | None:
     return None
 
 
-def _mismatch(name: str, why: str, module: Any) -> TypeError:
+def _mismatch(why: str, module: Any) -> TypeError:
     other = module_framework(module)
     return TypeError(f"{why}, but the module (a {type(module).__name__}) is a "
                      f"{MODULE_CLASSES[other][2]}; set HP_BACKEND={other} (one framework per "
@@ -102,14 +102,14 @@ def resolve_backend_name(value: str | None = None, module: Any = None) -> str:
     if raw.strip():
         name = _named(raw)
         if module_framework(module) not in (None, name):
-            raise _mismatch(name, f"HP_BACKEND={name}", module)
+            raise _mismatch(f"HP_BACKEND={name}", module)
         return name
     if not _UNSET_CHOICE:
         name, why = _first_choice(module)
         _UNSET_CHOICE.update(name=name, why=why)
     name = _UNSET_CHOICE["name"]
     if module_framework(module) not in (None, name):
-        raise _mismatch(name, f"this process runs hyper_parallel on {name} ({_UNSET_CHOICE['why']})",
+        raise _mismatch(f"this process runs hyper_parallel on {name} ({_UNSET_CHOICE['why']})",
                         module)
     return name
 
