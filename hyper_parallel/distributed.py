@@ -12,6 +12,16 @@ Whichever way the group was joined, a job of more than one rank gets a watchdog
 With ``debug_collectives`` (or ``HP_DEBUG=collectives``) the ranks also cross-check every
 collective before issuing it (hyper_parallel/collective_check.py), and the final barrier of
 ``destroy_distributed``.
+
+[Note: a launcher's job not joined]
+A launcher says how many ranks the job has: ``WORLD_SIZE`` (hp-run, torchrun),
+``MS_WORKER_NUM`` (msrun; it also sets ``RANK_SIZE``, as Ascend rank-table scripts do).
+A process whose launcher said more than one rank but which joined no group (it never
+called ``init_distributed``), or joined a group of one, would train alone: MindSpore
+would run every rank as an independent "rank 0 of 1", torch fails deep inside its mesh
+code. ``require_joined_job`` turns that into an error naming the fix, at ``fully_shard``
+and ``init_device_mesh``, before anything changes. A plain process that no launcher
+started keeps its world of one.
 """
 
 from __future__ import annotations
@@ -24,10 +34,13 @@ from hyper_parallel.platform import get_platform
 
 DEFAULT_TIMEOUT_S = 300.0
 DEBUG_FLAGS = ("collectives",)  # what HP_DEBUG may list (comma-separated)
+#: the variables by which launchers declare the job's number of ranks, first found wins
+LAUNCHER_WORLD_SIZE_VARS = ("WORLD_SIZE", "MS_WORKER_NUM", "RANK_SIZE")
 
 
 def init_distributed(timeout_s: float | None = None, debug_collectives: bool | None = None) -> None:
-    """Join the default process group of the framework HP_BACKEND selects, and watch its
+    """Join the default process group of this process's framework (hyper_parallel.platform,
+    [Note: which framework]), and watch its
     collectives: one blocked longer than ``timeout_s`` ends the process. ``debug_collectives``
     (default: whether ``HP_DEBUG`` lists ``collectives``): the ranks cross-check each
     collective before issuing it and raise where they differ, at the cost of one small
@@ -76,6 +89,35 @@ def _join(timeout: float) -> None:
         raise RuntimeError(f"init_distributed: RANK={rank} is outside [0, WORLD_SIZE={world_size})")
     platform.init_process_group(rank, world_size, os.environ["MASTER_ADDR"],
                                 int(os.environ["MASTER_PORT"]), timeout)
+
+
+def launcher_world_size() -> tuple[str, int] | None:
+    """``(variable, ranks)``: the job size a launcher declared in this process's
+    environment; None where no launcher declared one (or a value is not a number)."""
+    for variable in LAUNCHER_WORLD_SIZE_VARS:
+        value = os.environ.get(variable, "").strip()
+        if value:
+            return (variable, int(value)) if value.isdigit() else None
+    return None
+
+
+def require_joined_job(caller: str, platform) -> None:
+    """Raise where a launcher declared a job of several ranks that this process has not
+    joined ([Note: a launcher's job not joined])."""
+    declared = launcher_world_size()
+    if declared is None or declared[1] <= 1:
+        return
+    variable, ranks = declared
+    if not platform.is_initialized():
+        raise RuntimeError(
+            f"{caller}: the launcher started a job of {ranks} ranks ({variable}={ranks}) but this "
+            f"process has not joined it; call hp.init_distributed() first (at the top of the "
+            f"script, on every rank)")
+    if platform.world_size() == 1:
+        raise RuntimeError(
+            f"{caller}: the launcher started a job of {ranks} ranks ({variable}={ranks}) but this "
+            f"process joined a process group of 1 rank; join the launcher's job with "
+            f"hp.init_distributed() instead (it reads {variable} and the rendezvous variables)")
 
 
 def destroy_distributed() -> None:

@@ -1,9 +1,11 @@
 """``fully_shard``: make a module (or a list of modules) one unit of sharded parameters.
 
 [Note: validate everything, then change anything]
-``fully_shard`` first computes and checks the whole plan (mesh, managed parameters, shard
-dims and meshes, ignored parameters, parameters already managed elsewhere) and only then
-replaces parameters, swaps the class and installs hooks, so a bad call leaves the module
+``fully_shard`` first checks every argument (modules of the process's framework, a joined
+job where a launcher started one, policies and their dtypes, mesh and device, callables,
+thresholds) and computes and checks the whole plan (managed parameters, shard dims and
+meshes, ignored parameters, parameters already managed elsewhere); only then does it
+replace parameters, swap the class and install hooks, so a bad call leaves the module
 untouched.
 
 [Note: which parameters a unit manages]
@@ -28,13 +30,14 @@ from hyper_parallel.fully_shard.placement import placement_mesh, resolve_placeme
 from hyper_parallel.fully_shard.layout import LayoutStrategy
 from hyper_parallel.fully_shard.param_group import FSDPParamGroup
 from hyper_parallel.fully_shard.policy import (
-    CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_policy,
+    CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_policy, policy_dtypes,
 )
 from hyper_parallel.fully_shard.fsdp_module import (
     FSDPModule, _make_post_forward_group, _resolve_reshard_after_forward,
 )
 from hyper_parallel.fully_shard.state import STATE_ATTR, FSDPState
-from hyper_parallel.platform import get_platform
+from hyper_parallel.distributed import require_joined_job
+from hyper_parallel.platform import MODULE_CLASSES, get_platform, module_framework
 
 _REPLACED_BY = "_hp_replaced_by"    # on an original parameter a unit replaced
 
@@ -44,8 +47,22 @@ def _fsdp_class(cls: type) -> type:
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
 
 
-def _resolve_dtype(platform, dtype):
-    return platform.dtype(dtype) if isinstance(dtype, str) else dtype
+def _module_list(module) -> list:
+    """``module`` as a list of modules of one framework; anything else is a TypeError."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    expected = " or a ".join(spelling for *_, spelling in MODULE_CLASSES.values())
+    for m in modules:
+        if module_framework(m) is None:
+            raise TypeError(f"fully_shard takes a {expected}, or a list of them; got "
+                            f"{'None' if m is None else 'a ' + type(m).__name__}"
+                            f"{' in the list' if m is not module else ''}")
+    frameworks = sorted({module_framework(m) for m in modules})
+    if len(frameworks) > 1:
+        raise TypeError(f"fully_shard got modules of {' and '.join(frameworks)} in one list; a "
+                        f"unit's modules are of one framework")
+    return modules
 
 
 def _mesh_info(mesh: DeviceMesh, replicate_dims: tuple, shard_dims: tuple) -> MeshInfo:
@@ -145,10 +162,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     (torch on CPU: 1 MiB; CUDA and MindSpore: fuse).
     ``mp_policy`` and ``offload_policy`` are ours, or on torch FSDP2's own (policy.py).
     """
-    platform = get_platform()
-    modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    if not modules:
-        raise ValueError("fully_shard got an empty list of modules")
+    modules = _module_list(module)
+    platform = get_platform(modules[0])
+    require_joined_job("fully_shard", platform)
     for m in modules:
         if STATE_ATTR in m.__dict__:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "
@@ -156,6 +172,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     mp_policy = as_policy(mp_policy, MixedPrecisionPolicy, "mp_policy", platform.option_from_native)
     offload_policy = as_policy(offload_policy, OffloadPolicy, "offload_policy",
                                platform.option_from_native)
+    param_dtype, reduce_dtype, _ = policy_dtypes(platform, mp_policy)
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be a function of a parameter (or None), got "
+                        f"{shard_placement_fn!r}")
     device_mesh = as_device_mesh(mesh)
     replicate_dims, shard_dims = data_parallel_dims(device_mesh, dp_mesh_dims)
     if isinstance(offload_policy, CPUOffloadPolicy) and platform.device_type() != "cpu":
@@ -175,9 +195,6 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     ignored_ids.update(id(p) for m in modules for _, sub in platform.named_modules(m)
                        for p in platform.updated_in_forward(sub))
     managed, _ = _managed_params(platform, modules, ignored_ids)
-    param_dtype = _resolve_dtype(platform, mp_policy.param_dtype)
-    reduce_dtype = _resolve_dtype(platform, mp_policy.reduce_dtype)
-    _resolve_dtype(platform, mp_policy.output_dtype)
     plan = []
     for fqn, param, slots in managed:
         owner = getattr(param, _SHARDED_BY, None) or getattr(param, _REPLACED_BY, None)

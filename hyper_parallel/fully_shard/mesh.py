@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from hyper_parallel.distributed import require_joined_job
+from hyper_parallel.fully_shard.device_names import check_device_type
 from hyper_parallel.platform import get_platform
 
 
@@ -129,6 +131,8 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int] | int, *,
                      mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
     """Create a mesh over all ranks of the job (call on every rank, in the same order)."""
     platform = get_platform()
+    require_joined_job("init_device_mesh", platform)
+    check_device_type(platform, device_type)
     shape, names = _validate(mesh_shape, mesh_dim_names, platform.world_size())
     groups, native = platform.new_mesh_groups(device_type, shape, names)
     return DeviceMesh(device_type, shape, names, groups, native)
@@ -188,8 +192,8 @@ def as_dp_mesh_dims(value: Any) -> Any:
     ``torch.distributed.fsdp.DataParallelMeshDims``: the same fields, meaning the same, as
     ``Platform.option_from_native`` describes it); anything else as it is, for the caller's
     type check. A field ours lacks (a later torch's) is a TypeError naming it."""
-    if value is None or isinstance(value, DataParallelMeshDims):
-        return value
+    if value is None or isinstance(value, (DataParallelMeshDims, str, int, tuple, list)):
+        return value  # ours, or a plain value no framework makes: the caller's type check
     native = get_platform().option_from_native(value)
     if native is None or native[0] != "DataParallelMeshDims":
         return value

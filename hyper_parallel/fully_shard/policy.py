@@ -4,12 +4,55 @@ Dtypes may be given as framework dtypes or as names ("bfloat16"); the core resol
 through the platform so a policy can be written once for both frameworks. The classes carry
 torch FSDP2's names and fields with the same meaning, so torch's own policy objects are
 accepted too (``as_policy``).
+
+[Note: checked before use]
+A policy's bools and dtype names are checked when it is made; its framework dtypes by
+``policy_dtypes`` when ``fully_shard`` reads it, before anything changes. Only floating-point
+dtypes are accepted: a unit computes and reduces gradients in them, and an integer or
+complex dtype would fail later, in forward or backward, with the module already sharded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any, Callable
+
+#: the dtypes a policy accepts, by name; given as a name or as the framework's dtype
+FLOATING_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+_DTYPE_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype")
+
+
+def _check_fields(policy) -> None:
+    """The checks that need no framework ([Note: checked before use])."""
+    kind = type(policy).__name__
+    for field in fields(policy):
+        value = getattr(policy, field.name)
+        if field.type in (bool, "bool") and not isinstance(value, bool):
+            raise TypeError(f"{kind}.{field.name} must be True or False, got {value!r}")
+        if field.name in _DTYPE_FIELDS and isinstance(value, str) \
+                and value not in FLOATING_DTYPE_NAMES:
+            raise ValueError(f"{kind}.{field.name}: unknown dtype name {value!r}; valid: "
+                             f"{', '.join(FLOATING_DTYPE_NAMES)} (floating-point dtypes only)")
+
+
+def policy_dtypes(platform, policy) -> tuple:
+    """``(param_dtype, reduce_dtype, output_dtype)`` of ``policy`` as the platform's dtypes
+    (None where unset); anything but a floating-point dtype of this framework, or its name,
+    is a TypeError naming the accepted spellings."""
+    resolved = []
+    for name in _DTYPE_FIELDS:
+        value = getattr(policy, name)
+        if value is None or isinstance(value, str):
+            resolved.append(None if value is None else platform.dtype(value))
+            continue
+        if not any(type(value) is type(platform.dtype(known)) and value == platform.dtype(known)
+                   for known in FLOATING_DTYPE_NAMES):
+            accepted = ", ".join(f"{platform.name}.{known}" for known in FLOATING_DTYPE_NAMES)
+            raise TypeError(f"MixedPrecisionPolicy.{name} must be a floating-point dtype of "
+                            f"{platform.name} ({accepted}), its name as a string (e.g. "
+                            f"'bfloat16') or None; got {value!r}")
+        resolved.append(value)
+    return tuple(resolved)
 
 
 @dataclass(frozen=True)
@@ -34,6 +77,9 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
     apply_grad_on_fp32_main_grad: bool = False
 
+    def __post_init__(self):
+        _check_fields(self)
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:
@@ -50,6 +96,9 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+    def __post_init__(self):
+        _check_fields(self)
 
 
 _CLASSES = {cls.__name__: cls for cls in (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy)}
