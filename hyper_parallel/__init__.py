@@ -1,7 +1,8 @@
 """hyper_parallel: FSDP2-style fully_shard for PyTorch and MindSpore.
 
-Importing this package loads no framework; the first call that needs one picks it with
-HP_BACKEND (see hyper_parallel.platform).
+Importing this package loads no framework; the first call that needs one picks it:
+HP_BACKEND, else the model's framework, else the one the script imported
+(hyper_parallel.platform, [Note: which framework]).
 """
 
 from hyper_parallel.checkpoint import (
