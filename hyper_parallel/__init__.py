@@ -2,7 +2,9 @@
 
 Importing this package loads no framework; the first call that needs one picks it:
 HP_BACKEND, else the model's framework, else the one the script imported
-(hyper_parallel.platform, [Note: which framework]).
+(hyper_parallel.platform, [Note: which framework]). The tensor-parallel names
+(``parallelize_module``, the styles, ``Shard``/``Replicate``, ``loss_parallel``) are torch's
+own on torch and hyper_parallel.tensor_parallel's elsewhere (tensor_parallel/public_names.py).
 """
 
 from hyper_parallel.checkpoint import (
@@ -18,6 +20,7 @@ from hyper_parallel.fully_shard import (
     register_fsdp_forward_method, share_comm_ctx,
 )
 from hyper_parallel.platform import get_platform
+from hyper_parallel.tensor_parallel.public_names import TORCH_HOMES, public_name
 
 __version__ = "0.1.0"
 
@@ -29,4 +32,11 @@ __all__ = [
     "get_full_state_dict", "get_platform", "get_state_dict", "init_device_mesh",
     "init_distributed", "load_checkpoint", "register_fsdp_forward_method", "save_checkpoint",
     "set_state_dict", "share_comm_ctx", "torch_nn_names", "track_comms", "UnshardHandle",
+    *TORCH_HOMES,
 ]
+
+
+def __getattr__(name: str):
+    if name in TORCH_HOMES:
+        return public_name(name)
+    raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}")

@@ -45,6 +45,7 @@ from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
 from hyper_parallel.platform.mindspore.storage_release import MindSporeStorageRelease
+from hyper_parallel.platform.mindspore.tp_support import MindSporeTensorParallelSupport
 from hyper_parallel.platform.mindspore.jit_guard import refuse_jitted_construct
 from hyper_parallel.platform.mindspore.unshard_cell import run_differentiable
 
@@ -70,7 +71,8 @@ def _check_version() -> None:
             f"install it with: pip install 'mindspore=={SUPPORTED_MINOR}.*' 'numpy<2'")
 
 
-class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, Platform):
+class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, MindSporeTensorParallelSupport,
+                        Platform):
     name = "mindspore"
 
     def __init__(self) -> None:

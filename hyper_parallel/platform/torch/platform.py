@@ -24,6 +24,7 @@ from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.torch.state_io import TorchStateIO
 from hyper_parallel.platform.torch.storage_release import TorchStorageRelease
+from hyper_parallel.platform.torch.tp_support import TorchTensorParallelSupport
 from hyper_parallel.platform.torch.tensor_parallel import (
     TP_SPEC, TorchTensorParallel, as_tensor_parallel)
 from hyper_parallel.platform.torch.eager_hooks import call_eagerly, eager
@@ -83,7 +84,8 @@ def _uses_list_reduce_scatter(group, input_bytes: int) -> bool:
     return dist.get_backend(group) == "gloo" and input_bytes >= _GLOO_LIST_REDUCE_SCATTER_BYTES
 
 
-class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchStorageRelease, Platform):
+class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSupport,
+                    TorchStorageRelease, Platform):
     name = "torch"
 
     def __init__(self) -> None:

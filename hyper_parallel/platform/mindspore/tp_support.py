@@ -1,0 +1,41 @@
+"""TensorParallelSupport on MindSpore (platform/tp_support.py)."""
+
+from __future__ import annotations
+
+from mindspore import Parameter, mint, nn
+
+from hyper_parallel.platform.tp_support import ParallelLayer, TensorParallelSupport
+
+
+class MindSporeTensorParallelSupport(TensorParallelSupport):
+    def parallel_layer(self, module):
+        # nn.Dense applies its activation after the bias: on a row-wise split it would act
+        # on partial sums, so only a Dense without one is a linear layer here
+        if isinstance(module, nn.Dense) and getattr(module, "activation", None) is None:
+            return ParallelLayer("linear", "weight", "bias" if module.has_bias else None)
+        if isinstance(module, mint.nn.Linear):
+            return ParallelLayer("linear", "weight",
+                                 "bias" if getattr(module, "bias", None) is not None else None)
+        if isinstance(module, nn.Embedding):
+            return ParallelLayer("embedding", "embedding_table")
+        if isinstance(module, mint.nn.Embedding):
+            return ParallelLayer("embedding", "weight")
+        return None
+
+    def new_local_param(self, orig_param, local):
+        return Parameter(local + 0, name=orig_param.name, requires_grad=orig_param.requires_grad)
+
+    def set_local_param(self, module, attr_name, param):
+        module._params[attr_name] = param  # Cell.__setattr__ would check the name's prefix
+
+    def amax(self, tensor, dim):
+        return mint.amax(tensor, dim, True)
+
+    def sum_dim(self, tensor, dim):
+        return mint.sum(tensor, dim, True)
+
+    def take_along_dim(self, tensor, index, dim):
+        return mint.gather(tensor, dim, index)
+
+    def where(self, condition, tensor, other):
+        return mint.where(condition, tensor, other)

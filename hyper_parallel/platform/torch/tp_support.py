@@ -1,0 +1,34 @@
+"""TensorParallelSupport on torch (platform/tp_support.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from hyper_parallel.platform.tp_support import ParallelLayer, TensorParallelSupport
+
+
+class TorchTensorParallelSupport(TensorParallelSupport):
+    def parallel_layer(self, module):
+        if isinstance(module, torch.nn.Linear):
+            return ParallelLayer("linear", "weight", "bias" if module.bias is not None else None)
+        if isinstance(module, torch.nn.Embedding):
+            return ParallelLayer("embedding", "weight")
+        return None
+
+    def new_local_param(self, orig_param, local):
+        return torch.nn.Parameter(local.detach().clone(), requires_grad=orig_param.requires_grad)
+
+    def set_local_param(self, module, attr_name, param):
+        module.register_parameter(attr_name, param)
+
+    def amax(self, tensor, dim):
+        return torch.amax(tensor, dim, keepdim=True)
+
+    def sum_dim(self, tensor, dim):
+        return torch.sum(tensor, dim, keepdim=True)
+
+    def take_along_dim(self, tensor, index, dim):
+        return torch.gather(tensor, dim, index)
+
+    def where(self, condition, tensor, other):
+        return torch.where(condition, tensor, other)

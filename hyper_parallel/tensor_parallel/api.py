@@ -1,0 +1,98 @@
+"""``parallelize_module``: a plan of styles applied to a module's submodules over a 1-D mesh.
+
+[Note: plan keys]
+Keys are matched as torch matches them: split at ".", each part an ``fnmatch`` pattern
+over the names of the children at that level (so ``*`` matches one level), "" the module
+itself; a key may match several submodules, each gets the style. Where torch warns and
+skips a key matching no submodule, this raises: a plan that silently parallelizes less
+than written trains something else than intended.
+
+[Note: validate everything, then change anything]
+Every key is resolved and every (module, style) pair checked (``ParallelStyle.check``)
+before the first style applies, so a bad plan raises with the module untouched.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from typing import Any
+
+from hyper_parallel.fully_shard.mesh import as_device_mesh
+from hyper_parallel.platform import get_platform
+from hyper_parallel.tensor_parallel.layout import tensor_parallel_layout
+from hyper_parallel.tensor_parallel.style import ParallelStyle
+
+
+def _children(module: Any) -> list:
+    """``[(name, child)]``: the direct submodules of ``module``."""
+    return [(name, sub) for name, sub in get_platform().named_modules(module)
+            if name and "." not in name]
+
+
+def _resolve(module: Any, key: str) -> list:
+    """``[(qualified name, submodule)]`` that plan key ``key`` names under ``module``."""
+    if key == "":
+        return [("", module)]
+    found = [("", module)]
+    for token in key.split("."):
+        level = [(f"{path}.{name}" if path else name, child)
+                 for path, parent in found for name, child in _children(parent)
+                 if fnmatch(name, token)]
+        if not level:
+            names = sorted({name for _, parent in found for name, _ in _children(parent)})
+            raise KeyError(f"parallelize_module: plan key {key!r} matches no submodule: no "
+                           f"child matching {token!r} (children there: {names}); fix the key")
+        found = level
+    return found
+
+
+def _mesh_1d(device_mesh: Any) -> Any:
+    if device_mesh is None:
+        raise ValueError("parallelize_module needs device_mesh: a 1-D mesh of the "
+                         "tensor-parallel ranks (e.g. mesh['tp'])")
+    mesh = as_device_mesh(device_mesh)
+    if mesh.ndim != 1:
+        raise ValueError(f"parallelize_module takes a 1-D mesh; got a {mesh.ndim}-D mesh with "
+                         f"dims {mesh.mesh_dim_names}: pass the tensor-parallel sub-mesh, "
+                         f"e.g. mesh[{mesh.mesh_dim_names[-1]!r}]")
+    return mesh
+
+
+def parallelize_module(module: Any, device_mesh: Any = None,
+                       parallelize_plan: ParallelStyle | dict | None = None, *,
+                       src_data_rank: int | None = 0) -> Any:
+    """Apply ``parallelize_plan`` (a style, or ``{submodule key: style}``) to ``module``
+    over the 1-D ``device_mesh``; return ``module``. Split parameters take mesh rank
+    ``src_data_rank``'s values (None: each rank keeps its own)."""
+    if parallelize_plan is None:
+        return module
+    mesh = _mesh_1d(device_mesh)
+    if isinstance(parallelize_plan, ParallelStyle):
+        plan = {"": parallelize_plan}
+    elif isinstance(parallelize_plan, dict):
+        plan = parallelize_plan
+    else:
+        raise TypeError(f"parallelize_plan must be a ParallelStyle or a dict of them; got "
+                        f"{type(parallelize_plan).__name__}")
+    pairs, seen = [], {}
+    for key, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(f"parallelize_plan[{key!r}] must be a hyper_parallel.tensor_parallel "
+                            f"style; got {type(style).__name__}")
+        for name, sub in _resolve(module, key):
+            if id(sub) in seen:
+                raise ValueError(f"parallelize_module: submodule {name!r} is named by plan keys "
+                                 f"{seen[id(sub)]!r} and {key!r}; give each submodule one style")
+            seen[id(sub)] = key
+            pairs.append((name, sub, style))
+    platform = get_platform()
+    for name, sub, style in pairs:
+        for attr, param in platform.direct_params(sub):
+            if tensor_parallel_layout(param) is not None:
+                raise ValueError(f"parallelize_module: {name or 'the module'}.{attr} is "
+                                 f"tensor-parallel already; parallelize a module once")
+        style.check(sub, mesh)
+    for _, sub, style in pairs:
+        style.src_data_rank = src_data_rank
+        style.apply(sub, mesh)
+    return module

@@ -1,0 +1,113 @@
+"""What tensor parallelism records: the layout on each parameter it split or replicated, and
+the layout an activation carries between styles.
+
+[Note: one framework-neutral description per parameter]
+A parameter a style split holds only its local block, as a plain framework parameter (the
+module computes with it as with any parameter, and an optimizer updates it as any other).
+What the block is part of is recorded on the parameter itself, under ``LAYOUT_ATTR``, as
+one ``ParamLayout``: the mesh, the placement, the whole shape and this rank's offset in
+every dim. It is the only place fully_shard, checkpoints, export and clipping may learn
+that a parameter is part of a bigger one (``tensor_parallel_layout``); until they read
+it, they refuse such parameters (``refuse_tensor_parallel``) instead of taking a block for
+the whole.
+
+[Note: activations between styles]
+A style's output is a plain tensor (``use_local_output=True``, torch's default for the
+linear styles): this rank's local values, whose layout the next style is told by its
+``input_layouts``. With ``use_local_output=False`` it is a ``LayoutTensor``: the local
+tensor and its placement, which the next style reads instead of its ``input_layouts`` (as
+torch's styles read a DTensor's placements) and the loss (``cross_entropy``) requires.
+A ``LayoutTensor`` is no framework tensor: only styles, ``cross_entropy`` and
+``to_local()`` take it. Its gradient convention is DTensor's: the gradient a consumer
+returns for a *replicated* ``LayoutTensor`` is a partial sum, reduced once by whoever made
+it (redistribute.py); a plain tensor's gradient is always whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hyper_parallel.platform import get_platform
+from hyper_parallel.tensor_parallel.placement import Placement
+
+#: the attribute of a parameter that holds its ``ParamLayout``
+LAYOUT_ATTR = "hp_tensor_parallel"
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """A tensor-parallel parameter's place in the whole tensor."""
+
+    mesh: Any               # the 1-D hyper_parallel DeviceMesh it is split over
+    placement: Placement    # Shard(dim) or Replicate()
+    whole_shape: tuple      # the shape of the whole parameter
+    offset: tuple           # where this rank's block starts, per dim
+
+    @property
+    def mesh_dim_name(self) -> str:
+        return self.mesh.mesh_dim_names[0]
+
+
+def tensor_parallel_layout(param: Any) -> ParamLayout | None:
+    """The layout tensor parallelism recorded on ``param``; None for any other parameter."""
+    return getattr(param, LAYOUT_ATTR, None)
+
+
+def record_layout(param: Any, layout: ParamLayout) -> None:
+    setattr(param, LAYOUT_ATTR, layout)
+
+
+def refuse_tensor_parallel(module: Any, entry_point: str) -> None:
+    """Raise NotImplementedError if a parameter of ``module`` (its submodules included, or
+    an iterable of parameters) carries a core tensor-parallel layout: ``entry_point`` does
+    not read that layout yet and would take the local block for the whole parameter."""
+    platform = get_platform()
+    if platform.is_tensor(module):
+        named = [("", module)]
+    elif hasattr(module, "__iter__") and not hasattr(module, "named_parameters") \
+            and not hasattr(module, "parameters_and_names"):
+        named = [(str(i), p) for i, p in enumerate(module)]
+    else:
+        named = [(f"{prefix}.{attr}" if prefix else attr, param)
+                 for prefix, sub in platform.named_modules(module)
+                 for attr, param in platform.direct_params(sub)]
+    for name, param in named:
+        if tensor_parallel_layout(param) is not None:
+            raise NotImplementedError(
+                f"{entry_point} over a module split by hyper_parallel.tensor_parallel."
+                f"parallelize_module is not supported yet: parameter {name!r} holds only this "
+                f"rank's block of a {tensor_parallel_layout(param).whole_shape} tensor; use "
+                f"tensor parallelism without {entry_point} for now")
+
+
+class LayoutTensor:
+    """A local tensor and its placement, as one style hands it to the next with
+    ``use_local_output=False`` (torch: a DTensor). See [Note: activations between styles]."""
+
+    def __init__(self, local: Any, placement: Placement, mesh: Any):
+        self._local = local
+        self.placement = placement
+        self.device_mesh = mesh
+
+    @property
+    def placements(self) -> tuple:
+        return (self.placement,)
+
+    @property
+    def shape(self) -> tuple:
+        """The whole tensor's shape (as a DTensor's)."""
+        shape = list(get_platform().shape(self._local))
+        if self.placement.is_shard():
+            dim = self.placement.dim % len(shape)
+            shape[dim] *= self.device_mesh.size()
+        return tuple(shape)
+
+    def to_local(self) -> Any:
+        """This rank's values as a plain tensor (its gradient then counts as whole)."""
+        from hyper_parallel.tensor_parallel.redistribute import redistribute
+
+        return redistribute(self, self.placement, local_result=True)
+
+    def __repr__(self) -> str:
+        return f"LayoutTensor(shape={self.shape}, placement={self.placement})"

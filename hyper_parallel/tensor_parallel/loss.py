@@ -1,0 +1,95 @@
+"""Loss parallelism: cross entropy over logits split on the class dim, never gathered.
+
+[Note: the arithmetic, as torch's loss_parallel]
+Over logits ``x`` split on the class dim (a ``LayoutTensor`` in Shard(1) of an
+``(N, C)`` tensor, e.g. a column-wise head with ``use_local_output=False``):
+log-softmax with the row maximum and the sum of exponentials each all-reduced (max, sum);
+the target's log-probability read on the rank whose columns hold it (zero on the others)
+and all-reduced; ``ignore_index`` rows count zero and are left out of the mean. The
+backward needs no collective: each rank's gradient is ``(exp(logp) - onehot) * g`` on its
+own columns, ``g`` the incoming gradient (divided by the number of counted rows for
+"mean"). Each step is the one torch 2.13's ``loss_parallel`` takes, in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.platform import get_platform
+from hyper_parallel.tensor_parallel import collectives as C
+from hyper_parallel.tensor_parallel.layout import LayoutTensor
+from hyper_parallel.tensor_parallel.placement import Shard, normalized
+
+_ENABLED = contextvars.ContextVar("hp_loss_parallel", default=False)
+
+
+@contextlib.contextmanager
+def loss_parallel():
+    """Within it, ``cross_entropy`` takes logits split on the class dim (torch's
+    ``loss_parallel()``; torch also needs the backward inside it, this does not)."""
+    token = _ENABLED.set(True)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def cross_entropy(input: Any, target: Any, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
+    """``F.cross_entropy(input, target)`` over ``input``, a ``LayoutTensor`` of ``(N, C)``
+    logits in Shard(1), inside ``loss_parallel()``; ``target``: ``(N,)`` class ids,
+    replicated. Returns a plain tensor, the same on every rank."""
+    if not _ENABLED.get():
+        raise RuntimeError("hyper_parallel.tensor_parallel.cross_entropy computes over logits "
+                           "split on the class dim only inside loss_parallel(); wrap the loss "
+                           "in `with loss_parallel():`")
+    p = get_platform()
+    if not isinstance(input, LayoutTensor) or len(input.shape) != 2 or \
+            normalized(input.placement, 2) != Shard(1):
+        raise ValueError(f"loss_parallel cross_entropy takes (N, C) logits split on the class "
+                         f"dim: a LayoutTensor in Shard(1) (a column-wise head with "
+                         f"use_local_output=False); got {input!r}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
+    if label_smoothing:
+        raise NotImplementedError("loss_parallel cross_entropy: label_smoothing is not "
+                                  "supported (nor is it by torch's loss_parallel)")
+    mesh = input.device_mesh
+    local = input._local
+    columns = p.shape(local)[1]
+    low = mesh.get_local_rank(0) * columns
+    counted = p.not_equal(target, ignore_index)
+    safe = p.where(counted, target, 0)
+    mine = p.in_range(safe, low, low + columns)
+    column = p.reshape(p.where(mine, p.subtract(safe, low), 0), (-1, 1))
+    saved = {}
+
+    def forward(inputs):
+        x = inputs[0]
+        shifted = p.subtract(x, C.summed(p.amax(x, 1), mesh, op="max"))
+        sumexp = C.summed(p.sum_dim(p.exp(shifted), 1), mesh)
+        logp = p.subtract(shifted, p.log(sumexp))
+        picked = p.where(p.reshape(mine, (-1, 1)), p.take_along_dim(logp, column, 1), 0.0)
+        losses = p.where(counted, p.reshape(-C.summed(picked, mesh), (-1,)), 0.0)
+        total = p.cast(p.total(counted), p.dtype_of(x))
+        saved.update(logp=logp, total=total)
+        if reduction == "none":
+            return [losses]
+        summed = p.total(losses)
+        return [summed if reduction == "sum" else p.divide(summed, total)]
+
+    def backward(grads):
+        grad = grads[0]
+        if reduction == "mean":
+            grad = p.divide(grad, saved["total"])
+        grad = p.reshape(p.where(counted, grad, 0.0), (-1, 1))
+        arange = p.from_numpy(np.arange(columns, dtype=np.int64).reshape(1, -1))
+        onehot = p.cast(p.equal(arange, column), p.dtype_of(saved["logp"]))
+        onehot = p.multiply(onehot, p.cast(p.reshape(mine, (-1, 1)), p.dtype_of(onehot)))
+        return [p.multiply(p.add(-onehot, p.exp(saved["logp"])), grad)]
+
+    return p.differentiable_call([local], forward, backward)[0]

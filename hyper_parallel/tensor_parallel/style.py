@@ -1,0 +1,87 @@
+"""``ParallelStyle``: what every style does to a module, and the parameter split they share.
+
+[Note: check, then change]
+``parallelize_module`` first asks every style of the plan whether it can apply to its
+modules (``check``: the layer kind, even splits, the layouts), and only when all can does
+it call ``apply``. ``apply`` replaces parameters by their local blocks (recording each
+block's ``ParamLayout``) and installs the forward hooks that move activations; it raises
+nothing a check could have found.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hyper_parallel.platform import get_platform
+from hyper_parallel.tensor_parallel.layout import ParamLayout, record_layout
+from hyper_parallel.tensor_parallel.placement import Placement, Replicate, Shard
+
+
+class ParallelStyle:
+    """How ``parallelize_module`` parallelizes one module (torch's ``ParallelStyle``)."""
+
+    #: the mesh rank whose values a split parameter takes (torch's ``src_data_rank``);
+    #: ``parallelize_module`` sets it on the style; None: every rank keeps its own values
+    src_data_rank: int | None = 0
+
+    def check(self, module: Any, mesh: Any) -> None:
+        """Raise the error ``apply`` would meet, before anything changes."""
+
+    def apply(self, module: Any, mesh: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement apply")
+
+
+def whole_values(param: Any, mesh: Any, src_data_rank: int | None) -> Any:
+    """The whole parameter as mesh rank ``src_data_rank`` holds it (every rank's own
+    values for None), so that every rank starts from the same whole tensor, as torch's
+    ``distribute_tensor`` scatters rank 0's (here: an all-gather of it, at apply time)."""
+    p = get_platform()
+    if src_data_rank is None or mesh.size() == 1:
+        return param
+    with p.no_grad():
+        flat = p.contiguous(p.reshape(param, (-1,)))
+        pieces = p.all_gather(flat, mesh.get_group(0), dim=mesh.mesh_dim_names[0]).wait().pieces
+        return p.reshape(p.clone(pieces[src_data_rank]), p.shape(param))
+
+
+def split_param(module: Any, attr: str, placement: Placement, mesh: Any,
+                src_data_rank: int | None) -> None:
+    """Replace ``module.<attr>`` by a plain parameter holding this rank's block of it in
+    ``placement`` (Shard(dim) or Replicate), its ``ParamLayout`` recorded on it."""
+    p = get_platform()
+    param = p.registered_param(module, attr)
+    shape = tuple(p.shape(param))
+    values = whole_values(param, mesh, src_data_rank)
+    offset = [0] * len(shape)
+    if isinstance(placement, Shard):
+        size = shape[placement.dim] // mesh.size()
+        offset[placement.dim] = mesh.get_local_rank(0) * size
+        with p.no_grad():
+            values = p.narrow(values, placement.dim, offset[placement.dim], size)
+    new = p.new_local_param(param, p.contiguous(values))
+    record_layout(new, ParamLayout(mesh, placement, shape, tuple(offset)))
+    p.set_local_param(module, attr, new)
+
+
+def record_replicated(module: Any, mesh: Any) -> list:
+    """Record every parameter of ``module`` (its own, not its submodules') as replicated
+    over ``mesh``, values and objects unchanged; return their names."""
+    p = get_platform()
+    names = []
+    for attr, param in p.direct_params(module):
+        record_layout(param, ParamLayout(mesh, Replicate(), tuple(p.shape(param)),
+                                         (0,) * len(p.shape(param))))
+        names.append(attr)
+    return names
+
+
+def check_even(module: Any, attr: str, dim: int, mesh: Any, style: str) -> None:
+    """ValueError unless ``module.<attr>`` splits evenly along ``dim`` over ``mesh``."""
+    p = get_platform()
+    shape = tuple(p.shape(p.registered_param(module, attr)))
+    if shape[dim] % mesh.size():
+        raise ValueError(
+            f"{style}: parameter {attr!r} of {type(module).__name__} has shape {shape}; its "
+            f"dim {dim} ({shape[dim]}) does not split evenly over {mesh.size()} ranks, and "
+            f"hyper_parallel.tensor_parallel supports even splits only (torch also splits "
+            f"unevenly); choose sizes divisible by the tensor-parallel degree")

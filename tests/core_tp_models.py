@@ -1,0 +1,183 @@
+"""The models and plans of the core tensor-parallel tests (tests/core_tp_scenarios.py), one
+per framework with the same structure, parameter names and initial values.
+
+A small language model: a vocabulary-parallel embedding, one pre-norm block (attention with
+q/k/v column-wise and o row-wise; an MLP with w1 column-wise and w2 row-wise), a final norm
+and a column-wise head. Two plans:
+
+- ``replicated``: activations replicated between blocks (the styles' default layouts),
+  norms left whole, the head's logits gathered (``output_layouts=Replicate()``);
+- ``sequence``: torchtitan's sequence-parallel plan: embedding and row-wise outputs
+  Shard(1), norms ``SequenceParallel``, the attention's input prepared by
+  ``PrepareModuleInput`` and the MLP's by ``PrepareModuleInputOutput``, the head's
+  logits left split on the class dim for loss parallelism.
+
+The head reads ``h.reshape(-1, dim)``: under the sequence plan each rank's rows are its
+own sequence part, so the gathered rows are rank-major (``targets_for``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+VOCAB, DIM, HEAD_DIM, HIDDEN = 16, 8, 4, 16
+BATCH, SEQ = 2, 4
+STEPS = 3
+
+
+def init_values(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    shapes = {"embed.weight": (VOCAB, DIM), "attn_norm.weight": (DIM,), "attn_norm.bias": (DIM,),
+              "ffn_norm.weight": (DIM,), "ffn_norm.bias": (DIM,), "norm.weight": (DIM,),
+              "norm.bias": (DIM,), "head.weight": (VOCAB, DIM)}
+    for name in ("wq", "wk", "wv", "wo"):
+        shapes[f"attn.{name}.weight"], shapes[f"attn.{name}.bias"] = (DIM, DIM), (DIM,)
+    shapes["ffn.w1.weight"], shapes["ffn.w1.bias"] = (HIDDEN, DIM), (HIDDEN,)
+    shapes["ffn.w2.weight"], shapes["ffn.w2.bias"] = (DIM, HIDDEN), (DIM,)
+    values = {}
+    for name, shape in shapes.items():
+        scale = 1.0 if name.endswith("norm.weight") else 0.3
+        base = 1.0 if name.endswith("norm.weight") else 0.0
+        values[name] = (base + scale * rng.standard_normal(shape)).astype(np.float32)
+    return values
+
+
+def batches(seed: int = 1) -> list:
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int64),
+             rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int64)) for _ in range(STEPS)]
+
+
+def targets_for(targets: np.ndarray, plan: str, tp: int) -> np.ndarray:
+    """The head's rows' targets: natural order, or rank-major under the sequence plan."""
+    if plan != "sequence":
+        return targets.reshape(-1)
+    return np.concatenate([part.reshape(-1) for part in np.split(targets, tp, axis=1)])
+
+
+def plan(names, kind: str) -> dict:
+    """The plan ``kind`` with the styles and placements of ``names`` (a module: torch's
+    ``torch.distributed.tensor.parallel`` + placements, or hyper_parallel.tensor_parallel)."""
+    Shard, Replicate = names.Shard, names.Replicate
+    col, row = names.ColwiseParallel, names.RowwiseParallel
+    if kind == "replicated":
+        return {"embed": row(input_layouts=Replicate()), "attn.w[qkv]": col(),
+                "attn.wo": row(), "ffn.w1": col(), "ffn.w2": row(),
+                "head": col(output_layouts=Replicate())}
+    return {
+        "embed": row(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "*_norm": names.SequenceParallel(),
+        "attn": names.PrepareModuleInput(input_layouts=(Shard(1),),
+                                         desired_input_layouts=(Replicate(),)),
+        "attn.w[qkv]": col(), "attn.wo": row(output_layouts=Shard(1)),
+        "ffn": names.PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),)),
+        "ffn.w1": col(), "ffn.w2": row(output_layouts=Shard(1), use_local_output=False),
+        "norm": names.SequenceParallel(use_local_output=True),
+        "head": col(input_layouts=Shard(0), use_local_output=False),
+    }
+
+
+def torch_model():
+    import torch
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM) for _ in range(4))
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = (w(x).view(b, s, -1, HEAD_DIM).transpose(1, 2)
+                       for w in (self.wq, self.wk, self.wv))
+            scores = torch.softmax(q @ k.transpose(-1, -2) / HEAD_DIM ** 0.5, -1)
+            return self.wo((scores @ v).transpose(1, 2).reshape(b, s, -1))
+
+    class FeedForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+
+        def forward(self, x):
+            return self.w2(torch.relu(self.w1(x)))
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.attn_norm, self.attn = nn.LayerNorm(DIM), Attention()
+            self.ffn_norm, self.ffn = nn.LayerNorm(DIM), FeedForward()
+            self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            h = h + self.attn(self.attn_norm(h))
+            h = h + self.ffn(self.ffn_norm(h))
+            h = self.norm(h)
+            return self.head(h.reshape(-1, h.shape[-1]))
+
+    model = LM()
+    values = init_values()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.from_numpy(values[name]))
+    return model
+
+
+#: MindSpore parameter names -> the torch names of init_values
+MS_NAMES = {"embed.embedding_table": "embed.weight"}
+
+
+def mindspore_name(name: str) -> str:
+    """A MindSpore model's parameter name as torch's (gamma/beta of nn.LayerNorm)."""
+    name = MS_NAMES.get(name, name)
+    return name.replace(".gamma", ".weight").replace(".beta", ".bias")
+
+
+def mindspore_model():
+    import mindspore as ms
+    from mindspore import mint, nn
+
+    class Attention(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk, self.wv, self.wo = (nn.Dense(DIM, DIM) for _ in range(4))
+
+        def construct(self, x):
+            b, s, _ = x.shape
+            q, k, v = (w(x).view(b, s, -1, HEAD_DIM).swapaxes(1, 2)
+                       for w in (self.wq, self.wk, self.wv))
+            scores = mint.softmax(mint.matmul(q, k.swapaxes(-1, -2)) / HEAD_DIM ** 0.5, -1)
+            return self.wo(mint.matmul(scores, v).swapaxes(1, 2).reshape(b, s, -1))
+
+    class FeedForward(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = mint.nn.Linear(DIM, HIDDEN), mint.nn.Linear(HIDDEN, DIM)
+
+        def construct(self, x):
+            return self.w2(mint.nn.functional.relu(self.w1(x)))
+
+    class LM(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.attn_norm, self.attn = nn.LayerNorm((DIM,)), Attention()
+            self.ffn_norm, self.ffn = mint.nn.LayerNorm(DIM), FeedForward()
+            self.norm = nn.LayerNorm((DIM,))
+            self.head = nn.Dense(DIM, VOCAB, has_bias=False)
+
+        def construct(self, ids):
+            h = self.embed(ids)
+            h = h + self.attn(self.attn_norm(h))
+            h = h + self.ffn(self.ffn_norm(h))
+            h = self.norm(h)
+            return self.head(h.reshape(-1, h.shape[-1]))
+
+    model = LM()
+    values = init_values()
+    for name, param in model.parameters_and_names():
+        param.set_data(ms.Tensor(values[mindspore_name(name)]))
+    return model
