@@ -38,6 +38,7 @@ import numpy as np
 from hyper_parallel.fully_shard.param import FSDPParam, fsdp_param_of
 from hyper_parallel.fully_shard.placement import ranks_spanned
 from hyper_parallel.platform import get_platform
+from hyper_parallel.tensor_parallel.layout import refuse_tensor_parallel
 
 if TYPE_CHECKING:
     from hyper_parallel.platform import Platform
@@ -58,6 +59,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
     platform = get_platform()
     max_norm, norm_type = _checked_numbers(max_norm, norm_type)
     params = _as_list(platform, parameters, "parameters")
+    refuse_tensor_parallel(params, "clip_grad_norm_")
     if grads is None:
         if platform.capabilities.returns_grads_from_backward:
             raise TypeError(f"on {platform.name} gradients are returned by value_and_grad, not "

@@ -2,7 +2,8 @@
 per framework with the same structure, parameter names and initial values.
 
 A small language model: a vocabulary-parallel embedding, one pre-norm block (attention with
-q/k/v column-wise and o row-wise; an MLP with w1 column-wise and w2 row-wise), a final norm
+q/k/v column-wise (k without bias: a key bias gets a zero gradient, whose rounding noise
+AdamW's normalisation would amplify into steps that differ between any two runs) and o row-wise; an MLP with w1 column-wise and w2 row-wise), a final norm
 and a column-wise head. Two plans:
 
 - ``replicated``: activations replicated between blocks (the styles' default layouts),
@@ -32,6 +33,7 @@ def init_values(seed: int = 0) -> dict:
               "norm.bias": (DIM,), "head.weight": (VOCAB, DIM)}
     for name in ("wq", "wk", "wv", "wo"):
         shapes[f"attn.{name}.weight"], shapes[f"attn.{name}.bias"] = (DIM, DIM), (DIM,)
+    del shapes["attn.wk.bias"]  # its gradient is zero (softmax ignores a shift of all keys)
     shapes["ffn.w1.weight"], shapes["ffn.w1.bias"] = (HIDDEN, DIM), (HIDDEN,)
     shapes["ffn.w2.weight"], shapes["ffn.w2.bias"] = (DIM, HIDDEN), (DIM,)
     values = {}
@@ -86,7 +88,8 @@ def torch_model():
     class Attention(nn.Module):
         def __init__(self):
             super().__init__()
-            self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM) for _ in range(4))
+            self.wq, self.wv, self.wo = (nn.Linear(DIM, DIM) for _ in range(3))
+            self.wk = nn.Linear(DIM, DIM, bias=False)
 
         def forward(self, x):
             b, s, _ = x.shape
@@ -143,7 +146,8 @@ def mindspore_model():
     class Attention(nn.Cell):
         def __init__(self):
             super().__init__()
-            self.wq, self.wk, self.wv, self.wo = (nn.Dense(DIM, DIM) for _ in range(4))
+            self.wq, self.wv, self.wo = (nn.Dense(DIM, DIM) for _ in range(3))
+            self.wk = nn.Dense(DIM, DIM, has_bias=False)
 
         def construct(self, x):
             b, s, _ = x.shape
@@ -165,7 +169,7 @@ def mindspore_model():
             super().__init__()
             self.embed = nn.Embedding(VOCAB, DIM)
             self.attn_norm, self.attn = nn.LayerNorm((DIM,)), Attention()
-            self.ffn_norm, self.ffn = mint.nn.LayerNorm(DIM), FeedForward()
+            self.ffn_norm, self.ffn = nn.LayerNorm((DIM,)), FeedForward()
             self.norm = nn.LayerNorm((DIM,))
             self.head = nn.Dense(DIM, VOCAB, has_bias=False)
 

@@ -134,10 +134,10 @@ def _ms_train(model, kind: str, loss_fn, ids_of, targets_of) -> dict:
 
 def run_mindspore_against_one_process(plan_kind: str, kind: str) -> dict:
     """The core's styles at tp2, and the same model trained whole in this process."""
-    from mindspore import mint
+    from mindspore import ops
 
     def whole_loss(logits, target):
-        return mint.nn.functional.cross_entropy(logits, target)
+        return ops.cross_entropy(logits, target)
 
     reference = _ms_train(mindspore_model(), kind, whole_loss, lambda ids: ids,
                           lambda targets: targets_for(targets, "replicated", TP))

@@ -41,6 +41,7 @@ from hyper_parallel.checkpoint.names import resolve
 from hyper_parallel.checkpoint.state_dict import slot_owners
 from hyper_parallel.fully_shard.placement import ranks_spanned
 from hyper_parallel.fully_shard.state import STATE_ATTR
+from hyper_parallel.tensor_parallel.layout import refuse_tensor_parallel
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.param import FSDPParam
@@ -81,6 +82,7 @@ def held_params(platform: Platform, model: Any, key_map: Any = None,
     """One ``Held`` per distinct parameter of ``model`` (and, with ``buffers``, per buffer),
     by its first qualified name, stored under what ``key_map`` makes of it (names.py); the
     values it maps to None are left out."""
+    refuse_tensor_parallel(model, "checkpoints")
     _check_unit_meshes(platform, model)
     owners = slot_owners(platform, model)
     found, seen = [], set()  # found: (name, value, FSDPParam or None)

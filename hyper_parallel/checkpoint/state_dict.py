@@ -27,6 +27,7 @@ import numpy as np
 
 from hyper_parallel.fully_shard.state import STATE_ATTR
 from hyper_parallel.platform import get_platform
+from hyper_parallel.tensor_parallel.layout import refuse_tensor_parallel
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.param import FSDPParam
@@ -104,6 +105,7 @@ def state_entries(model: Any, optimizer: Any = None, tensor_parallel_parts: bool
     """Every value of the model (in module order) and then of the optimizer, as ``Entry``.
     A tensor-parallel parameter (torch) is an error, or with ``tensor_parallel_parts`` its
     data-parallel layout over this rank's tensor-parallel part."""
+    refuse_tensor_parallel(model, "state dicts")
     platform = get_platform()
     owners = slot_owners(platform, model)
     entries, keys, by_param = [], set(), {}  # by_param: id(parameter) -> (key, FSDPParam)

@@ -38,6 +38,7 @@ from hyper_parallel.fully_shard.fsdp_module import (
 from hyper_parallel.fully_shard.state import STATE_ATTR, FSDPState
 from hyper_parallel.distributed import require_joined_job
 from hyper_parallel.platform import MODULE_CLASSES, get_platform, module_framework
+from hyper_parallel.tensor_parallel.layout import refuse_tensor_parallel
 
 _REPLACED_BY = "_hp_replaced_by"    # on an original parameter a unit replaced
 
@@ -165,6 +166,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     modules = _module_list(module)
     platform = get_platform(modules[0])
     require_joined_job("fully_shard", platform)
+    refuse_tensor_parallel(modules, "fully_shard")
     for m in modules:
         if STATE_ATTR in m.__dict__:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "

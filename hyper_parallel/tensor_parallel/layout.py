@@ -58,27 +58,26 @@ def record_layout(param: Any, layout: ParamLayout) -> None:
     setattr(param, LAYOUT_ATTR, layout)
 
 
-def refuse_tensor_parallel(module: Any, entry_point: str) -> None:
-    """Raise NotImplementedError if a parameter of ``module`` (its submodules included, or
-    an iterable of parameters) carries a core tensor-parallel layout: ``entry_point`` does
-    not read that layout yet and would take the local block for the whole parameter."""
+def refuse_tensor_parallel(values: Any, entry_point: str) -> None:
+    """Raise NotImplementedError if a parameter in ``values`` (a module and its submodules,
+    or a list of modules or parameters) carries a core tensor-parallel layout:
+    ``entry_point`` does not read that layout yet and would take the local block for the
+    whole parameter."""
     platform = get_platform()
-    if platform.is_tensor(module):
-        named = [("", module)]
-    elif hasattr(module, "__iter__") and not hasattr(module, "named_parameters") \
-            and not hasattr(module, "parameters_and_names"):
-        named = [(str(i), p) for i, p in enumerate(module)]
-    else:
-        named = [(f"{prefix}.{attr}" if prefix else attr, param)
-                 for prefix, sub in platform.named_modules(module)
-                 for attr, param in platform.direct_params(sub)]
-    for name, param in named:
-        if tensor_parallel_layout(param) is not None:
-            raise NotImplementedError(
-                f"{entry_point} over a module split by hyper_parallel.tensor_parallel."
-                f"parallelize_module is not supported yet: parameter {name!r} holds only this "
-                f"rank's block of a {tensor_parallel_layout(param).whole_shape} tensor; use "
-                f"tensor parallelism without {entry_point} for now")
+    items = values if isinstance(values, (list, tuple)) else [values]
+    for item in items:
+        named = [("", item)] if platform.is_tensor(item) else [
+            (f"{prefix}.{attr}" if prefix else attr, param)
+            for prefix, sub in platform.named_modules(item)
+            for attr, param in platform.direct_params(sub)]
+        for name, param in named:
+            layout = tensor_parallel_layout(param)
+            if layout is not None:
+                raise NotImplementedError(
+                    f"{entry_point} over a module split by hyper_parallel.tensor_parallel."
+                    f"parallelize_module is not supported yet: parameter {name or '(given)'!r} "
+                    f"holds only this rank's block of a {layout.whole_shape} tensor; use "
+                    f"tensor parallelism without {entry_point} for now")
 
 
 class LayoutTensor:
