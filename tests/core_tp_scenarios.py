@@ -33,6 +33,35 @@ def _layout_record(param) -> dict | None:
             "offset": layout.offset}
 
 
+def _calls(window) -> dict:
+    """``{op: calls}`` over the tensor-parallel mesh dim in a ``track_comms`` window."""
+    return {op: window.calls(op, dim="tp") for op in ("all_gather", "reduce_scatter",
+                                                      "all_reduce")}
+
+
+def refusals(model, grads, directory: str) -> dict:
+    """What each entry point that does not read tensor-parallel layouts yet says of
+    ``model``, and whether the checkpoint directory was left unmade."""
+    platform = hp.get_platform()
+    params = [p for _, sub in platform.named_modules(model) for _, p in platform.direct_params(sub)]
+    path = f"{directory}/ckpt-{platform.rank()}"
+    calls = {"fully_shard": lambda: hp.fully_shard(model),
+             "get_state_dict": lambda: hp.get_state_dict(model),
+             "save_checkpoint": lambda: hp.save_checkpoint(path, model),
+             "clip_grad_norm_": lambda: hp.clip_grad_norm_(
+                 params, 1.0, grads=None if grads is None else list(grads))}
+    said = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except NotImplementedError as error:
+            said[name] = str(error)
+    import os
+
+    said["checkpoint_dir_made"] = os.path.exists(path)
+    return said
+
+
 # ---------------------------------------------------------------- torch
 def _torch_optimizer(kind, params):
     import torch
@@ -62,22 +91,23 @@ def _torch_train(model, kind: str, plan_kind: str, loss_context, cross_entropy) 
     import torch
 
     opt = _torch_optimizer(kind, list(model.parameters()))
-    losses, grads, params = [], None, []
+    losses, grads, params, counts = [], None, [], None
     for ids, targets in batches():
         target = torch.from_numpy(targets_for(targets, plan_kind, TP))
-        with loss_context():
+        with loss_context(), hp.track_comms() as window:
             loss = cross_entropy(model(torch.from_numpy(ids)), target)
             loss.backward()
+        counts = counts or _calls(window)
         losses.append(float(_torch_local(loss)))
         if grads is None:
             grads = {n: _torch_grad(p) for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         params.append({n: _torch_local(p) for n, p in model.named_parameters()})
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "calls": counts}
 
 
-def run_torch_against_dtensor(plan_kind: str, kind: str) -> dict:
+def run_torch_against_dtensor(plan_kind: str, kind: str, directory: str) -> dict:
     """One plan and optimizer, under torch's DTensor TP and under the core's styles."""
     import contextlib
 
@@ -104,6 +134,7 @@ def run_torch_against_dtensor(plan_kind: str, kind: str) -> dict:
                             core_tp.loss_parallel if sequence else contextlib.nullcontext,
                             core_tp.cross_entropy if sequence else F.cross_entropy)
     core_run["layouts"] = {n: _layout_record(p) for n, p in model.named_parameters()}
+    core_run["refusals"] = refusals(model, None, directory)
     return {"torch": torch_run, "core": core_run}
 
 
@@ -120,19 +151,22 @@ def _ms_train(model, kind: str, loss_fn, ids_of, targets_of) -> dict:
         return loss_fn(model(ids), target)
 
     grad_fn = ms.value_and_grad(forward, None, opt.parameters)
-    losses, snapshots = [], []
+    losses, snapshots, counts = [], [], None
     for ids, targets in batches():
-        loss, grads = grad_fn(ms.Tensor(ids_of(ids)), ms.Tensor(targets_of(targets)))
+        with hp.track_comms() as window:
+            loss, grads = grad_fn(ms.Tensor(ids_of(ids)), ms.Tensor(targets_of(targets)))
+            loss.asnumpy()  # the step's collectives have run
+        counts = counts or _calls(window)
         opt(grads)
         losses.append(float(loss.asnumpy()))
         snapshots.append({mindspore_name(n): p.asnumpy().copy()
                           for n, p in model.parameters_and_names()})
-    return {"losses": losses, "params": snapshots,
+    return {"losses": losses, "params": snapshots, "calls": counts, "grads": grads,
             "layouts": {mindspore_name(n): _layout_record(p)
                         for n, p in model.parameters_and_names()}}
 
 
-def run_mindspore_against_one_process(plan_kind: str, kind: str) -> dict:
+def run_mindspore_against_one_process(plan_kind: str, kind: str, directory: str) -> dict:
     """The core's styles at tp2, and the same model trained whole in this process."""
     from mindspore import ops
 
@@ -151,11 +185,13 @@ def run_mindspore_against_one_process(plan_kind: str, kind: str) -> dict:
         parallel_loss = whole_loss
     parallel = _ms_train(model, kind, parallel_loss, lambda ids: ids,
                          lambda targets: targets_for(targets, plan_kind, TP))
+    parallel["refusals"] = refusals(model, parallel.pop("grads"), directory)
+    reference.pop("grads")
     return {"reference": reference, "core": parallel}
 
 
-def run_all(backend: str) -> dict:
+def run_all(backend: str, directory: str) -> dict:
     runner = run_torch_against_dtensor if backend == "torch" \
         else run_mindspore_against_one_process
-    return {f"{plan_kind}-{kind}": runner(plan_kind, kind)
+    return {f"{plan_kind}-{kind}": runner(plan_kind, kind, directory)
             for plan_kind in ("replicated", "sequence") for kind in ("sgd", "adamw")}
