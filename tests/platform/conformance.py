@@ -143,6 +143,13 @@ class _TorchSide:
         bn.register_buffer("scratch", self.torch.zeros(3), persistent=False)
         return bn
 
+    def embedding(self, vocab: int, dim: int):
+        return self.torch.nn.Embedding(vocab, dim)
+
+    def conv(self):
+        """A layer no linear tensor-parallel style splits."""
+        return self.torch.nn.Conv1d(2, 2, 1)
+
     def new_param(self, array: np.ndarray, name: str, requires_grad: bool = True):
         return self.torch.nn.Parameter(self.torch.from_numpy(array.copy()),
                                        requires_grad=requires_grad)
@@ -242,6 +249,13 @@ class _MindSporeSide:
         bn = self.ms.nn.BatchNorm1d(3)
         bn.set_train(True)
         return bn
+
+    def embedding(self, vocab: int, dim: int):
+        return self.ms.nn.Embedding(vocab, dim)
+
+    def conv(self):
+        """A layer no linear tensor-parallel style splits."""
+        return self.ms.nn.Conv1d(2, 2, 1)
 
     def new_param(self, array: np.ndarray, name: str, requires_grad: bool = True):
         return self.ms.Parameter(self.ms.Tensor(array.copy()), name=name,
@@ -419,6 +433,7 @@ def _arange(*shape, start: float = 0.0) -> np.ndarray:
 # ====================================================================== the checks
 # One module per group of the contract; importing them registers their checks, in this order.
 CHECK_MODULES = ("checks_tensors", "checks_memory", "checks_parameters", "checks_autograd",
-                 "checks_state_io", "checks_process_groups", "checks_collectives")
+                 "checks_state_io", "checks_process_groups", "checks_collectives",
+                 "checks_tp_support")
 for _module in CHECK_MODULES:
     importlib.import_module(f"tests.platform.{_module}")

@@ -33,6 +33,7 @@ import pytest
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.state_io import StateIO
 from hyper_parallel.platform.storage_release import StorageRelease
+from hyper_parallel.platform.tp_support import TensorParallelSupport
 from tests.multirank import run_ranks
 from tests.platform import conformance as C
 
@@ -112,7 +113,7 @@ def test_collective(backend, world_size, check):
     _assert_check(backend, world_size, check)
 
 
-CONTRACT = (Platform, StorageRelease, StateIO)
+CONTRACT = (Platform, StorageRelease, StateIO, TensorParallelSupport)
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "adding-a-platform.md"
 
 

@@ -1,0 +1,95 @@
+"""Conformance checks of the optional part ``TensorParallelSupport``
+(platform/tp_support.py): layer recognition, local parameters, reads during a forward,
+and the tensor math of the vocabulary mask and the parallel loss.
+
+The harness (context, registry, assertion helpers) is conformance.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.platform.conformance import _arange, _check, _f32, _same, _values, local_check
+
+
+def _ints(ctx, array):
+    return ctx.p.from_numpy(np.asarray(array, dtype=np.int64))
+
+
+@local_check
+def check_parallel_layer(ctx):
+    p, side = ctx.p, ctx.side
+    model = side.model()
+    layer = p.parallel_layer(model.fc1)
+    _check(layer is not None and (layer.kind, layer.weight, layer.bias) == ("linear", "weight",
+                                                                            "bias"),
+           f"parallel_layer(fc1) = {layer}")
+    _check(p.shape(p.registered_param(model.fc1, layer.weight)) == (3, 4),
+           "the linear layer's weight is not (out, in)")
+    embedding = side.embedding(6, 4)
+    layer = p.parallel_layer(embedding)
+    _check(layer is not None and layer.kind == "embedding" and layer.bias is None,
+           f"parallel_layer(embedding) = {layer}")
+    _check(p.shape(p.registered_param(embedding, layer.weight)) == (6, 4),
+           f"the embedding's weight {layer.weight!r} is not (vocabulary, dim)")
+    for other in (model, side.batchnorm(), side.conv()):
+        _check(p.parallel_layer(other) is None,
+               f"parallel_layer({type(other).__name__}) is not None")
+
+
+@local_check
+def check_new_local_param_set_local_param(ctx):
+    p = ctx.p
+    model = ctx.side.model()
+    orig = p.registered_param(model.fc1, "weight")
+    block = p.narrow(orig, 1, 1, 2)  # input features 1 and 2, as a row-wise split
+    local = p.new_local_param(orig, block)
+    _same(_values(ctx, local), _values(ctx, orig)[:, 1:3], "new_local_param's values")
+    _check(p.param_requires_grad(local), "new_local_param lost requires_grad")
+    p.set_local_param(model.fc1, "weight", local)
+    _check(p.registered_param(model.fc1, "weight") is local, "set_local_param did not register")
+    _check(model.fc1.weight is local, "module.weight does not read the local parameter")
+    out = model.fc1(_f32(ctx, _arange(5, 2)))
+    _check(p.shape(out) == (5, 3), f"the layer over its local weight gives {p.shape(out)}")
+
+
+@local_check
+def check_read_in_forward_end_read_in_forward(ctx):
+    p = ctx.p
+    model = ctx.side.model()
+    param = p.registered_param(model.fc1, "bias")
+    shadow = _f32(ctx, np.zeros(3))
+    p.read_in_forward(model.fc1, "bias", shadow)
+    _check(model.fc1.bias is shadow, "module.bias does not read the tensor")
+    _check(p.registered_param(model.fc1, "bias") is param, "the registered parameter changed")
+    _same(_values(ctx, model.fc1(_f32(ctx, np.zeros((1, 4))))), np.zeros((1, 3)),
+          "forward while reading a zero bias")
+    p.end_read_in_forward(model.fc1, "bias")
+    p.end_read_in_forward(model.fc1, "bias")
+    _check(model.fc1.bias is param, "module.bias does not read the parameter again")
+
+
+@local_check
+def check_tensor_math(ctx):
+    p = ctx.p
+    x = np.array([[0.5, -1.0, 2.0], [3.0, 0.25, -2.0]], np.float32)
+    t = _f32(ctx, x)
+    _same(_values(ctx, p.amax(t, 1)), x.max(1, keepdims=True), "amax")
+    _same(_values(ctx, p.sum_dim(t, 1)), x.sum(1, keepdims=True), "sum_dim")
+    _same(_values(ctx, p.exp(t)), np.exp(x), "exp", tol=1e-6)
+    _same(_values(ctx, p.log(_f32(ctx, np.abs(x)))), np.log(np.abs(x)), "log", tol=1e-6)
+    _same(_values(ctx, p.total(t)), x.sum(), "total")
+    _same(_values(ctx, p.subtract(t, 1.0)), x - 1.0, "subtract")
+    _same(_values(ctx, p.multiply(t, t)), x * x, "multiply")
+    _same(_values(ctx, p.divide(t, 3)), x / np.float32(3), "divide")
+    index = _ints(ctx, [[2], [0]])
+    _same(_values(ctx, p.take_along_dim(t, index, 1)), [[2.0], [3.0]], "take_along_dim")
+    ids = np.array([0, 3, 4, 7, -100], np.int64)
+    inside = p.in_range(_ints(ctx, ids), 3, 7)
+    _same(_values(ctx, inside), (ids >= 3) & (ids < 7), "in_range")
+    _same(_values(ctx, p.not_equal(_ints(ctx, ids), -100)), ids != -100, "not_equal")
+    _same(_values(ctx, p.equal(_ints(ctx, ids), 4)), ids == 4, "equal")
+    _same(_values(ctx, p.where(inside, _ints(ctx, ids), 0)), np.where(
+        (ids >= 3) & (ids < 7), ids, 0), "where over ids")
+    keep = p.from_numpy(np.array([[True], [False]]))
+    _same(_values(ctx, p.where(keep, t, 0.0)), np.where([[True], [False]], x, 0.0),
+          "where, broadcast")
