@@ -185,3 +185,31 @@ def mindspore_model():
     for name, param in model.parameters_and_names():
         param.set_data(ms.Tensor(values[mindspore_name(name)]))
     return model
+
+
+def bad_input_model(backend: str):
+    """Children a plan can name wrongly: ``fc`` Linear(8, 8), ``odd`` Linear(8, 5) (5 does not
+    split over 2), ``conv`` a convolution, ``act`` a layer without parameters, ``embed``
+    an Embedding(16, 8)."""
+    if backend == "torch":
+        from torch import nn
+
+        model = nn.Module()
+        model.fc, model.odd, model.conv = nn.Linear(8, 8), nn.Linear(8, 5), nn.Conv1d(2, 2, 1)
+        model.act, model.embed = nn.ReLU(), nn.Embedding(VOCAB, 8)
+        return model
+    from mindspore import nn
+
+    model = nn.Cell()
+    model.fc, model.odd, model.conv = nn.Dense(8, 8), nn.Dense(8, 5), nn.Conv1d(2, 2, 1)
+    model.act, model.embed = nn.ReLU(), nn.Embedding(VOCAB, 8)
+    return model
+
+
+def forward_hook_count(backend: str, module) -> int:
+    """The forward hooks (pre and post) installed on ``module``."""
+    if backend == "torch":
+        return len(module._forward_pre_hooks) + len(module._forward_hooks)
+    return sum(len(getattr(module, attr, None) or {}) for attr in (
+        "_lazy_forward_pre_hook", "_lazy_forward_hook", "_lazy_forward_pre_hook_with_kwargs",
+        "_lazy_forward_hook_with_kwargs"))

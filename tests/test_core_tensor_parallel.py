@@ -165,3 +165,72 @@ def test_entry_points_that_do_not_read_layouts_refuse_a_tensor_parallel_model(ba
             assert "is not supported yet" in said[entry_point]
             assert "block of a (" in said[entry_point], said[entry_point]
         assert not said["checkpoint_dir_made"], f"rank {rank}: the checkpoint was started"
+
+
+# (plan, expected error, what it names); every plan starts with a valid entry ("fc"), which
+# must not have been applied either
+BAD_PLANS = {
+    "key_matching_no_submodule": (lambda tp: {"fc": tp.ColwiseParallel(),
+                                              "blocks.*.fc": tp.ColwiseParallel()},
+                                  KeyError, "plan key 'blocks.*.fc' matches no submodule"),
+    "convolution": (lambda tp: {"fc": tp.ColwiseParallel(), "conv": tp.RowwiseParallel()},
+                    NotImplementedError, "splits linear and embedding layers only"),
+    "layer_without_weight": (lambda tp: {"fc": tp.ColwiseParallel(), "act": tp.ColwiseParallel()},
+                             NotImplementedError, "splits linear and embedding layers only"),
+    "uneven_split": (lambda tp: {"fc": tp.ColwiseParallel(), "odd": tp.ColwiseParallel()},
+                     ValueError, "does not split evenly over 2 ranks"),
+    "sharded_ids": (lambda tp: {"fc": tp.ColwiseParallel(),
+                                "embed": tp.RowwiseParallel(input_layouts=tp.Shard(0))},
+                    NotImplementedError, "on an embedding takes replicated ids"),
+    "one_module_two_styles": (lambda tp: {"fc": tp.ColwiseParallel(), "f*": tp.RowwiseParallel()},
+                              ValueError, "is named by plan keys 'fc' and 'f*'"),
+    "mesh_not_1d": (lambda tp: {"fc": tp.ColwiseParallel()}, ValueError, "takes a 1-D mesh"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(BAD_PLANS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bad_plan_is_a_named_error_and_changes_nothing(monkeypatch, backend, case):
+    monkeypatch.setenv("HP_BACKEND", backend)
+    import hyper_parallel as hp
+    from hyper_parallel import tensor_parallel as tp
+    from tests.core_tp_models import bad_input_model, forward_hook_count
+
+    platform = hp.get_platform()
+    model = bad_input_model(backend)
+    shape, names = ((2, 1), ("tp", "dp")) if case == "mesh_not_1d" else ((2,), ("tp",))
+    mesh = hp.DeviceMesh("cpu", shape, names, [None] * len(shape))  # no groups: no collective
+
+    def state():
+        return [(name, attr, id(param), platform.to_numpy(param).tobytes(),
+                 tp.tensor_parallel_layout(param), forward_hook_count(backend, sub))
+                for name, sub in platform.named_modules(model)
+                for attr, param in platform.direct_params(sub)]
+
+    before = state()
+    make_plan, error, message = BAD_PLANS[case]
+    with pytest.raises(error) as raised:
+        tp.parallelize_module(model, mesh, make_plan(tp))
+    assert message in str(raised.value)
+    assert state() == before
+
+
+@pytest.mark.timeout(60)
+def test_the_public_names_are_torchs_own_on_torch_and_the_cores_elsewhere(monkeypatch):
+    import hyper_parallel as hp
+    from hyper_parallel import tensor_parallel as core_tp
+
+    monkeypatch.setenv("HP_BACKEND", "torch")
+    import torch.distributed.tensor as torch_placements
+    import torch.distributed.tensor.parallel as torch_tp
+
+    assert hp.parallelize_module is torch_tp.parallelize_module
+    assert hp.ColwiseParallel is torch_tp.ColwiseParallel
+    assert hp.loss_parallel is torch_tp.loss_parallel
+    assert hp.Shard is torch_placements.Shard
+    monkeypatch.setenv("HP_BACKEND", "mindspore")
+    for name in ("parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+                 "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
+                 "loss_parallel", "Shard", "Replicate"):
+        assert getattr(hp, name) is getattr(core_tp, name), name
