@@ -234,3 +234,15 @@ def test_the_public_names_are_torchs_own_on_torch_and_the_cores_elsewhere(monkey
                  "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
                  "loss_parallel", "Shard", "Replicate"):
         assert getattr(hp, name) is getattr(core_tp, name), name
+
+
+def test_the_core_package_imports_no_framework():
+    from pathlib import Path
+
+    import hyper_parallel.tensor_parallel as core_tp
+
+    for path in Path(core_tp.__file__).parent.glob("*.py"):
+        for line in path.read_text().splitlines():
+            words = line.split()
+            assert not (words[:1] in (["import"], ["from"]) and len(words) > 1 and
+                        words[1].split(".")[0] in ("torch", "mindspore")), f"{path.name}: {line}"
