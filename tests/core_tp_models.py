@@ -8,6 +8,11 @@ and a column-wise head. Two plans:
 
 - ``replicated``: activations replicated between blocks (the styles' default layouts),
   norms left whole, the head's logits gathered (``output_layouts=Replicate()``);
+- ``layouts``: the other moves: a column-wise embedding (torch), a replicated input and a
+  row-wise layer's replicated output kept as layout tensors (``PrepareModuleInputOutput``,
+  ``use_local_output=False``), a replicated input split on the sequence and gathered
+  again (``PrepareModuleInput``), the final norm's output split on the batch
+  (``PrepareModuleOutput``) for a head that gathers its rows;
 - ``sequence``: torchtitan's sequence-parallel plan: embedding and row-wise outputs
   Shard(1), norms ``SequenceParallel``, the attention's input prepared by
   ``PrepareModuleInput`` and the MLP's by ``PrepareModuleInputOutput``, the head's
@@ -57,15 +62,32 @@ def targets_for(targets: np.ndarray, plan: str, tp: int) -> np.ndarray:
     return np.concatenate([part.reshape(-1) for part in np.split(targets, tp, axis=1)])
 
 
-def plan(names, kind: str) -> dict:
+def plan(names, kind: str, colwise_embedding: bool = True) -> dict:
     """The plan ``kind`` with the styles and placements of ``names`` (a module: torch's
-    ``torch.distributed.tensor.parallel`` + placements, or hyper_parallel.tensor_parallel)."""
+    ``torch.distributed.tensor.parallel`` + placements, or hyper_parallel.tensor_parallel).
+    ``colwise_embedding=False``: the ``layouts`` plan keeps the embedding
+    vocabulary-parallel (MindSpore's ``nn.Embedding`` computes with its rows split only)."""
     Shard, Replicate = names.Shard, names.Replicate
     col, row = names.ColwiseParallel, names.RowwiseParallel
     if kind == "replicated":
         return {"embed": row(input_layouts=Replicate()), "attn.w[qkv]": col(),
                 "attn.wo": row(), "ffn.w1": col(), "ffn.w2": row(),
                 "head": col(output_layouts=Replicate())}
+    if kind == "layouts":
+        return {
+            "embed": col(output_layouts=Replicate()) if colwise_embedding
+            else row(input_layouts=Replicate()),
+            "attn": names.PrepareModuleInputOutput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                output_layouts=(Replicate(),), desired_output_layouts=(Replicate(),)),
+            "attn.w[qkv]": col(), "attn.wo": row(use_local_output=False),
+            "ffn": names.PrepareModuleInput(input_layouts=(Replicate(),),
+                                            desired_input_layouts=(Shard(1),)),
+            "ffn.w1": col(), "ffn.w2": row(),
+            "norm": names.PrepareModuleOutput(output_layouts=Replicate(),
+                                              desired_output_layouts=Shard(0)),
+            "head": col(input_layouts=Shard(0), output_layouts=Replicate()),
+        }
     return {
         "embed": row(input_layouts=Replicate(), output_layouts=Shard(1)),
         "*_norm": names.SequenceParallel(),

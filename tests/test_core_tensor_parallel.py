@@ -27,7 +27,8 @@ from tests import shared_launch
 from tests.core_tp_models import DIM, HIDDEN, VOCAB
 
 BACKENDS = ["torch", "mindspore"]
-RUNS = ["replicated-sgd", "replicated-adamw", "sequence-sgd", "sequence-adamw"]
+RUNS = [f"{plan}-{kind}" for plan in ("replicated", "sequence", "layouts")
+        for kind in ("sgd", "adamw")]
 TP = 2
 LOSS_RTOL, PARAM_ATOL = 1e-6, 5e-6
 
@@ -88,7 +89,7 @@ def test_mindspore_tp2_matches_one_process(run):
                                        err_msg=f"step {step}: {name}")
 
 
-def _expected_layouts(plan: str, rank: int) -> dict:
+def _expected_layouts(backend: str, plan: str, rank: int) -> dict:
     """Each parameter's recorded layout under ``plan`` on ``rank`` (None: not recorded)."""
     def shard(dim, shape):
         offset = [0] * len(shape)
@@ -98,7 +99,10 @@ def _expected_layouts(plan: str, rank: int) -> dict:
     def replicate(shape):
         return {"placement": "Replicate()", "whole_shape": shape, "offset": (0,) * len(shape)}
 
-    expected = {"embed.weight": shard(0, (VOCAB, DIM)), "head.weight": shard(0, (VOCAB, DIM)),
+    # column-wise under the layouts plan on torch, vocabulary-parallel everywhere else
+    embed_dim = 1 if plan == "layouts" and backend == "torch" else 0
+    expected = {"embed.weight": shard(embed_dim, (VOCAB, DIM)),
+                "head.weight": shard(0, (VOCAB, DIM)),
                 "attn.wk.weight": shard(0, (DIM, DIM)), "attn.wo.weight": shard(1, (DIM, DIM)),
                 "attn.wo.bias": replicate((DIM,)), "ffn.w1.weight": shard(0, (HIDDEN, DIM)),
                 "ffn.w1.bias": shard(0, (HIDDEN,)), "ffn.w2.weight": shard(1, (DIM, HIDDEN)),
@@ -120,7 +124,7 @@ def test_each_parameter_records_its_layout(backend, run):
         layouts = {name: (None if layout is None else dict(layout, whole_shape=tuple(
             layout["whole_shape"]), offset=tuple(layout["offset"])))
             for name, layout in result["core"]["layouts"].items()}
-        assert layouts == _expected_layouts(run.split("-")[0], rank), f"rank {rank}"
+        assert layouts == _expected_layouts(backend, run.split("-")[0], rank), f"rank {rank}"
 
 
 # The collectives of one training step (forward and backward) over the tensor-parallel dim,
@@ -145,11 +149,31 @@ _SEQUENCE_STEP = {
 }
 
 
+_LAYOUTS_STEP = {
+    # forward: the embedding's and the head's outputs gathered on the class dim, the
+    # split sequence gathered for w1, the batch-split rows for the head; backward: the
+    # ffn's and the norm's splits gathered back
+    "all_gather": len(["embed", "head output", "w1 input", "head input"])
+    + len(["ffn input", "norm output"]),
+    # backward: the partial gradients of the inputs gathered for w1 and the head
+    "reduce_scatter": len(["w1 input", "head input"]),
+    # forward: wo and w2 reduced; backward: the attention's replicated input, and wo's
+    # replicated output kept as a layout tensor (its consumers' gradients are partial)
+    "all_reduce": len(["wo", "w2"]) + len(["attn input", "wo output"]),
+}
+# MindSpore's layouts plan keeps the embedding vocabulary-parallel: reduced, not gathered
+_LAYOUTS_STEP_MINDSPORE = dict(_LAYOUTS_STEP, all_gather=_LAYOUTS_STEP["all_gather"] - 1,
+                               all_reduce=_LAYOUTS_STEP["all_reduce"] + 1)
+_STEPS = {"replicated": _REPLICATED_STEP, "sequence": _SEQUENCE_STEP, "layouts": _LAYOUTS_STEP}
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_step_issues_the_collectives_the_plan_implies(backend, run):
-    expected = _SEQUENCE_STEP if run.startswith("sequence") else _REPLICATED_STEP
+    expected = _STEPS[run.split("-")[0]]
+    if backend == "mindspore" and run.startswith("layouts"):
+        expected = _LAYOUTS_STEP_MINDSPORE
     for rank, result in enumerate(_runs(backend, run)):
         assert result["core"]["calls"] == expected, f"rank {rank}"
 
@@ -185,6 +209,10 @@ BAD_PLANS = {
     "one_module_two_styles": (lambda tp: {"fc": tp.ColwiseParallel(), "f*": tp.RowwiseParallel()},
                               ValueError, "is named by plan keys 'fc' and 'f*'"),
     "mesh_not_1d": (lambda tp: {"fc": tp.ColwiseParallel()}, ValueError, "takes a 1-D mesh"),
+    # MindSpore's nn.Embedding reshapes its output by the embedding size it stored
+    "embedding_dim_split_mindspore": (
+        lambda tp: {"fc": tp.ColwiseParallel(), "embed": tp.ColwiseParallel()},
+        NotImplementedError, "its forward computes only with dims (0,) split"),
 }
 
 
@@ -192,6 +220,8 @@ BAD_PLANS = {
 @pytest.mark.parametrize("case", list(BAD_PLANS))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_bad_plan_is_a_named_error_and_changes_nothing(monkeypatch, backend, case):
+    if case.endswith("_mindspore") and backend != "mindspore":
+        pytest.skip("torch's nn.Embedding computes with either dim split")
     monkeypatch.setenv("HP_BACKEND", backend)
     import hyper_parallel as hp
     from hyper_parallel import tensor_parallel as tp

@@ -23,12 +23,15 @@ from typing import Any
 @dataclass(frozen=True)
 class ParallelLayer:
     """A layer a linear style can split: ``kind`` "linear" (weight ``(out, in)``, an
-    optional bias ``(out,)``) or "embedding" (weight ``(vocabulary, dim)``, no bias), and
-    the names its parameters are registered under."""
+    optional bias ``(out,)``) or "embedding" (weight ``(vocabulary, dim)``, no bias), the
+    names its parameters are registered under, and the weight dims its forward still
+    computes with when they hold only a block (a forward that reshapes by a size it
+    stored at construction cannot)."""
 
     kind: str
     weight: str
     bias: str | None = None
+    split_dims: tuple = (0, 1)
 
 
 class TensorParallelSupport(abc.ABC):

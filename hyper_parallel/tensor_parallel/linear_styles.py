@@ -47,6 +47,14 @@ class _LinearStyle(ParallelStyle):
                 f"got {type(module).__name__}")
         return layer
 
+    def _check_split(self, module, layer, dim: int, mesh) -> None:
+        if dim not in layer.split_dims:
+            raise NotImplementedError(
+                f"{type(self).__name__} splits dim {dim} of {type(module).__name__}'s "
+                f"{layer.weight!r}, and its forward computes only with dims {layer.split_dims} "
+                f"split (it reshapes by a size it stored); use another style for it")
+        check_even(module, layer.weight, dim, mesh, type(self).__name__)
+
     def _check_embedding_input(self, layer) -> None:
         if layer.kind == "embedding" and not self.input_layouts[0].is_replicate():
             raise NotImplementedError(
@@ -74,8 +82,7 @@ class ColwiseParallel(_LinearStyle):
     def check(self, module, mesh):
         layer = self._layer(module)
         self._check_embedding_input(layer)
-        check_even(module, layer.weight, 0 if layer.kind == "linear" else 1, mesh,
-                   type(self).__name__)
+        self._check_split(module, layer, 0 if layer.kind == "linear" else 1, mesh)
         check_movable(self.input_layouts[0], Replicate())
         check_movable(Shard(-1), self.output_layouts[0])
 
@@ -110,8 +117,7 @@ class RowwiseParallel(_LinearStyle):
     def check(self, module, mesh):
         layer = self._layer(module)
         self._check_embedding_input(layer)
-        check_even(module, layer.weight, 1 if layer.kind == "linear" else 0, mesh,
-                   type(self).__name__)
+        self._check_split(module, layer, 1 if layer.kind == "linear" else 0, mesh)
         if layer.kind == "linear":
             check_movable(self.input_layouts[0], Shard(-1))
 

@@ -31,6 +31,17 @@ def check_parallel_layer(ctx):
            f"parallel_layer(embedding) = {layer}")
     _check(p.shape(p.registered_param(embedding, layer.weight)) == (6, 4),
            f"the embedding's weight {layer.weight!r} is not (vocabulary, dim)")
+    _check(set(p.parallel_layer(model.fc1).split_dims) == {0, 1} and 0 in layer.split_dims,
+           "a linear layer must compute with either weight dim split, an embedding with its "
+           "rows split")
+    ids = p.from_numpy(np.array([[1, 5], [0, 2]], np.int64))
+    weight = p.registered_param(embedding, layer.weight)
+    for dim in layer.split_dims:  # the forward computes over a block split on ``dim``
+        block = p.new_local_param(weight, p.narrow(weight, dim, 0, p.shape(weight)[dim] // 2))
+        p.set_local_param(embedding, layer.weight, block)
+        out = embedding(p.where(p.in_range(ids, 0, p.shape(block)[0]), ids, 0))
+        _check(p.shape(out) == (2, 2, p.shape(block)[1]),
+               f"embedding over its weight split on dim {dim}: output {p.shape(out)}")
     for other in (model, side.batchnorm(), side.conv()):
         _check(p.parallel_layer(other) is None,
                f"parallel_layer({type(other).__name__}) is not None")

@@ -16,8 +16,8 @@ class MindSporeTensorParallelSupport(TensorParallelSupport):
         if isinstance(module, mint.nn.Linear):
             return ParallelLayer("linear", "weight",
                                  "bias" if getattr(module, "bias", None) is not None else None)
-        if isinstance(module, nn.Embedding):
-            return ParallelLayer("embedding", "embedding_table")
+        if isinstance(module, nn.Embedding):  # its construct reshapes by embedding_size
+            return ParallelLayer("embedding", "embedding_table", split_dims=(0,))
         if isinstance(module, mint.nn.Embedding):
             return ParallelLayer("embedding", "weight")
         return None
