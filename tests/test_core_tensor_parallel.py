@@ -276,3 +276,35 @@ def test_the_core_package_imports_no_framework():
             words = line.split()
             assert not (words[:1] in (["import"], ["from"]) and len(words) > 1 and
                         words[1].split(".")[0] in ("torch", "mindspore")), f"{path.name}: {line}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_layout_tensor_has_the_whole_shape_and_its_gradient_convention(monkeypatch, backend):
+    """``shape`` is the whole tensor's; ``to_local()`` of a replicated LayoutTensor hands
+    its producer a partial gradient (the whole one / n, summed back over the ranks), of a
+    sharded one the gradient as it is. Neither needs a collective."""
+    monkeypatch.setenv("HP_BACKEND", backend)
+    import hyper_parallel as hp
+    from hyper_parallel import tensor_parallel as tp
+
+    platform = hp.get_platform()
+    mesh = hp.DeviceMesh("cpu", (TP,), ("tp",), [None])
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert tp.LayoutTensor(platform.from_numpy(values), tp.Shard(1), mesh).shape == (2, 6)
+    assert tp.LayoutTensor(platform.from_numpy(values), tp.Replicate(), mesh).shape == (2, 3)
+    for placement, expected in ((tp.Replicate(), 1.0 / TP), (tp.Shard(0), 1.0)):
+        def local_sum(x):
+            return tp.LayoutTensor(x, placement, mesh).to_local().sum()
+
+        if backend == "torch":
+            import torch
+
+            x = torch.from_numpy(values).requires_grad_(True)
+            local_sum(x).backward()
+            grad = x.grad.numpy()
+        else:
+            import mindspore as ms
+
+            grad = ms.grad(local_sum)(ms.Tensor(values)).asnumpy()
+        np.testing.assert_array_equal(grad, np.full_like(values, expected), err_msg=repr(placement))

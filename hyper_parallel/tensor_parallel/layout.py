@@ -85,7 +85,9 @@ class LayoutTensor:
     ``use_local_output=False`` (torch: a DTensor). See [Note: activations between styles]."""
 
     def __init__(self, local: Any, placement: Placement, mesh: Any):
-        self._local = local
+        #: this rank's values as they are, for styles and the loss (``to_local()`` is the
+        #: differentiable way out, with the gradient convention above)
+        self.local_tensor = local
         self.placement = placement
         self.device_mesh = mesh
 
@@ -96,7 +98,7 @@ class LayoutTensor:
     @property
     def shape(self) -> tuple:
         """The whole tensor's shape (as a DTensor's)."""
-        shape = list(get_platform().shape(self._local))
+        shape = list(get_platform().shape(self.local_tensor))
         if self.placement.is_shard():
             dim = self.placement.dim % len(shape)
             shape[dim] *= self.device_mesh.size()

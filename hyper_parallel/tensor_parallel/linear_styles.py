@@ -154,7 +154,12 @@ class RowwiseParallel(_LinearStyle):
         in_range = []  # per call in flight: the mask of the ids this rank holds
 
         def pre(mod, args, kwargs):
-            ids = args[0]._local if isinstance(args[0], LayoutTensor) else args[0]
+            ids = args[0]
+            if isinstance(ids, LayoutTensor):
+                if not ids.placement.is_replicate():
+                    raise NotImplementedError(f"{type(self).__name__} on an embedding takes "
+                                              f"replicated ids; got a {ids!r}")
+                ids = ids.local_tensor
             mask = p.in_range(ids, low, low + rows)
             in_range.append(mask)
             local_ids = p.where(mask, p.subtract(ids, low), 0)

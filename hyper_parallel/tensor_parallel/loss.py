@@ -59,7 +59,7 @@ def cross_entropy(input: Any, target: Any, ignore_index: int = -100,
         raise NotImplementedError("loss_parallel cross_entropy: label_smoothing is not "
                                   "supported (nor is it by torch's loss_parallel)")
     mesh = input.device_mesh
-    local = input._local
+    local = input.local_tensor
     columns = p.shape(local)[1]
     low = mesh.get_local_rank(0) * columns
     counted = p.not_equal(target, ignore_index)

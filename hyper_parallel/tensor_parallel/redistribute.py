@@ -68,7 +68,7 @@ def check_movable(source: Placement, target: Placement) -> None:
 def redistribute(value: LayoutTensor, target: Placement, *, local_result: bool) -> Any:
     """A ``LayoutTensor`` moved to ``target``: its local tensor, or (``local_result``
     False) a new ``LayoutTensor``."""
-    local = move(value._local, value.placement, target, value.device_mesh,
+    local = move(value.local_tensor, value.placement, target, value.device_mesh,
                  source_grads_whole=False, result_grads_whole=local_result)
     return local if local_result else LayoutTensor(local, target, value.device_mesh)
 
@@ -79,7 +79,7 @@ def prepared(value: Any, given: Placement, desired: Placement | None, mesh: Any,
     (``given`` is then ignored, as torch ignores it for a DTensor); a plain tensor is taken
     to be in ``given``. Returns the local tensor in ``desired`` (``given`` where None)."""
     if isinstance(value, LayoutTensor):
-        source, local, whole = value.placement, value._local, False
+        source, local, whole = value.placement, value.local_tensor, False
     else:
         source, local, whole = given, value, True
     return move(local, source, desired if desired is not None else source, mesh,
