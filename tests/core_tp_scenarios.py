@@ -48,7 +48,11 @@ def refusals(model, grads, directory: str) -> dict:
     path = f"{directory}/ckpt-{platform.rank()}"
     calls = {"fully_shard": lambda: hp.fully_shard(model),
              "get_state_dict": lambda: hp.get_state_dict(model),
+             "set_state_dict": lambda: hp.set_state_dict(model, {}),
+             "get_full_state_dict": lambda: hp.get_full_state_dict(model),
              "save_checkpoint": lambda: hp.save_checkpoint(path, model),
+             "load_checkpoint": lambda: hp.load_checkpoint(path, model),
+             "export_full": lambda: hp.export_full(path, model),
              "clip_grad_norm_": lambda: hp.clip_grad_norm_(
                  params, 1.0, grads=None if grads is None else list(grads))}
     said = {}

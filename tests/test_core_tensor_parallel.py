@@ -183,12 +183,13 @@ def test_one_step_issues_the_collectives_the_plan_implies(backend, run):
 def test_entry_points_that_do_not_read_layouts_refuse_a_tensor_parallel_model(backend):
     for rank, result in enumerate(_runs(backend, "sequence-sgd")):
         said = result["core"]["refusals"]
-        for entry_point in ("fully_shard", "get_state_dict", "save_checkpoint",
-                            "clip_grad_norm_"):
+        for entry_point in ("fully_shard", "get_state_dict", "set_state_dict",
+                            "get_full_state_dict", "save_checkpoint", "load_checkpoint",
+                            "export_full", "clip_grad_norm_"):
             assert entry_point in said, f"rank {rank}: {entry_point} did not refuse"
             assert "is not supported yet" in said[entry_point]
             assert "block of a (" in said[entry_point], said[entry_point]
-        assert not said["checkpoint_dir_made"], f"rank {rank}: the checkpoint was started"
+        assert not said["checkpoint_dir_made"], f"rank {rank}: a checkpoint or export was started"
 
 
 # (plan, expected error, what it names); every plan starts with a valid entry ("fc"), which
