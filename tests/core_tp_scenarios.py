@@ -14,12 +14,12 @@ Each returns plain numpy; the test compares.
 
 from __future__ import annotations
 
-import numpy as np
+import os
 
 import hyper_parallel as hp
 from hyper_parallel import tensor_parallel as core_tp
 from tests.core_tp_models import (
-    STEPS, batches, mindspore_model, mindspore_name, plan, targets_for, torch_model)
+    batches, mindspore_model, mindspore_name, plan, targets_for, torch_model)
 
 TP = 2
 PLANS = ("replicated", "sequence", "layouts")
@@ -61,8 +61,6 @@ def refusals(model, grads, directory: str) -> dict:
             call()
         except NotImplementedError as error:
             said[name] = str(error)
-    import os
-
     said["checkpoint_dir_made"] = os.path.exists(path)
     return said
 
@@ -112,7 +110,7 @@ def _torch_train(model, kind: str, plan_kind: str, loss_context, cross_entropy) 
     return {"losses": losses, "grads": grads, "params": params, "calls": counts}
 
 
-def run_torch_against_dtensor(plan_kind: str, kind: str, directory: str) -> dict:
+def run_torch_against_dtensor(plan_kind: str, kind: str, directory: str, dp: int = 1) -> dict:
     """One plan and optimizer, under torch's DTensor TP and under the core's styles."""
     import contextlib
 
@@ -121,7 +119,7 @@ def run_torch_against_dtensor(plan_kind: str, kind: str, directory: str) -> dict
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (dp, TP), mesh_dim_names=("dp", "tp"))["tp"]
 
     class TorchNames:  # torch's styles with torch's placements
         Shard, Replicate = torch_placements.Shard, torch_placements.Replicate
@@ -171,7 +169,8 @@ def _ms_train(model, kind: str, loss_fn, ids_of, targets_of) -> dict:
                         for n, p in model.parameters_and_names()}}
 
 
-def run_mindspore_against_one_process(plan_kind: str, kind: str, directory: str) -> dict:
+def run_mindspore_against_one_process(plan_kind: str, kind: str, directory: str,
+                                      dp: int = 1) -> dict:
     """The core's styles at tp2, and the same model trained whole in this process."""
     from mindspore import ops
 
@@ -180,7 +179,7 @@ def run_mindspore_against_one_process(plan_kind: str, kind: str, directory: str)
 
     reference = _ms_train(mindspore_model(), kind, whole_loss, lambda ids: ids,
                           lambda targets: targets_for(targets, "replicated", TP))
-    mesh = hp.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    mesh = hp.init_device_mesh("cpu", (dp, TP), mesh_dim_names=("dp", "tp"))["tp"]
     model = hp.parallelize_module(mindspore_model(), mesh,
                                   plan(core_tp, plan_kind, colwise_embedding=False))
     if plan_kind == "sequence":
@@ -196,8 +195,10 @@ def run_mindspore_against_one_process(plan_kind: str, kind: str, directory: str)
     return {"reference": reference, "core": parallel}
 
 
-def run_all(backend: str, directory: str) -> dict:
+def run_all(backend: str, directory: str, dp: int = 1, plans: tuple = PLANS) -> dict:
+    """Every plan and optimizer over ``mesh["tp"]`` of a (dp, tp) mesh: with ``dp`` > 1
+    the tensor-parallel groups are not the world (every dp group trains the same batch)."""
     runner = run_torch_against_dtensor if backend == "torch" \
         else run_mindspore_against_one_process
-    return {f"{plan_kind}-{kind}": runner(plan_kind, kind, directory)
-            for plan_kind in PLANS for kind in ("sgd", "adamw")}
+    return {f"{plan_kind}-{kind}": runner(plan_kind, kind, directory, dp)
+            for plan_kind in plans for kind in ("sgd", "adamw")}

@@ -35,10 +35,17 @@ LOSS_RTOL, PARAM_ATOL = 1e-6, 5e-6
 shared_launch.register(__name__, "core_tensor_parallel", TP, "tests.core_tp_scenarios:run_all",
                        lambda backend: (backend, shared_launch.directory("core-tp")),
                        timeout_s=400)
+# the same over mesh["tp"] of a 2x2 (dp, tp) mesh: tensor-parallel groups that are not the
+# world (MindSpore CPU: list all-gathers, and the two-rank reduce-scatter as an exchange)
+shared_launch.register(__name__, "core_tensor_parallel_in_dp_tp", 2 * TP,
+                       "tests.core_tp_scenarios:run_all",
+                       lambda backend: (backend, shared_launch.directory("core-tp-4"), 2,
+                                        ("sequence", "layouts")),
+                       timeout_s=900, slow=True)
 
 
-def _runs(backend: str, run: str) -> list:
-    return [per_rank[run] for per_rank in shared_launch.results("core_tensor_parallel", backend)]
+def _runs(backend: str, run: str, key: str = "core_tensor_parallel") -> list:
+    return [per_rank[run] for per_rank in shared_launch.results(key, backend)]
 
 
 def _assembled(per_rank: list, step: int) -> dict:
@@ -60,7 +67,11 @@ def _assembled(per_rank: list, step: int) -> dict:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("run", RUNS)
 def test_torch_core_styles_equal_torch_dtensor_bitwise(run):
-    for rank, result in enumerate(_runs("torch", run)):
+    _check_torch_against_dtensor(_runs("torch", run))
+
+
+def _check_torch_against_dtensor(per_rank: list) -> None:
+    for rank, result in enumerate(per_rank):
         ours, torch_tp = result["core"], result["torch"]
         assert ours["losses"] == torch_tp["losses"], f"rank {rank}: losses"
         assert ours["grads"].keys() == torch_tp["grads"].keys()
@@ -76,7 +87,26 @@ def test_torch_core_styles_equal_torch_dtensor_bitwise(run):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("run", RUNS)
 def test_mindspore_tp2_matches_one_process(run):
-    per_rank = _runs("mindspore", run)
+    _check_mindspore_against_one_process(_runs("mindspore", run))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("run", [r for r in RUNS if not r.startswith("replicated")])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_over_the_tp_dim_of_a_dp_tp_mesh(backend, run):
+    """mesh["tp"] of a 2x2 mesh: each tensor-parallel pair (ranks 0-1, 2-3) trains as the
+    2-rank world does: bitwise equal to torch's DTensor TP, within the tolerances of
+    MindSpore's one-process reference."""
+    per_rank = _runs(backend, run, "core_tensor_parallel_in_dp_tp")
+    for pair in (per_rank[:TP], per_rank[TP:]):
+        if backend == "torch":
+            _check_torch_against_dtensor(pair)
+        else:
+            _check_mindspore_against_one_process(pair)
+
+
+def _check_mindspore_against_one_process(per_rank: list) -> None:
     reference = per_rank[0]["reference"]
     for rank, result in enumerate(per_rank):
         np.testing.assert_allclose(result["core"]["losses"], reference["losses"],

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel import collectives as C
