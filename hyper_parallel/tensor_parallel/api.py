@@ -66,6 +66,7 @@ def parallelize_module(module: Any, device_mesh: Any = None,
     ``src_data_rank``'s values (None: each rank keeps its own)."""
     if parallelize_plan is None:
         return module
+    platform = get_platform(module)  # the model's framework decides, as for fully_shard
     mesh = _mesh_1d(device_mesh)
     if isinstance(parallelize_plan, ParallelStyle):
         plan = {"": parallelize_plan}
@@ -85,7 +86,6 @@ def parallelize_module(module: Any, device_mesh: Any = None,
                                  f"{seen[id(sub)]!r} and {key!r}; give each submodule one style")
             seen[id(sub)] = key
             pairs.append((name, sub, style))
-    platform = get_platform()
     for name, sub, style in pairs:
         for attr, param in platform.direct_params(sub):
             if tensor_parallel_layout(param) is not None:
