@@ -1,8 +1,10 @@
 """The core's tensor parallelism (hyper_parallel.tensor_parallel) on both frameworks.
 
 One shared 2-rank launch per backend (tests/core_tp_scenarios.py) trains the small
-language model of tests/core_tp_models.py under two plans (replicated activations;
-torchtitan's sequence-parallel plan with loss parallelism) and two optimizers (SGD, AdamW):
+language model of tests/core_tp_models.py under three plans (replicated activations;
+torchtitan's sequence-parallel plan with loss parallelism; the remaining layout moves) and
+two optimizers (SGD, AdamW); under ``-m slow`` a 4-rank launch trains the last two over
+``mesh["tp"]`` of a 2x2 (dp, tp) mesh:
 
 - torch: the core's styles against torch's own DTensor tensor parallelism on the same
   model, init and data: losses, every gradient of the first step and every parameter after
