@@ -25,7 +25,8 @@ rounding of fp32 sums, which moves with the kernels; it is 2 for a low-precision
 against an fp32 reference, where the difference is the low precision's own rounding, the
 same to two digits under every kernel choice. Parameters are compared as the largest
 absolute difference the ranks report; the suite's parameters are O(1) (initialised at
-1/sqrt(fan_in)), so there absolute is relative.
+1/sqrt(fan_in)), so there absolute is relative. tools/tolerance_spread.py records both
+sides' distance for every comparison of a run, to measure them again.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ FP32_RTOL = 1e-5              # measured 5.4e-07
 # parameters of AdamW runs
 ADAMW_RTOL = 1e-3             # measured 7.8e-05
 # a float64 model against a float64 reference
-FLOAT64_RTOL = 5e-15          # measured 4.0e-16
+FLOAT64_RTOL = 1e-14          # measured 5.3e-16
 # a float64 model whose gradients are reduced in float32
-REDUCED_IN_FLOAT32_RTOL = 5e-8  # measured 4.1e-09
-# bfloat16 parameters or reduction (torch), float16 (MindSpore), against fp32
-LOW_PRECISION_RTOL = {"bfloat16": 5e-2, "float16": 5e-3}  # measured 2.3e-02, ...
+REDUCED_IN_FLOAT32_RTOL = 1e-7  # measured 5.1e-09
+# bfloat16 parameters or reduction (torch), float16 (MindSpore CPU has no bfloat16 matmul),
+# against fp32: margin 2
+LOW_PRECISION_RTOL = {"bfloat16": 5e-2,   # measured 2.3e-02
+                      "float16": 5e-4}    # measured 1.7e-04
 
 
 def assert_close(actual, expected, rtol: float, err_msg: str = "") -> None:
