@@ -14,10 +14,9 @@ import pytest
 
 from tests import shared_launch
 from tests.clip_grad_scenarios import CLIP_BY, MAX_NORM
+from tests.tolerance import FP32_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
-ATOL = 2e-5
-NORM_RTOL = 1e-5
 LAYOUTS_2 = ["fsdp", "outside"]
 
 
@@ -30,12 +29,12 @@ def _results(backend: str) -> list:
 
 
 def _assert_trains_like_reference(run: dict, ref: dict) -> None:
-    np.testing.assert_allclose(run["losses"], ref["losses"], atol=ATOL, rtol=0)
+    assert_close(run["losses"], ref["losses"], FP32_RTOL)
     for step, (got, want) in enumerate(zip(run["norms"], ref["norms"])):
         for norm_type in CLIP_BY:
-            np.testing.assert_allclose(got[norm_type], want[norm_type], rtol=NORM_RTOL,
-                                       err_msg=f"step {step}, norm {norm_type}")
-    assert run["diff"] <= ATOL, f"parameters differ from the reference by {run['diff']}"
+            assert_close(got[norm_type], want[norm_type], FP32_RTOL,
+                         err_msg=f"step {step}, norm {norm_type}")
+    assert run["diff"] <= FP32_RTOL, f"parameters differ from the reference by {run['diff']}"
 
 
 def _assert_clipping_active(ref: dict) -> None:
@@ -48,15 +47,14 @@ def _assert_layout(per_rank: list, layout: str) -> None:
     mean_losses = np.mean([r[layout]["hp"]["losses"] for r in per_rank], axis=0)
     ref = per_rank[0][layout]["ref"]
     _assert_clipping_active(ref)
-    np.testing.assert_allclose(mean_losses, ref["losses"], atol=ATOL, rtol=0)
+    assert_close(mean_losses, ref["losses"], FP32_RTOL)
     for r in per_rank:
         result = r[layout]
         run = {**result["hp"], "losses": ref["losses"]}  # each rank's loss is its slice's
         _assert_trains_like_reference(run, ref)
         for other in ("hp_torch_clip", "fsdp2"):
             if other in result:
-                np.testing.assert_allclose(result[other]["losses"], result["hp"]["losses"],
-                                           atol=ATOL, rtol=0)
+                assert_close(result[other]["losses"], result["hp"]["losses"], FP32_RTOL)
                 _assert_trains_like_reference({**result[other], "losses": ref["losses"]}, ref)
 
 

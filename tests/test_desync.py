@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 from tests.multirank import REPO_ROOT, RankFailure, run_ranks
+from tests.tolerance import FP32_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
 TIMEOUT_S = 8  # MindSpore's first collective on a loaded 2-core machine can take ~3 s
 DEBUG_ENV = {"HP_DEBUG": "collectives", "HP_TIMEOUT_S": str(TIMEOUT_S)}
-ATOL = 1e-5
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,9 +110,9 @@ def test_training_under_the_check_matches_the_reference(backend):
     training matches the single-process reference."""
     per_rank = [results["parity"] for results in _launch(backend)[1]]
     mean_losses = np.mean([r["losses"] for r in per_rank], axis=0)
-    np.testing.assert_allclose(mean_losses, per_rank[0]["ref_losses"], atol=ATOL, rtol=0)
+    assert_close(mean_losses, per_rank[0]["ref_losses"], FP32_RTOL)
     for r in per_rank:
-        assert r["param_diff"] <= ATOL
+        assert r["param_diff"] <= FP32_RTOL
         assert r["checked"] == r["issued"] > 0
 
 

@@ -18,10 +18,10 @@ import pytest
 
 from tests.forward_pattern_scenarios import PATTERNS, TORCH_ONLY
 from tests.multirank import run_ranks
+from tests.tolerance import FP32_RTOL, LOW_PRECISION_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
-ATOL = 2e-5
-LOW_PRECISION_ATOL = 5e-2
+LOW_PRECISION = {"torch": "bfloat16", "mindspore": "float16"}  # the scenarios' param_dtype
 
 
 # Its own launch, not the suite's shared one (tests/shared_launch.py): the leak check counts
@@ -42,11 +42,12 @@ def test_pattern_matches_reference(backend, pattern):
         pytest.skip("a MindSpore backward is one value_and_grad call over the whole loss: "
                     "there is no backward per chunk over a retained graph")
     per_rank = [r[pattern] for r in _results(backend)]
-    atol = LOW_PRECISION_ATOL if PATTERNS[pattern].get("mp") else ATOL
+    tolerance = LOW_PRECISION_RTOL[LOW_PRECISION[backend]] if PATTERNS[pattern].get("mp") \
+        else FP32_RTOL
     mean_losses = np.mean([r["losses"] for r in per_rank], axis=0)
-    np.testing.assert_allclose(mean_losses, per_rank[0]["ref_losses"], atol=atol, rtol=0)
+    assert_close(mean_losses, per_rank[0]["ref_losses"], tolerance)
     for r in per_rank:
-        assert r["ref_diff"] <= atol, f"parameters differ from the reference by {r['ref_diff']}"
+        assert r["ref_diff"] <= tolerance, f"parameters differ from the reference by {r['ref_diff']}"
         # sets of full parameters alive after each step: one graph's worth (a set per unit)
         # may wait for its collection; a leak adds a set per unit every step
         live = r["live_full_params"]
@@ -55,8 +56,8 @@ def test_pattern_matches_reference(backend, pattern):
         # FSDP2's after its final callback (reshard_after_backward is never turned off here)
         assert all(s == "sharded" for step in r["states"] for s in step), r["states"]
         if "fsdp2_losses" in r:
-            np.testing.assert_allclose(r["losses"], r["fsdp2_losses"], atol=ATOL, rtol=0)
-            assert r["fsdp2_diff"] <= ATOL, f"parameters differ from FSDP2's by {r['fsdp2_diff']}"
+            assert_close(r["losses"], r["fsdp2_losses"], FP32_RTOL)
+            assert r["fsdp2_diff"] <= FP32_RTOL, f"parameters differ from FSDP2's by {r['fsdp2_diff']}"
 
 
 @pytest.mark.timeout(600)

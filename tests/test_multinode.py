@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.tolerance import FP32_RTOL, assert_close
 
 from hyper_parallel.launch import find_free_port
 
@@ -26,7 +27,6 @@ SCRIPT = str(REPO / "tests" / "multinode_script.py")
 BIN = Path(sys.executable).parent
 NODES, PER_NODE = 2, 2
 TIMEOUT_S = 240
-ATOL = 1e-5
 
 
 def _env(backend: str, tmp: Path) -> dict:
@@ -87,8 +87,8 @@ def _assert_hsdp_parity(tmp: Path, ended: list, extra_logs: str = "") -> None:
     assert {("all_gather", "shard"), ("reduce_scatter", "shard"),
             ("all_reduce", "replicate")} <= comms, comms
     mean = np.mean([r["losses"] for r in results], axis=0)
-    np.testing.assert_allclose(mean, results[0]["ref_losses"], atol=ATOL, rtol=0)
-    assert max(r["param_diff"] for r in results) <= ATOL
+    assert_close(mean, results[0]["ref_losses"], FP32_RTOL)
+    assert max(r["param_diff"] for r in results) <= FP32_RTOL
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hyper_parallel.launch import find_free_port
+from tests.tolerance import FP32_RTOL, assert_close
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "native_launch_script.py"
@@ -53,8 +54,8 @@ def _assert_parity(results, world):
     assert [r["rank"] for r in results] == list(range(world))
     assert all(r["world"] == world for r in results)
     mean = np.mean([r["losses"] for r in results], axis=0)
-    np.testing.assert_allclose(mean, results[0]["ref_losses"], atol=1e-5, rtol=0)
-    assert max(r["param_diff"] for r in results) <= 1e-5
+    assert_close(mean, results[0]["ref_losses"], FP32_RTOL)
+    assert max(r["param_diff"] for r in results) <= FP32_RTOL
 
 
 @pytest.mark.timeout(300)

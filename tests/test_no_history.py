@@ -53,12 +53,17 @@ def python_prose(source: str) -> list[tuple[int, str]]:
     return prose
 
 
+def _skipped(part: str) -> bool:
+    """Tools' directories, not the repository's prose: ``.venv-torch-*`` is a side venv
+    (make torch-compat)."""
+    return part in SKIPPED_DIRS or part.endswith(".egg-info") or part.startswith(".venv-")
+
+
 def repository_prose() -> list[tuple[Path, int, str]]:
     """(file, line, text) for every Markdown line and every Python comment or docstring line."""
     found = []
     for path in sorted(ROOT.rglob("*")):
-        if any(part in SKIPPED_DIRS or part.endswith(".egg-info")
-               for part in path.relative_to(ROOT).parts):
+        if any(_skipped(part) for part in path.relative_to(ROOT).parts):
             continue
         if path.suffix == ".md":
             lines = enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)

@@ -214,7 +214,7 @@ def run_all(checkpoint_dir: str) -> dict:
     ours, theirs = _layout(model), _layout(fsdp2)
     result["layout_mismatch"] = [
         f"{n}: {ours[n][:3]} vs {theirs[n][:3]}" for n in ours
-        if ours[n][:3] != theirs[n][:3] or not np.allclose(ours[n][3], theirs[n][3], atol=1e-5)]
+        if ours[n][:3] != theirs[n][:3] or not np.array_equal(ours[n][3], theirs[n][3])]
     result["placements"] = {n: ours[n][0] for n in ours}
 
     # DCP: save the hp model, load it into fresh hp and FSDP2 models (other initial values)

@@ -384,9 +384,11 @@ def _same(actual, expected, what: str, tol: float = 0.0) -> None:
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {actual.shape}, expected {expected.shape}")
-    if tol:
-        np.testing.assert_allclose(actual.astype(np.float64), expected.astype(np.float64),
-                                   rtol=tol, atol=tol, err_msg=what)
+    if tol:  # relative, and absolute on the scale of the values (tests/tolerance.py)
+        expected = expected.astype(np.float64)
+        np.testing.assert_allclose(actual.astype(np.float64), expected, rtol=tol,
+                                   atol=tol * float(np.abs(expected).max(initial=0.0)),
+                                   err_msg=what)
     else:
         np.testing.assert_array_equal(actual, expected, err_msg=what)
 
