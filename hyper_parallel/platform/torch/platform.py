@@ -31,22 +31,18 @@ from hyper_parallel.platform.torch.eager_hooks import call_eagerly, eager
 from hyper_parallel.platform.torch.released_memory import ReleasedMemory
 from hyper_parallel.platform.torch.unshard_function import run_differentiable
 
-MIN_TORCH = (2, 4)
+MIN_TORCH = (2, 13)  # the oldest release the suite runs on (make torch-compat)
 
-try:  # FSDP2's per-parameter mesh (torch 2.13); older releases have none to convert
-    from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        ShardPlacementResult as _FSDP2ShardPlacementResult)
-except ImportError:
-    _FSDP2ShardPlacementResult = None
+from torch.distributed.fsdp._fully_shard._fsdp_common import (
+    ShardPlacementResult as _FSDP2ShardPlacementResult)
 
 _DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
 }
 
-# torch 2.13 renamed the flat collectives; older releases only have the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = dist.all_gather_single
+_reduce_scatter_flat = dist.reduce_scatter_single
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
@@ -71,7 +67,7 @@ def _check_version() -> None:
     if found < MIN_TORCH:
         raise ImportError(
             f"hyper_parallel needs torch >= {'.'.join(map(str, MIN_TORCH))}, found "
-            f"{torch.__version__}; upgrade with: pip install 'torch>=2.4'")
+            f"{torch.__version__}; upgrade with: pip install 'torch>=2.13,<=2.14.1'")
 
 
 # gloo's list reduce-scatter reads one tensor per rank (no flat input to build): ~20% faster
@@ -137,20 +133,17 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSuppor
                                native_mesh.device_type, native_mesh.mesh.tolist())
 
     def option_from_native(self, option):
-        # _composable.fsdp holds FSDP2's policies in every torch since 2.4 (torch.distributed.fsdp
-        # only re-exports them from 2.6 on); DataParallelMeshDims is newer (2.13 has it; an
-        # empty tuple where it is missing matches nothing). Imported on the first non-hp object.
-        import torch.distributed.fsdp as fsdp
-        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, OffloadPolicy
+        # imported on the first object that is not hyper_parallel's own
+        from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
-        known = (MixedPrecisionPolicy, OffloadPolicy, getattr(fsdp, "DataParallelMeshDims", ()))
+        known = (MixedPrecisionPolicy, OffloadPolicy, DataParallelMeshDims)
         if not isinstance(option, known):
             return None
         return type(option).__name__, {f.name: getattr(option, f.name)
                                        for f in dataclasses.fields(option)}
 
     def shard_placement_from_native(self, result):
-        if _FSDP2ShardPlacementResult is None or not isinstance(result, _FSDP2ShardPlacementResult):
+        if not isinstance(result, _FSDP2ShardPlacementResult):
             return None
         info = result.mesh_info
         named = getattr(info, "dp_mesh_dims", None)
