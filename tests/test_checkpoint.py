@@ -27,6 +27,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 from types import SimpleNamespace
@@ -86,6 +88,7 @@ def _launch_saving() -> list:
                  ("bn", "bn_save_run", (_dir("bn-A"), _dir("bn-native"))),
                  ("sgd", "save_run", (_dir("sgd-A"), "sgd")),
                  ("optimizers", "optimizer_round_trips", (_dir("optimizers-torch"),)),
+                 ("pending", "pending_at_destroy", (_dir("pending-torch"),)),  # last: leaves
                  timeout_s=300)
 
 
@@ -104,6 +107,8 @@ def _launch_crossing() -> list:
                  ("bn", "bn_cross_run", (_dir("bn-A"), _dir("bn-B"))),
                  ("sgd", "cross_run", (_dir("sgd-A"), _dir("sgd-B"), "sgd")),
                  ("optimizers", "optimizer_round_trips", (_dir("optimizers-mindspore"),)),
+                 ("checks", "error_checks_run", (_dir("A"), _dir("checks-mindspore"))),
+                 ("pending", "pending_at_destroy", (_dir("pending-mindspore"),)),  # last
                  timeout_s=660)
 
 
@@ -135,6 +140,7 @@ def _launch_resuming() -> dict:
                  ("bn", "bn_resume_run", (_dir("bn-A"), _dir("bn-native"), _dir("bn-B"))),
                  ("sgd", "resume_run", (_dir("sgd-A"), (1,), _dir("sgd-B"), None, None, "sgd")),
                  ("crashed_async", "crashed_checkpoint_loads", (_dir("C-async"),)),
+                 *((f"pending_{b}", "loaded_state", (_dir(f"pending-{b}"),)) for b in BACKENDS),
                  timeout_s=240)[0]
 
 
@@ -297,6 +303,54 @@ def test_batchnorm_model_moves_from_mindspore_layers_to_torch_layers():
     assert _rel(r["mapped"]["resumed"], _bn_uninterrupted_after_a()) <= SAME_FRAMEWORK_RTOL
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_destroy_distributed_publishes_a_pending_async_save(backend):
+    """``hp.save_checkpoint(..., async_save=True)`` and ``hp.destroy_distributed()`` right
+    after it, at 2 ranks: the checkpoint is published (no path.saving left), and it loads
+    (torch, 1 rank) as the parameters the run saved."""
+    launch = (_launch_saving if backend == "torch" else _launch_crossing)()
+    path = _dir(f"pending-{backend}")
+    assert sorted(os.listdir(_workdir())).count(f"pending-{backend}.saving") == 0
+    assert sorted(os.listdir(path)) == ["index.json", "rank-00000.safetensors",
+                                        "rank-00001.safetensors"]
+    loaded = _launch_resuming()[f"pending_{backend}"]
+    assert loaded["extra"] == {"pending": backend}
+    assert _param_diff(loaded["full"], launch[0]["pending"]) == 0.0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_interpreter_exit_publishes_a_pending_async_save(backend, tmp_path):
+    """A process that starts an asynchronous save and exits without waiting: its exit hook
+    publishes the checkpoint (one process, no group)."""
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    from safetensors.numpy import load_file
+
+    from tests.checkpoint_scenarios import _initial
+    from tests.multirank import REPO_ROOT
+
+    path = tmp_path / "ckpt"
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from tests.checkpoint_scenarios import "
+         "exit_with_pending_save; exit_with_pending_save(sys.argv[1])", str(path)],
+        cwd=REPO_ROOT, env={**os.environ, "HP_BACKEND": backend}, capture_output=True,
+        text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not published" not in done.stderr, done.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    with open(path / "index.json", encoding="utf-8") as file:
+        assert json.load(file)["extra"] == {"pending": "exit"}
+    stored = load_file(str(path / "rank-00000.safetensors"))
+    layer = ["attn_norm.weight", "mlp_norm.weight", "attn.weight", "up.weight", "up.bias",
+             "down.weight"]
+    assert sorted(stored) == sorted(["embed_tokens.weight", "norm.weight", "lm_head.weight",
+                                     *(f"layers.{i}.{n}" for i in range(2) for n in layer)])
+    for key, value in stored.items():
+        np.testing.assert_array_equal(value, _initial(key, value.shape), err_msg=key)
+
+
 @pytest.mark.timeout(600)
 def test_crash_mid_save_leaves_previous_checkpoint():
     message = _crashed()
@@ -331,20 +385,118 @@ EXPECTED_ERRORS = {
     "key_map_not_a_map": ["TypeError", "key_map must be a dict"],
     "optimizer_without_mapping": ["torch.optim.adamw.AdamW", "does not map to",
                                   "torch.optim.sgd.SGD"],
+    # the index as untrusted input: every file inside the directory, every field typed
+    "file_outside": ["index.json: tensors[", ".file: file '../outside-file_outside."
+                     "safetensors' is not a plain file name"],
+    "file_absolute": ["index.json: tensors[", "outside-file_absolute.safetensors' is not a "
+                      "plain file name"],
+    "shard_symlink_outside": ["file 'rank-00001.safetensors' resolves to", "outside-shard_"
+                              "symlink_outside.safetensors, outside the checkpoint directory"],
+    "index_symlink_outside": ["index.json", "outside-index_symlink_outside.json, outside the "
+                              "checkpoint directory"],
+    "file_not_a_string": ["tensors['norm.weight'].slices[0].file: the file name must be a "
+                          "string, not int 5"],
+    "offsets_bool": ["tensors['lm_head.weight'].slices[0].offsets must be a list of 2 "
+                     "non-negative integers, not list [False, 0]"],
+    "size_negative": ["tensors['lm_head.weight'].slices[0].shape must be a list of 2 "
+                      "non-negative integers, not list [-1, 16]"],
+    "slices_not_a_list": ["tensors['norm.weight'].slices must be a list, not dict"],
+    # the bytes of a tensor against its checksum
+    "nan_over_bytes": ["rank-00001.safetensors", "tensor 'lm_head.weight'",
+                       "do not match their checksum"],
 }
 
 
-@pytest.mark.timeout(600)
+def _checks(backend: str) -> list:
+    """Per rank, the checks' results: torch at 1 rank, MindSpore at 2."""
+    if backend == "torch":
+        return [_resumed_on_one()]
+    return [r["checks"] for r in _launch_crossing()]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("how", sorted(EXPECTED_ERRORS))
-def test_bad_checkpoint_is_a_clear_error_and_changes_nothing(how):
+def test_bad_checkpoint_is_a_clear_error_and_changes_nothing(how, backend):
+    """Every rank raises and changes nothing. A failure in a file is named by the ranks
+    that read the file (the others report a failure on another rank); a bad index by
+    every rank, before any shard file is opened."""
+    from tests.checkpoint_scenarios import READ_FAILURES
+
     assert set(EXPECTED_ERRORS) == {*CORRUPTIONS, "not_a_checkpoint", "extra_not_json",
                                     "key_map_collision", "key_map_unknown", "key_map_not_a_map",
                                     "optimizer_without_mapping"}
-    r = _resumed_on_one()["errors"][how]
-    assert r["message"] is not None, f"{how}: no error"
-    for part in EXPECTED_ERRORS[how]:
-        assert part in r["message"], f"{how}: {part!r} not in {r['message']!r}"
-    assert r["unchanged"], f"{how}: the failed call changed the model or optimizer"
+    per_rank = [r["errors"][how] for r in _checks(backend)]
+    naming = []
+    for rank, r in enumerate(per_rank):
+        assert r["message"] is not None, f"rank {rank}, {how}: no error"
+        assert r["unchanged"], f"rank {rank}, {how}: the failed call changed the model or optimizer"
+        if all(part in r["message"] for part in EXPECTED_ERRORS[how]):
+            naming.append(rank)
+        else:
+            assert how in READ_FAILURES and "failed on 1 other rank" in r["message"], \
+                f"rank {rank}, {how}: {EXPECTED_ERRORS[how]} not in {r['message']!r}"
+    assert naming, f"{how}: no rank names it: {[r['message'] for r in per_rank]}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoint_without_checksums_loads(backend):
+    """A checkpoint written before checksums were recorded loads as before."""
+    for rank, r in enumerate(_checks(backend)):
+        assert r["errors"]["without_checksums_loads"], f"rank {rank}"
+
+
+REFUSED_SAVES = {
+    "user_directory": ["CheckpointError", "user_directory/ckpt: it is a directory that is not "
+                       "a hyper_parallel checkpoint (it holds mydata.txt, runs)",
+                       "nothing was written", "pick a new or empty directory"],
+    "user_file": ["CheckpointError", "user_file/ckpt: a file of that name exists",
+                  "pick a new or empty directory"],
+    "working_directory": ["CheckpointError", "it is this process's working directory",
+                          "pick a new or empty directory"],
+    "foreign_staging": ["CheckpointError", "foreign_staging/ckpt.saving exists and is not a "
+                        "hyper_parallel checkpoint's", "move it away"],
+    "foreign_old": ["CheckpointError", "foreign_old/ckpt.old exists and is not a "
+                    "hyper_parallel checkpoint's", "move it away"],
+    "not_a_model": ["TypeError", "save_checkpoint(model=...) takes the", "not str 'model'"],
+    "not_a_path": ["TypeError", "load_checkpoint(path=...) takes the checkpoint directory",
+                   "not NoneType"],
+    "export_not_a_model": ["TypeError", "export_full(model=...) takes the", "not str"],
+    "verify_not_bool": ["TypeError", "load_checkpoint(verify=...) takes True or False"],
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(REFUSED_SAVES))
+def test_save_refuses_what_is_not_ours_and_changes_nothing(case, backend):
+    """A save that would replace or remove what this library did not write, and a call
+    with a wrong argument, raise on every rank naming the path and the fix; the case's
+    directory (user files, a subdirectory, a foreign path.saving or path.old) is byte for
+    byte as it was, the model and optimizer too, and no sibling of the working directory
+    appeared."""
+    for rank, r in enumerate(_checks(backend)):
+        r = r["targets"][case]
+        assert r["message"] is not None, f"rank {rank}, {case}: no error"
+        for part in REFUSED_SAVES[case]:
+            assert part in r["message"], f"rank {rank}, {case}: {part!r} not in {r['message']!r}"
+        assert r["files_same"], f"rank {rank}, {case}: the files changed"
+        assert r["state_same"], f"rank {rank}, {case}: the model or optimizer changed"
+        assert r["no_siblings"], f"rank {rank}, {case}: a .saving or .old appeared"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_takes_an_empty_directory_and_replaces_its_own(backend):
+    """An existing empty directory is taken; our own checkpoint is replaced (the second
+    save's extra loads); a stale path.saving of ours is cleared; nothing is left beside."""
+    for rank, r in enumerate(_checks(backend)):
+        r = r["targets"]
+        assert r["taken"] == {"empty_directory": {"case": "empty"},
+                              "replaces_ours": {"save": 2},
+                              "stale_staging_of_ours": {"case": "stale"}}, f"rank {rank}"
+        assert r["left_beside"] == {case: ["ckpt"] for case in r["left_beside"]}, f"rank {rank}"
 
 
 @pytest.mark.timeout(600)

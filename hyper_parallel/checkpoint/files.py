@@ -111,7 +111,11 @@ class SliceReader:
             raise CheckpointError(f"{path}: cannot read tensor {key!r}: {error}") from None
 
     def _check(self, path: str, key: str, stored: dict) -> None:
-        data = self._tensor_bytes(path, key)
+        try:
+            data = self._tensor_bytes(path, key)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{path}: cannot read the bytes of tensor {key!r}: "
+                                  f"{type(error).__name__} {error}") from None
         if "sha256:" + hashlib.sha256(data).hexdigest() != stored["checksum"]:
             raise CheckpointError(
                 f"{path}: the bytes of tensor {key!r} (the slice at offsets "
