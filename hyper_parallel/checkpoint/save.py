@@ -112,7 +112,8 @@ class SaveHandle:
     """An asynchronous ``save_checkpoint`` whose files are being written in the background.
     ``wait()``, which every rank calls (it agrees and publishes), finishes it: it returns
     once the checkpoint is at its path, or raises as a synchronous save would, leaving the
-    previous checkpoint there. The process's next save or load calls it first."""
+    previous checkpoint there. The process's next save or load calls it first, and
+    ``destroy_distributed`` and the interpreter's exit finish what is still pending."""
 
     def __init__(self, platform: Platform, path: str, staging: str, extra: Any):
         self._platform, self.path, self._staging, self._extra = platform, path, staging, extra
