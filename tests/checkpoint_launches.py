@@ -42,26 +42,30 @@ def jobs(world_size: int, backend: str, *calls, timeout_s: float) -> list:
                      env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
 
 
+def _at(*names) -> tuple:
+    return tuple(checkpoint_dir(name) for name in names)
+
+
 @functools.lru_cache(maxsize=None)
 def launch_saving() -> list:
-    return jobs(2, "torch", ("lm", "save_run", (checkpoint_dir("A"),)),
-                 ("bn", "bn_save_run", (checkpoint_dir("bn-A"), checkpoint_dir("bn-native"))),
-                 ("sgd", "save_run", (checkpoint_dir("sgd-A"), "sgd")),
-                 ("optimizers", "optimizer_round_trips", (checkpoint_dir("optimizers-torch"),)),
-                 ("pending", f"{SAFETY}:pending_at_destroy", (checkpoint_dir("pending-torch"),)),  # last
-                 timeout_s=300)
+    return jobs(2, "torch", ("lm", "save_run", _at("A")),
+                ("bn", "bn_save_run", _at("bn-A", "bn-native")),
+                ("sgd", "save_run", (*_at("sgd-A"), "sgd")),
+                ("optimizers", "optimizer_round_trips", _at("optimizers-torch")),
+                ("pending", f"{SAFETY}:pending_at_destroy", _at("pending-torch")),  # last
+                timeout_s=300)
 
 
 @functools.lru_cache(maxsize=None)
 def launch_crossing() -> list:
     launch_saving()
-    return jobs(2, "mindspore", ("lm", "cross_run", (checkpoint_dir("A"), checkpoint_dir("B"))),
-                 ("bn", "bn_cross_run", (checkpoint_dir("bn-A"), checkpoint_dir("bn-B"))),
-                 ("sgd", "cross_run", (checkpoint_dir("sgd-A"), checkpoint_dir("sgd-B"), "sgd")),
-                 ("optimizers", "optimizer_round_trips", (checkpoint_dir("optimizers-mindspore"),)),
-                 ("checks", f"{SAFETY}:error_checks_run", (checkpoint_dir("A"), checkpoint_dir("checks-mindspore"))),
-                 ("pending", f"{SAFETY}:pending_at_destroy", (checkpoint_dir("pending-mindspore"),)),  # last
-                 timeout_s=660)
+    return jobs(2, "mindspore", ("lm", "cross_run", _at("A", "B")),
+                ("bn", "bn_cross_run", _at("bn-A", "bn-B")),
+                ("sgd", "cross_run", (*_at("sgd-A", "sgd-B"), "sgd")),
+                ("optimizers", "optimizer_round_trips", _at("optimizers-mindspore")),
+                ("checks", f"{SAFETY}:error_checks_run", _at("A", "checks-mindspore")),
+                ("pending", f"{SAFETY}:pending_at_destroy", _at("pending-mindspore")),  # last
+                timeout_s=660)
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,12 +83,12 @@ def launch_resuming() -> dict:
     crashed()
     crashed("crash_async_run", "C-async")
     os.makedirs(checkpoint_dir("checks"), exist_ok=True)
-    return jobs(1, "torch", ("lm", "resume_run", (checkpoint_dir("A"), (1,), checkpoint_dir("B"), checkpoint_dir("checks"),
-                                                   checkpoint_dir("C"))),
-                 ("bn", "bn_resume_run", (checkpoint_dir("bn-A"), checkpoint_dir("bn-native"), checkpoint_dir("bn-B"))),
-                 ("sgd", "resume_run", (checkpoint_dir("sgd-A"), (1,), checkpoint_dir("sgd-B"), None, None, "sgd")),
-                 ("crashed_async", "crashed_checkpoint_loads", (checkpoint_dir("C-async"),)),
-                 ("checks", f"{SAFETY}:error_checks_run", (checkpoint_dir("A"), checkpoint_dir("checks"))),
-                 *((f"pending_{b}", f"{SAFETY}:loaded_state", (checkpoint_dir(f"pending-{b}"),))
-                   for b in ("torch", "mindspore")),
-                 timeout_s=240)[0]
+    a, b, checks, c = _at("A", "B", "checks", "C")
+    return jobs(1, "torch", ("lm", "resume_run", (a, (1,), b, checks, c)),
+                ("bn", "bn_resume_run", _at("bn-A", "bn-native", "bn-B")),
+                ("sgd", "resume_run", (*_at("sgd-A"), (1,), *_at("sgd-B"), None, None, "sgd")),
+                ("crashed_async", "crashed_checkpoint_loads", _at("C-async")),
+                ("checks", f"{SAFETY}:error_checks_run", (a, checks)),
+                *((f"pending_{backend}", f"{SAFETY}:loaded_state", _at(f"pending-{backend}"))
+                  for backend in ("torch", "mindspore")),
+                timeout_s=240)[0]

@@ -1,17 +1,17 @@
 """Portable sharded checkpoints (tests/checkpoint_scenarios.py): a run saved on torch at 2
 ranks (FSDP) resumes at 1 rank on torch and at 2 ranks (HSDP 2x1) on MindSpore, and
-MindSpore's checkpoint (written by the HSDP run) resumes on MindSpore FSDP and on torch at
-1 rank; a rank killed mid-save leaves the previous checkpoint (corrupt, hostile and
-foreign checkpoints, save targets that are not ours and pending asynchronous saves:
-tests/test_checkpoint_safety.py, in the same launches). A second model,
-written with each framework's own nn layers (Embedding, BatchNorm1d, LayerNorm), takes the
-same route through ``key_map=hp.torch_nn_names``, with its buffers and MindSpore's
-``requires_grad=False`` moving statistics, and resumes on torch without the map
-(``num_batches_tracked`` included). Four launches in all (torch 2, MindSpore 2, torch 2
-crashing, torch 1: tests/checkpoint_launches.py), each running both models' jobs. Regions that straddle stored slices
-(2 -> 3 ranks), the choice of the rank that writes a region, and torch's tensor-parallel
-blocks are checked without processes. In the suite's shared 4-rank launches: torch tensor
-parallelism (tests/tp_checkpoint_scenarios.py: saved at (dp=2, tp=2), resumed in six
+MindSpore's checkpoint (written by the HSDP run) resumes on MindSpore FSDP and on torch at 1
+rank; a rank killed mid-save leaves the previous checkpoint (corrupt, hostile and foreign
+checkpoints, save targets that are not ours and pending asynchronous saves:
+tests/test_checkpoint_safety.py, in the same launches). A second model, written with each
+framework's own nn layers (Embedding, BatchNorm1d, LayerNorm), takes the same route through
+``key_map=hp.torch_nn_names``, with its buffers and MindSpore's ``requires_grad=False``
+moving statistics, and resumes on torch without the map (``num_batches_tracked`` included).
+Four launches in all (torch 2, MindSpore 2, torch 2 crashing, torch 1:
+tests/checkpoint_launches.py), each running both models' jobs. Regions that straddle stored
+slices (2 -> 3 ranks), the choice of the rank that writes a region, and torch's
+tensor-parallel blocks are checked without processes. In the suite's shared 4-rank launches:
+torch tensor parallelism (tests/tp_checkpoint_scenarios.py: saved at (dp=2, tp=2), resumed in six
 layouts, then in this process in a plain model) and, on both frameworks, a mesh with a dim
 that is not data parallel.
 

@@ -10,13 +10,14 @@ like every safetensors reader parses); every other dtype is read with ``get_slic
 [Note: checksums]
 Saving records the SHA-256 of each tensor's bytes in the file (``"checksum":
 "sha256:<hex>"`` on its slice in the index), computed from the bytes it writes. Loading
-hashes a stored tensor's bytes, from a memory map of the file, the first time it reads any
-part of it, and a mismatch is a ``CheckpointError`` naming the file and the tensor, raised
-while reading, before anything changes. Per tensor rather than per file: the error names
-the tensor, and a rank hashes only the tensors it reads from. SHA-256 because CPUs hash it
-in hardware (x86 SHA extensions, ARMv8 crypto: about 1.5 GB/s per core here, three times
-BLAKE2b in CPython) and hashlib releases the GIL while hashing, so an asynchronous save
-hashes in its writer thread without holding up training. A slice without a checksum (a
+hashes a stored tensor's bytes the first time it reads any part of it (as read, when it
+reads the whole tensor; otherwise from a memory map of the file), and a mismatch is a
+``CheckpointError`` naming the file and the tensor, raised while reading, before anything
+changes. Per tensor rather than per file: the error names the tensor, and a rank hashes
+only the tensors it reads from. SHA-256 because CPUs hash it in hardware (x86 SHA
+extensions, ARMv8 crypto: about 1.5 GB/s per core on this project's machine, three times
+BLAKE2b there), and hashlib releases the GIL while hashing, so an asynchronous save hashes
+in its writer thread without holding up training. A slice without a checksum (a
 checkpoint written before they were recorded) is read unchecked.
 """
 
@@ -99,24 +100,37 @@ class SliceReader:
             raise CheckpointError(
                 f"{path}: tensor {key!r} is {view.get_dtype()} {list(view.get_shape())}, "
                 f"the index says {_SAFETENSORS[dtype]} {stored['shape']}")
-        if self.verify and "checksum" in stored and (path, key) not in self._verified:
-            self._check(path, key, stored)
+        check = self.verify and "checksum" in stored and (path, key) not in self._verified
+        # a region that is the whole stored slice (saved and loaded in the same layout) is
+        # hashed as read; a part of it, from the file's bytes first
+        whole = all(part.start == 0 and part.stop == n
+                    for part, n in zip(region, stored["shape"]))
+        if check and not whole:
+            self._check(path, key, stored, lambda: self._tensor_bytes(path, key))
         try:
             if dtype == "bfloat16":
                 bits = self._tensor_bytes(path, key).view("<u2").reshape(stored["shape"])[region]
-                flat = np.asarray(bits, np.uint32).reshape(-1)  # 1-d: numpy keeps uint32
-                return (flat << 16).view(np.float32).reshape(np.shape(bits))
-            return np.asarray(view[region] if region else view[()])  # () reads a 0-dim tensor
+                read = np.asarray(bits)
+            else:
+                read = np.asarray(view[region] if region else view[()])  # () reads 0-dim
         except (SafetensorError, OSError, ValueError) as error:
             raise CheckpointError(f"{path}: cannot read tensor {key!r}: {error}") from None
+        if check and whole:
+            self._check(path, key, stored, lambda: np.ascontiguousarray(read).reshape(-1))
+        if dtype == "bfloat16":
+            flat = np.asarray(read, np.uint32).reshape(-1)  # 1-d: numpy keeps uint32
+            return (flat << 16).view(np.float32).reshape(np.shape(read))
+        return read
 
-    def _check(self, path: str, key: str, stored: dict) -> None:
+    def _check(self, path: str, key: str, stored: dict, data) -> None:
+        """Tensor ``key``'s bytes (``data()``: the whole tensor as a 1-d array) against
+        the index's checksum."""
         try:
-            data = self._tensor_bytes(path, key)
+            digest = hashlib.sha256(data().view(np.uint8)).hexdigest()
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise CheckpointError(f"{path}: cannot read the bytes of tensor {key!r}: "
                                   f"{type(error).__name__} {error}") from None
-        if "sha256:" + hashlib.sha256(data).hexdigest() != stored["checksum"]:
+        if "sha256:" + digest != stored["checksum"]:
             raise CheckpointError(
                 f"{path}: the bytes of tensor {key!r} (the slice at offsets "
                 f"{stored['offsets']}, shape {stored['shape']}) do not match their checksum "
