@@ -246,8 +246,9 @@ def _target_checks(side, work: str) -> dict:
         for case in ("foreign_staging", "foreign_old"):
             suffix = ".saving" if case == "foreign_staging" else ".old"
             _user_files(os.path.join(work, case, "ckpt" + suffix))
-        for case in ("not_a_model", "not_a_path", "export_not_a_model", "verify_not_bool",
-                     "working_directory"):
+        for case in ("not_a_model", "not_an_optimizer", "not_a_path", "export_not_a_model",
+                     "verify_not_bool", "state_dict_not_a_model", "state_not_a_dict",
+                     "full_state_flag_not_bool", "working_directory"):
             os.makedirs(os.path.join(work, case))
         os.makedirs(os.path.join(work, "empty_directory", "ckpt"))
         os.makedirs(os.path.join(work, "replaces_ours"))
@@ -266,6 +267,10 @@ def _target_checks(side, work: str) -> dict:
         "export_not_a_model": lambda: hp.export_full(ckpt["export_not_a_model"], "model"),
         "verify_not_bool": lambda: hp.load_checkpoint(ckpt["verify_not_bool"], model, opt,
                                                       verify="yes"),
+        "not_an_optimizer": lambda: hp.save_checkpoint(ckpt["not_an_optimizer"], model, "opt"),
+        "state_dict_not_a_model": lambda: hp.get_state_dict(["model"]),
+        "state_not_a_dict": lambda: hp.set_state_dict(model, [("weight", 1)], opt),
+        "full_state_flag_not_bool": lambda: hp.get_full_state_dict(model, rank0_only="no"),
     }
     out = {}
     for case, call in refused.items():

@@ -152,7 +152,7 @@ def test_checkpoint_without_checksums_loads(backend):
         assert r["errors"]["without_checksums_loads"], f"rank {rank}"
 
 
-REFUSED_SAVES = {
+REFUSED_CALLS = {
     "user_directory": ["CheckpointError", "user_directory/ckpt: it is a directory that is not "
                        "a hyper_parallel checkpoint (it holds mydata.txt, runs)",
                        "nothing was written", "pick a new or empty directory"],
@@ -169,13 +169,20 @@ REFUSED_SAVES = {
                    "not NoneType"],
     "export_not_a_model": ["TypeError", "export_full(model=...) takes the", "not str"],
     "verify_not_bool": ["TypeError", "load_checkpoint(verify=...) takes True or False"],
+    "not_an_optimizer": ["TypeError", "save_checkpoint(optimizer=...) takes None or the",
+                         "optimizer built on the model's parameters"],
+    "state_dict_not_a_model": ["TypeError", "get_state_dict(model=...) takes the",
+                               "not list ['model']"],
+    "state_not_a_dict": ["TypeError", "set_state_dict(state=...) takes a dict", "not list"],
+    "full_state_flag_not_bool": ["TypeError", "get_full_state_dict(rank0_only=...) takes "
+                                 "True or False, not 'no'"],
 }
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", sorted(REFUSED_SAVES))
-def test_save_refuses_what_is_not_ours_and_changes_nothing(case, backend):
+@pytest.mark.parametrize("case", sorted(REFUSED_CALLS))
+def test_refused_save_or_argument_changes_nothing(case, backend):
     """A save that would replace or remove what this library did not write, and a call
     with a wrong argument, raise on every rank naming the path and the fix; the case's
     directory (user files, a subdirectory, a foreign path.saving or path.old) is byte for
@@ -184,7 +191,7 @@ def test_save_refuses_what_is_not_ours_and_changes_nothing(case, backend):
     for rank, r in enumerate(_checks(backend)):
         r = r["targets"][case]
         assert r["message"] is not None, f"rank {rank}, {case}: no error"
-        for part in REFUSED_SAVES[case]:
+        for part in REFUSED_CALLS[case]:
             assert part in r["message"], f"rank {rank}, {case}: {part!r} not in {r['message']!r}"
         assert r["files_same"], f"rank {rank}, {case}: the files changed"
         assert r["state_same"], f"rank {rank}, {case}: the model or optimizer changed"
