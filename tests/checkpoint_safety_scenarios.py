@@ -40,12 +40,17 @@ def pending_at_destroy(path: str) -> dict:
     return saved
 
 
-def exit_with_pending_save(path: str) -> None:
+def exit_with_pending_save(path: str, then_a_file_there: bool = False) -> None:
     """One process, no process group: the initial model saved asynchronously, then the
-    interpreter exits without waiting; its exit hook must publish the save."""
+    interpreter exits without waiting; its exit hook must publish the save. With
+    ``then_a_file_there``, a file of the user's appears at ``path`` first: the publish
+    must refuse to replace it, and the hook say so."""
     side = _side()
     model = side.build()
     hp.save_checkpoint(path, model, extra={"pending": "exit"}, async_save=True)
+    if then_a_file_there:
+        with open(path, "w", encoding="utf-8") as file:
+            file.write("the user's file\n")
 
 
 def loaded_state(path: str) -> dict:

@@ -49,21 +49,27 @@ def test_destroy_distributed_publishes_a_pending_async_save(backend):
         np.testing.assert_array_equal(loaded["full"][key], value, err_msg=key)
 
 
+def _exit_with_pending_save(backend: str, path, then_a_file_there: bool):
+    """A process of its own running ``exit_with_pending_save``: its outcome."""
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from tests.checkpoint_safety_scenarios import "
+         "exit_with_pending_save; exit_with_pending_save(sys.argv[1], sys.argv[2] == '1')",
+         str(path), "1" if then_a_file_there else "0"],
+        cwd=REPO_ROOT, env={**os.environ, "HP_BACKEND": backend}, capture_output=True,
+        text=True, timeout=240, check=False)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_interpreter_exit_publishes_a_pending_async_save(backend, tmp_path):
     """A process that starts an asynchronous save and exits without waiting: its exit hook
     publishes the checkpoint (one process, no group)."""
-    if importlib.util.find_spec(backend) is None:
-        pytest.skip(f"{backend} is not installed")
     from safetensors.numpy import load_file
 
     path = tmp_path / "ckpt"
-    done = subprocess.run(
-        [sys.executable, "-c", "import sys; from tests.checkpoint_safety_scenarios import "
-         "exit_with_pending_save; exit_with_pending_save(sys.argv[1])", str(path)],
-        cwd=REPO_ROOT, env={**os.environ, "HP_BACKEND": backend}, capture_output=True,
-        text=True, timeout=240, check=False)
+    done = _exit_with_pending_save(backend, path, False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "not published" not in done.stderr, done.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
@@ -209,3 +215,19 @@ def test_save_takes_an_empty_directory_and_replaces_its_own(backend):
                               "replaces_ours": {"save": 2},
                               "stale_staging_of_ours": {"case": "stale"}}, f"rank {rank}"
         assert r["left_beside"] == {case: ["ckpt"] for case in r["left_beside"]}, f"rank {rank}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exit_says_loudly_which_save_it_could_not_publish(backend, tmp_path):
+    """A file of the user's appears at the path of a pending asynchronous save before the
+    process exits: the exit hook refuses to replace it, leaves it as it was (and no
+    path.saving), and prints an error naming the path."""
+    path = tmp_path / "ckpt"
+    done = _exit_with_pending_save(backend, path, True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (f"hyper_parallel: ERROR: the asynchronous save to {path} was not published"
+            in done.stderr), done.stderr[-3000:]
+    assert "a file of that name exists" in done.stderr, done.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert path.read_text(encoding="utf-8") == "the user's file\n"
