@@ -136,6 +136,8 @@ def _corrupt(dir_a: str, work: str, how: str) -> str:
         index["tensors"]["lm_head.weight"]["slices"][0]["shape"][0] = -1
     elif how == "slices_not_a_list":
         index["tensors"]["norm.weight"]["slices"] = index["tensors"]["norm.weight"]["slices"][0]
+    elif how == "slices_overlap":  # rows 18-35 in the second slice: row 18 twice, 36 never
+        index["tensors"]["lm_head.weight"]["slices"][1]["offsets"] = [VOCAB // 2, 0]
     elif how == "nan_over_bytes":
         header, data = _header(shard)
         start, _ = header["lm_head.weight"]["data_offsets"]
@@ -153,7 +155,8 @@ def _corrupt(dir_a: str, work: str, how: str) -> str:
 CORRUPTIONS = ("missing_file", "truncated", "wrong_shape", "missing_tensor", "missing_moment",
                "slice_not_in_file", "foreign", "file_outside", "file_absolute",
                "shard_symlink_outside", "index_symlink_outside", "file_not_a_string",
-               "offsets_bool", "size_negative", "slices_not_a_list", "nan_over_bytes")
+               "offsets_bool", "size_negative", "slices_not_a_list", "slices_overlap",
+               "nan_over_bytes")
 # a rank reads only the files that hold its regions: these fail where they are read (on
 # every rank, as a failure on another rank); the other corruptions on every rank by name
 READ_FAILURES = ("missing_file", "truncated", "slice_not_in_file", "nan_over_bytes")

@@ -114,6 +114,8 @@ EXPECTED_ERRORS = {
     "size_negative": ["tensors['lm_head.weight'].slices[0].shape must be a list of 2 "
                       "non-negative integers, not list [-1, 16]"],
     "slices_not_a_list": ["tensors['norm.weight'].slices must be a list, not dict"],
+    # rank 0 of 2 finds the overlap, rank 1 the row no slice holds, 1 rank the overlap
+    "slices_overlap": ["index.json: the slices of 'lm_head.weight'"],
     # the bytes of a tensor against its checksum
     "nan_over_bytes": ["rank-00001.safetensors", "tensor 'lm_head.weight'",
                        "do not match their checksum"],

@@ -103,12 +103,17 @@ def _read_region(reader: SliceReader, path: str, key: str, entry: dict, h: Held)
                               f"{tuple(entry['shape'])}, the model's {h.name!r} has {h.shape}")
     shape = h.region_shape
     out = np.zeros(shape, np.float32 if entry["dtype"] == "bfloat16" else entry["dtype"])
-    filled = 0
+    written = np.zeros(shape, bool)  # every element from exactly one slice
+    index_path = os.path.join(path, INDEX_FILE)
     for stored, source, target in overlaps(entry, h.offsets, shape):
-        part = reader.read(stored, entry["dtype"], source)
-        out[target] = part
-        filled += part.size
-    if filled != math.prod(shape):
-        raise CheckpointError(f"{os.path.join(path, INDEX_FILE)}: the slices of {key!r} cover {filled} of the "
-                              f"{math.prod(shape)} elements this rank needs")
+        if written[target].any():
+            raise CheckpointError(f"{index_path}: the slices of {key!r} overlap: the one in "
+                                  f"{stored['file']} at offsets {stored['offsets']} holds "
+                                  f"elements another slice holds")
+        out[target] = reader.read(stored, entry["dtype"], source)
+        written[target] = True
+    if not written.all():
+        raise CheckpointError(f"{index_path}: the slices of {key!r} cover "
+                              f"{int(written.sum())} of the {math.prod(shape)} elements this "
+                              f"rank needs")
     return out
