@@ -122,6 +122,8 @@ def require_joined_job(caller: str, platform) -> None:
 
 def destroy_distributed() -> None:
     """Final barrier (so no rank exits while a peer still sends), then leave the group."""
+    from hyper_parallel.checkpoint.save import finish_pending_saves  # they need the group
+    finish_pending_saves()
     platform = get_platform()
     if not platform.is_initialized():
         return

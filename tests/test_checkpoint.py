@@ -1,16 +1,17 @@
 """Portable sharded checkpoints (tests/checkpoint_scenarios.py): a run saved on torch at 2
 ranks (FSDP) resumes at 1 rank on torch and at 2 ranks (HSDP 2x1) on MindSpore, and
-MindSpore's checkpoint (written by the HSDP run) resumes on MindSpore FSDP and on torch at
-1 rank; a rank killed mid-save leaves the previous checkpoint; corrupt and foreign
-checkpoints fail with errors naming the file and tensor, changing nothing. A second model,
-written with each framework's own nn layers (Embedding, BatchNorm1d, LayerNorm), takes the
-same route through ``key_map=hp.torch_nn_names``, with its buffers and MindSpore's
-``requires_grad=False`` moving statistics, and resumes on torch without the map
-(``num_batches_tracked`` included). Four launches in all (torch 2, MindSpore 2, torch 2
-crashing, torch 1), each running both models' jobs. Regions that straddle stored slices
-(2 -> 3 ranks), the choice of the rank that writes a region, and torch's tensor-parallel
-blocks are checked without processes. In the suite's shared 4-rank launches: torch tensor
-parallelism (tests/tp_checkpoint_scenarios.py: saved at (dp=2, tp=2), resumed in six
+MindSpore's checkpoint (written by the HSDP run) resumes on MindSpore FSDP and on torch at 1
+rank; a rank killed mid-save leaves the previous checkpoint (corrupt, hostile and foreign
+checkpoints, save targets that are not ours and pending asynchronous saves:
+tests/test_checkpoint_safety.py, in the same launches). A second model, written with each
+framework's own nn layers (Embedding, BatchNorm1d, LayerNorm), takes the same route through
+``key_map=hp.torch_nn_names``, with its buffers and MindSpore's ``requires_grad=False``
+moving statistics, and resumes on torch without the map (``num_batches_tracked`` included).
+Four launches in all (torch 2, MindSpore 2, torch 2 crashing, torch 1:
+tests/checkpoint_launches.py), each running both models' jobs. Regions that straddle stored
+slices (2 -> 3 ranks), the choice of the rank that writes a region, and torch's
+tensor-parallel blocks are checked without processes. In the suite's shared 4-rank launches:
+torch tensor parallelism (tests/tp_checkpoint_scenarios.py: saved at (dp=2, tp=2), resumed in six
 layouts, then in this process in a plain model) and, on both frameworks, a mesh with a dim
 that is not data parallel.
 
@@ -21,13 +22,9 @@ references agree to over the same steps (measured in the run, reported on failur
 
 from __future__ import annotations
 
-import atexit
-import functools
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 import threading
 from types import SimpleNamespace
 
@@ -36,8 +33,9 @@ import pytest
 
 from hyper_parallel.checkpoint import CheckpointError
 from tests import shared_launch
-from tests.checkpoint_scenarios import CORRUPTIONS, STEPS
-from tests.multirank import RankFailure, run_ranks
+from tests.checkpoint_launches import checkpoint_dir, crashed, launch_crossing, \
+    launch_resuming, launch_saving
+from tests.checkpoint_scenarios import STEPS
 
 SAME_FRAMEWORK_RTOL = 1e-5
 BACKENDS = ["torch", "mindspore"]
@@ -52,17 +50,6 @@ shared_launch.register(__name__, "checkpoint_tensor_parallel", 4,
                        backends=("torch",), timeout_s=180)
 
 
-@functools.lru_cache(maxsize=None)
-def _workdir() -> str:
-    path = tempfile.mkdtemp(prefix="hp-ckpt-")
-    atexit.register(shutil.rmtree, path, True)
-    return path
-
-
-def _dir(name: str) -> str:
-    return os.path.join(_workdir(), name)
-
-
 def _mean(per_rank: list, key: str) -> np.ndarray:
     return np.mean([r[key] for r in per_rank], axis=0)
 
@@ -72,74 +59,24 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b) / np.abs(b)))
 
 
-def _jobs(world_size: int, backend: str, *calls, timeout_s: float) -> list:
-    """Several rank-side functions in one launch: per rank, ``{name: return value}``."""
-    return run_ranks("tests.shared_launch:run_jobs", world_size, backend,
-                     [(name, f"tests.checkpoint_scenarios:{target}", args, {})
-                      for name, target, args in calls], timeout_s=timeout_s,
-                     env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
-
-
-@functools.lru_cache(maxsize=None)
-def _launch_saving() -> list:
-    return _jobs(2, "torch", ("lm", "save_run", (_dir("A"),)),
-                 ("bn", "bn_save_run", (_dir("bn-A"), _dir("bn-native"))),
-                 ("sgd", "save_run", (_dir("sgd-A"), "sgd")),
-                 ("optimizers", "optimizer_round_trips", (_dir("optimizers-torch"),)),
-                 timeout_s=300)
-
-
 def _saved() -> list:
-    return [r["lm"] for r in _launch_saving()]
+    return [r["lm"] for r in launch_saving()]
 
 
 def _bn_saved() -> list:
-    return [r["bn"] for r in _launch_saving()]
-
-
-@functools.lru_cache(maxsize=None)
-def _launch_crossing() -> list:
-    _launch_saving()
-    return _jobs(2, "mindspore", ("lm", "cross_run", (_dir("A"), _dir("B"))),
-                 ("bn", "bn_cross_run", (_dir("bn-A"), _dir("bn-B"))),
-                 ("sgd", "cross_run", (_dir("sgd-A"), _dir("sgd-B"), "sgd")),
-                 ("optimizers", "optimizer_round_trips", (_dir("optimizers-mindspore"),)),
-                 timeout_s=660)
+    return [r["bn"] for r in launch_saving()]
 
 
 def _crossed() -> list:
-    return [r["lm"] for r in _launch_crossing()]
+    return [r["lm"] for r in launch_crossing()]
 
 
 def _bn_crossed() -> list:
-    return [r["bn"] for r in _launch_crossing()]
-
-
-@functools.lru_cache(maxsize=None)
-def _crashed(target: str = "crash_run", directory: str = "C") -> str:
-    """The message of the save that lost rank 1 midway."""
-    with pytest.raises(RankFailure) as failure:
-        run_ranks(f"tests.checkpoint_scenarios:{target}", 2, "torch", _dir(directory),
-                  timeout_s=60)
-    return str(failure.value)
-
-
-@functools.lru_cache(maxsize=None)
-def _launch_resuming() -> dict:
-    _launch_crossing()
-    _crashed()
-    _crashed("crash_async_run", "C-async")
-    os.makedirs(_dir("checks"), exist_ok=True)
-    return _jobs(1, "torch", ("lm", "resume_run", (_dir("A"), (1,), _dir("B"), _dir("checks"),
-                                                   _dir("C"))),
-                 ("bn", "bn_resume_run", (_dir("bn-A"), _dir("bn-native"), _dir("bn-B"))),
-                 ("sgd", "resume_run", (_dir("sgd-A"), (1,), _dir("sgd-B"), None, None, "sgd")),
-                 ("crashed_async", "crashed_checkpoint_loads", (_dir("C-async"),)),
-                 timeout_s=240)[0]
+    return [r["bn"] for r in launch_crossing()]
 
 
 def _resumed_on_one() -> dict:
-    return _launch_resuming()["lm"]
+    return launch_resuming()["lm"]
 
 
 def _uninterrupted_after_a() -> np.ndarray:
@@ -191,14 +128,14 @@ def _sgd(launch) -> list:
 @pytest.mark.timeout(600)
 def test_sgd_momentum_resumes_at_one_rank_on_torch():
     """torch.optim.SGD(momentum=0.9) saved at 2 ranks, its momentum_buffer resharded to 1."""
-    saved, r = _sgd(_launch_saving()), _launch_resuming()["sgd"]
+    saved, r = _sgd(launch_saving()), launch_resuming()["sgd"]
     diff = _rel(r["resumed"], _mean(saved, "losses")[STEPS:])
     assert diff <= SAME_FRAMEWORK_RTOL, f"resumed at 1 rank differs by {diff:.2e}"
 
 
 @pytest.mark.timeout(600)
 def test_sgd_momentum_resumes_on_mindspore_resharded():
-    per_rank = _sgd(_launch_crossing())
+    per_rank = _sgd(launch_crossing())
     diff = _rel(_mean(per_rank, "resumed_same"), _mean(per_rank, "after_save"))
     assert diff <= SAME_FRAMEWORK_RTOL, f"MindSpore SGD resumed (2x1 -> 2) differs by {diff:.2e}"
 
@@ -206,12 +143,12 @@ def test_sgd_momentum_resumes_on_mindspore_resharded():
 @pytest.mark.timeout(600)
 def test_sgd_momentum_moves_between_the_frameworks():
     """torch's momentum_buffer into MindSpore's accum (stat: stepped), and back."""
-    saved, crossed = _sgd(_launch_saving()), _sgd(_launch_crossing())
+    saved, crossed = _sgd(launch_saving()), _sgd(launch_crossing())
     tolerance = 2 * _rel(crossed[0]["ref"], saved[0]["ref"])
     diff = _rel(_mean(crossed, "resumed"), _mean(saved, "losses")[STEPS:])
     assert diff <= tolerance, (f"MindSpore SGD resumed from torch differs by {diff:.2e}; the "
                                f"references agree to {tolerance / 2:.2e}")
-    diff = _rel(_launch_resuming()["sgd"]["resumed_b"], _mean(crossed, "after_save"))
+    diff = _rel(launch_resuming()["sgd"]["resumed_b"], _mean(crossed, "after_save"))
     assert diff <= tolerance, (f"torch SGD resumed from MindSpore differs by {diff:.2e}; the "
                                f"references agree to {tolerance / 2:.2e}")
 
@@ -223,7 +160,7 @@ def test_any_optimizer_resumes_as_itself(launch):
     amsgrad, Adagrad, centered RMSprop with momentum; MindSpore: nn.SGD, nn.Momentum,
     nn.Adam with its own beta powers and global step, experimental Adam and Adagrad), each
     saved at 2 ranks and resumed into a fresh optimizer of its class."""
-    per_rank = (_launch_saving if launch == "torch" else _launch_crossing)()
+    per_rank = (launch_saving if launch == "torch" else launch_crossing)()
     curves = [r["optimizers"] for r in per_rank]
     for name in curves[0]:
         uninterrupted = np.mean([c[name][0] for c in curves], axis=0)
@@ -250,7 +187,7 @@ def _max_state_diff(a: dict, b: dict) -> float:
 def test_batchnorm_buffers_resume_on_torch_at_one_rank():
     """torch's buffers (running statistics, the int64 0-dim num_batches_tracked) saved at 2
     ranks and restored at 1: the evaluation losses, which read them, continue too."""
-    r = _launch_resuming()["bn"]["native"]
+    r = launch_resuming()["bn"]["native"]
     saved = _bn_saved()[0]
     assert sorted(r["buffers"]) == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
     assert int(r["buffers"]["bn.num_batches_tracked"]) == STEPS
@@ -288,7 +225,7 @@ def test_batchnorm_model_moves_from_torch_layers_to_mindspore_layers():
 
 @pytest.mark.timeout(600)
 def test_batchnorm_model_moves_from_mindspore_layers_to_torch_layers():
-    r, tolerance = _launch_resuming()["bn"], _bn_cross_tolerance()
+    r, tolerance = launch_resuming()["bn"], _bn_cross_tolerance()
     diff = _rel(r["from_mindspore"], _bn_crossed()[0]["after_save"])
     assert diff <= tolerance, (f"torch resumed from MindSpore differs by {diff:.2e}; the "
                                f"references agree to {tolerance / 2:.2e}")
@@ -299,7 +236,7 @@ def test_batchnorm_model_moves_from_mindspore_layers_to_torch_layers():
 
 @pytest.mark.timeout(600)
 def test_crash_mid_save_leaves_previous_checkpoint():
-    message = _crashed()
+    message = crashed()
     # rank 1 dies after writing its file; rank 0, waiting for it in the save's agreement,
     # may see the dead peer and fail first: then no rank was left to end
     assert ("rank 1 failed with exit code 17" in message
@@ -309,42 +246,11 @@ def test_crash_mid_save_leaves_previous_checkpoint():
 
 @pytest.mark.timeout(600)
 def test_rank_dying_in_an_async_write_leaves_previous_checkpoint():
-    message = _crashed("crash_async_run", "C-async")
+    message = crashed("crash_async_run", "C-async")
     assert ("rank 1 failed with exit code 17" in message
             or ("rank 0 failed" in message and "ended ranks []" in message)), message
-    assert _launch_resuming()["crashed_async"] == {"extra": {"checkpoint": "C"}, "initial": True}
-    assert os.path.isdir(_dir("C-async") + ".saving")  # the unpublished write, cleared next save
-
-
-EXPECTED_ERRORS = {
-    "missing_file": ["rank-00001.safetensors", "missing"],
-    "truncated": ["rank-00001.safetensors", "truncated"],
-    "wrong_shape": ["index.json", "lm_head.weight", "shape"],
-    "missing_tensor": ["index.json", "different model", "layers.1.up.bias"],
-    "missing_moment": ["index.json", "optim.exp_avg_sq.norm.weight", "missing"],
-    "slice_not_in_file": ["rank-0000", "'nothing'"],
-    "foreign": ["index.json", "not a hyper_parallel checkpoint"],
-    "not_a_checkpoint": ["index.json does not exist"],
-    "extra_not_json": ["TypeError", "JSON-serialisable"],
-    "key_map_collision": ["key_map gives", "the same stored name 'weight'"],
-    "key_map_unknown": ["key_map names 'nope'", "does not have"],
-    "key_map_not_a_map": ["TypeError", "key_map must be a dict"],
-    "optimizer_without_mapping": ["torch.optim.adamw.AdamW", "does not map to",
-                                  "torch.optim.sgd.SGD"],
-}
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("how", sorted(EXPECTED_ERRORS))
-def test_bad_checkpoint_is_a_clear_error_and_changes_nothing(how):
-    assert set(EXPECTED_ERRORS) == {*CORRUPTIONS, "not_a_checkpoint", "extra_not_json",
-                                    "key_map_collision", "key_map_unknown", "key_map_not_a_map",
-                                    "optimizer_without_mapping"}
-    r = _resumed_on_one()["errors"][how]
-    assert r["message"] is not None, f"{how}: no error"
-    for part in EXPECTED_ERRORS[how]:
-        assert part in r["message"], f"{how}: {part!r} not in {r['message']!r}"
-    assert r["unchanged"], f"{how}: the failed call changed the model or optimizer"
+    assert launch_resuming()["crashed_async"] == {"extra": {"checkpoint": "C"}, "initial": True}
+    assert os.path.isdir(checkpoint_dir("C-async") + ".saving")  # the unpublished write, cleared next save
 
 
 @pytest.mark.timeout(600)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.checkpoint.arguments import check_model, check_path
 from hyper_parallel.checkpoint.layout import held_params
 from hyper_parallel.checkpoint.names import resolve
 from hyper_parallel.checkpoint.save import agree_on_failure
@@ -46,13 +47,16 @@ def export_full(path: str, model: Any, config: dict | None = None,
     ``max_shard_bytes``), and ``config`` (a dict) as ``config.json``. ``key_map``: the
     written name of each model name (names.py). Every rank calls it; rank 0
     writes."""
+    path = check_path("export_full", path)
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"export_full(config=...) takes a dict (written as config.json), "
                         f"not {type(config).__name__}")
-    if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) \
+            or max_shard_bytes <= 0:
         raise ValueError(f"export_full(max_shard_bytes={max_shard_bytes!r}): give a positive "
                          f"number of bytes")
     platform = get_platform()
+    check_model(platform, "export_full", model)
     held = {h.name: h for h in held_params(platform, model, buffers=False)}  # each once
     keys = resolve(key_map, list(held))
     # a tensor-parallel parameter (one a unit manages: held_params) is gathered over its

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hyper_parallel.checkpoint.arguments import check_bool, check_model
 from hyper_parallel.platform import get_platform
 from hyper_parallel.checkpoint.state_dict import state_entries, to_numpy
 
@@ -29,6 +30,10 @@ def get_full_state_dict(model: Any, optimizer: Any = None, rank0_only: bool = Tr
     tensor-parallel parameter is gathered over its tensor-parallel ranks too (otherwise it
     is an error)."""
     platform = get_platform()
+    check_model(platform, "get_full_state_dict", model, optimizer)
+    for name, value in (("rank0_only", rank0_only), ("as_numpy", as_numpy),
+                        ("tensor_parallel_parts", tensor_parallel_parts)):
+        check_bool("get_full_state_dict", name, value)
     keep = not rank0_only or platform.rank() == 0
     result, gathered = {}, {}  # gathered: id(live tensor) -> value, for tied parameters
     with platform.no_grad():

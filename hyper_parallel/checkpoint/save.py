@@ -1,39 +1,49 @@
 """``save_checkpoint``: every rank writes what it owns, in parallel; rank 0 publishes it.
 
 [Note: atomic publish]
-Ranks write into ``<path>.saving`` (rank 0 clears a stale one first): a safetensors file of
-the tensors the rank writes (layout.py) and a partial index. Once every rank reports
-(an all-reduce of failure flags, which doubles as the barrier), rank 0 merges the
-partial indexes into ``index.json`` and swaps directories: ``path`` -> ``path.old``,
-``path.saving`` -> ``path``, then removes ``path.old``. A rank that fails or dies before the
-swap leaves the previous checkpoint at ``path`` as it was; a failure reported by any rank
-makes every rank raise. The directory must be one filesystem every rank sees.
+Every rank first checks that the save replaces or removes nothing that is not ours
+(ownership.py) and the ranks agree. Ranks write into ``<path>.saving`` (rank 0 clears a
+stale one of ours first): a safetensors file of the tensors the rank writes (layout.py),
+with each tensor's checksum (files.py), and a partial index. Once every rank reports (an
+all-reduce of failure flags, which doubles as the barrier), rank 0 merges the partial
+indexes into ``index.json`` and swaps directories: ``path`` -> ``path.old``,
+``path.saving`` -> ``path``, then removes ``path.old``. A rank that fails or dies before
+the swap leaves the previous checkpoint at ``path`` as it was; a failure reported by any
+rank makes every rank raise. The directory must be one filesystem every rank sees.
 
 [Note: asynchronous save]
 With ``async_save=True`` the call copies this rank's regions to host memory (numpy, new
 memory), agrees that every rank did, starts a thread that writes the file and the partial
 index (numpy and file I/O only, never a framework or collective call), and returns a
 ``SaveHandle``. The agreement and the publish, which are collectives, run on the calling
-thread in ``SaveHandle.wait()``, which the process's next save or load calls first; until
-then the previous checkpoint stays at ``path``, and a rank that dies mid-write leaves it
-there as a synchronous save does.
+thread in ``SaveHandle.wait()``, which the process's next save or load calls first, and
+``destroy_distributed`` before it leaves the group; until then the previous checkpoint
+stays at ``path``, and a rank that dies mid-write leaves it there as a synchronous save
+does. A save still pending when the interpreter exits is finished by an ``atexit`` hook
+(every rank exiting normally runs it, so the collectives meet); where it cannot be (the
+group already left, a peer gone), the hook prints an error naming the path left
+unpublished.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
-import shutil
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hyper_parallel.checkpoint import files
+from hyper_parallel.checkpoint.arguments import check_bool, check_model, check_path
 from hyper_parallel.checkpoint.index import (
     INDEX_FILE, CheckpointError, add_slice, merge, moment_key, new_partial, rank_file,
     write_json,
 )
+from hyper_parallel.checkpoint.ownership import check_target, is_ours, make_staging, \
+    remove_ours, swap_in
 from hyper_parallel.checkpoint.layout import dtype_name, held_params, to_array, written_here
 from hyper_parallel.checkpoint.optimizers import optimizer_type, read_state
 from hyper_parallel.platform import get_platform
@@ -53,23 +63,30 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = N
     once every rank has written its part. ``key_map``: the stored name of each model name
     (names.py). Every rank calls it, between steps. ``async_save``: return once this
     rank's part is copied to host memory, with a ``SaveHandle``; the files are written in
-    the background and published by ``handle.wait()`` or the next save or load."""
+    the background and published by ``handle.wait()``, the next save or load, or
+    ``destroy_distributed``. ``path`` must be new, an empty directory or a checkpoint of
+    ours (ownership.py)."""
+    path = check_path("save_checkpoint", path)
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as error:
         raise TypeError(f"save_checkpoint(extra=...) must be JSON-serialisable: {error}") from None
-    if not isinstance(async_save, bool):
-        raise TypeError(f"save_checkpoint(async_save=...) takes True or False, not "
-                        f"{async_save!r}")
+    check_bool("save_checkpoint", "async_save", async_save)
     platform = get_platform()
+    check_model(platform, "save_checkpoint", model, optimizer)
     held = held_params(platform, model, key_map)
     # state an optimizer keeps that a checkpoint cannot store is an error before any write
     state = None if optimizer is None else read_state(platform, optimizer, held)
     finish_pending_saves()
     mine = written_here(platform, held)
-    path = os.path.abspath(path)
+    # every rank sees the same directory: each refuses a target that is not ours itself
+    refused = _attempt(lambda: check_target(path))
+    if agree_on_failure(platform, refused is not None):
+        raise refused or CheckpointError(f"saving {path} was refused on another rank (it "
+                                         f"sees something there that is not a checkpoint "
+                                         f"of ours); nothing was written")
     staging, rank = path + ".saving", platform.rank()
-    failure = _attempt(lambda: _make_staging(staging)) if rank == 0 else None
+    failure = _attempt(lambda: make_staging(staging)) if rank == 0 else None
     failed = agree_on_failure(platform, failure is not None)
     snapshot = []
     if not failed:
@@ -86,6 +103,8 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = N
     handle = SaveHandle(platform, path, staging, extra)
     handle._start(lambda: _write(staging, rank, *snapshot[0]))
     _IN_FLIGHT.append(handle)
+    atexit.unregister(_finish_at_exit)  # registered once, after the framework's own hooks
+    atexit.register(_finish_at_exit)
     return handle
 
 
@@ -93,11 +112,14 @@ class SaveHandle:
     """An asynchronous ``save_checkpoint`` whose files are being written in the background.
     ``wait()``, which every rank calls (it agrees and publishes), finishes it: it returns
     once the checkpoint is at its path, or raises as a synchronous save would, leaving the
-    previous checkpoint there. The process's next save or load calls it first."""
+    previous checkpoint there. The process's next save or load calls it first, and
+    ``destroy_distributed`` and the interpreter's exit finish what is still pending."""
 
     def __init__(self, platform: Platform, path: str, staging: str, extra: Any):
-        self._platform, self._path, self._staging, self._extra = platform, path, staging, extra
+        self._platform, self.path, self._staging, self._extra = platform, path, staging, extra
         self._thread, self._failure, self._done = None, None, False
+        # the ranks that must agree before it is published
+        self._grouped = platform.is_initialized() and platform.world_size() > 1
 
     def _start(self, write) -> None:
         def run():
@@ -118,13 +140,32 @@ class SaveHandle:
         if self in _IN_FLIGHT:
             _IN_FLIGHT.remove(self)
         self._thread.join()
-        _finish(self._platform, self._path, self._staging, self._extra, self._failure, 0)
+        if self._grouped and not self._platform.is_initialized():
+            raise CheckpointError(f"the asynchronous save to {self.path} cannot be published: "
+                                  f"this process left the process group before it finished "
+                                  f"(call handle.wait() or hp.destroy_distributed(), which "
+                                  f"finishes it, before leaving); {self._staging} holds the "
+                                  f"unpublished files, {self.path} is unchanged")
+        _finish(self._platform, self.path, self._staging, self._extra, self._failure, 0)
 
 
 def finish_pending_saves() -> None:
-    """Finish this process's asynchronous saves, oldest first (every rank calls it)."""
+    """Finish this process's asynchronous saves, oldest first (every rank calls it; so does
+    ``destroy_distributed``, before it leaves the group)."""
     while _IN_FLIGHT:
         _IN_FLIGHT[0].wait()
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit: finish what is pending, or say loudly which path it left."""
+    while _IN_FLIGHT:
+        handle = _IN_FLIGHT[0]
+        try:
+            handle.wait()
+        except Exception as error:  # noqa: BLE001 - at exit, the message is all that is left
+            print(f"hyper_parallel: ERROR: the asynchronous save to {handle.path} was not "
+                  f"published before the interpreter exited: {error}", file=sys.stderr,
+                  flush=True)
 
 
 def _finish(platform: Platform, path: str, staging: str, extra: Any,
@@ -138,8 +179,8 @@ def _finish(platform: Platform, path: str, staging: str, extra: Any,
             failure = _attempt(lambda: _publish(platform, path, staging, extra))
         failed = agree_on_failure(platform, failure is not None)
     if failed:
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+        if rank == 0 and is_ours(staging):
+            _attempt(lambda: remove_ours(staging))
         if failure is not None:
             raise failure
         raise CheckpointError(f"saving {path} failed on {failed} other rank(s); the previous "
@@ -153,11 +194,6 @@ def _attempt(step) -> Exception | None:
     except Exception as error:  # noqa: BLE001 - every rank must hear of any failure
         return error
     return None
-
-
-def _make_staging(staging: str) -> None:
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
 
 
 def agree_on_failure(platform: Platform, failed: bool) -> int:
@@ -200,14 +236,18 @@ def _snapshot(platform: Platform, rank: int, held: list, optimizer: Any,
 def _write(staging: str, rank: int, entries: list, partial: dict) -> None:
     """This rank's file and partial index (no framework call: it may run in a thread)."""
     if entries:
-        files.write_file(os.path.join(staging, rank_file(rank, ".safetensors")),
-                         {key: (dtype, array) for key, dtype, array in entries})
+        sums = files.write_file(os.path.join(staging, rank_file(rank, ".safetensors")),
+                                {key: (dtype, array) for key, dtype, array in entries})
+        for key, entry in partial["tensors"].items():
+            for stored in entry["slices"]:  # this rank's own: one per key
+                stored["checksum"] = sums[key]
     write_json(os.path.join(staging, rank_file(rank, ".json")), partial)
 
 
 def _publish(platform: Platform, path: str, staging: str, extra) -> None:
     """Rank 0, once every rank wrote: the index, then the directory swap."""
-    partial_files = sorted(f for f in os.listdir(staging) if f.endswith(".json"))
+    partial_files = sorted(f for f in os.listdir(staging)
+                           if f.startswith("rank-") and f.endswith(".json"))
     partials = []
     for name in partial_files:
         with open(os.path.join(staging, name), encoding="utf-8") as file:
@@ -216,9 +256,4 @@ def _publish(platform: Platform, path: str, staging: str, extra) -> None:
                merge(partials, platform.name, platform.world_size(), extra))
     for name in partial_files:
         os.remove(os.path.join(staging, name))
-    old = path + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
-        os.rename(path, old)
-    os.rename(staging, path)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in(staging, path)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hyper_parallel.checkpoint.arguments import check_bool, check_model
 from hyper_parallel.fully_shard.state import STATE_ATTR
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel.layout import refuse_tensor_parallel
@@ -167,6 +168,7 @@ def get_state_dict(model: Any, optimizer: Any = None) -> dict:
     global shape and layout. The local tensors are the live ones where no padding is cut
     off (as ``state_dict()`` returns parameters): copy them to keep a snapshot."""
     platform = get_platform()
+    check_model(platform, "get_state_dict", model, optimizer)
     with platform.no_grad():
         return {e.key: e.read(platform) for e in state_entries(model, optimizer)}
 
@@ -179,6 +181,11 @@ def set_state_dict(model: Any, state: dict, optimizer: Any = None, strict: bool 
     model and optimizer unchanged. ``strict=False`` loads the keys present and ignores
     unknown ones."""
     platform = get_platform()
+    check_model(platform, "set_state_dict", model, optimizer)
+    if not isinstance(state, dict):
+        raise TypeError(f"set_state_dict(state=...) takes a dict {{key: value}}, not "
+                        f"{type(state).__name__}")
+    check_bool("set_state_dict", "strict", strict)
     undo = None if optimizer is None else platform.create_optimizer_state(optimizer)
     try:
         entries = state_entries(model, optimizer)

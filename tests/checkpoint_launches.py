@@ -1,0 +1,94 @@
+"""The launches of the checkpoint suite, shared by tests/test_checkpoint.py and
+tests/test_checkpoint_safety.py: torch at 2 ranks saves, MindSpore at 2 ranks crosses,
+torch at 2 ranks crashes mid-save (twice), torch at 1 rank resumes. Each launch runs the
+jobs of both test modules (rank side: tests/checkpoint_scenarios.py and
+tests/checkpoint_safety_scenarios.py), once per session, so a test of either module
+reads the results of a launch the other may already have paid for. A job that leaves an
+asynchronous save pending for ``hp.destroy_distributed()`` (tests/_rank_entry.py calls it
+after the last job) is the last of its launch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from tests.multirank import RankFailure, run_ranks
+
+SAFETY = "tests.checkpoint_safety_scenarios"
+
+
+@functools.lru_cache(maxsize=None)
+def workdir() -> str:
+    path = tempfile.mkdtemp(prefix="hp-ckpt-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def checkpoint_dir(name: str) -> str:
+    return os.path.join(workdir(), name)
+
+
+def jobs(world_size: int, backend: str, *calls, timeout_s: float) -> list:
+    """Several rank-side functions in one launch: per rank, ``{name: return value}``."""
+    return run_ranks("tests.shared_launch:run_jobs", world_size, backend,
+                     [(name, target if ":" in target else f"tests.checkpoint_scenarios:{target}",
+                       args, {}) for name, target, args in calls], timeout_s=timeout_s,
+                     env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+
+
+def _at(*names) -> tuple:
+    return tuple(checkpoint_dir(name) for name in names)
+
+
+@functools.lru_cache(maxsize=None)
+def launch_saving() -> list:
+    return jobs(2, "torch", ("lm", "save_run", _at("A")),
+                ("bn", "bn_save_run", _at("bn-A", "bn-native")),
+                ("sgd", "save_run", (*_at("sgd-A"), "sgd")),
+                ("optimizers", "optimizer_round_trips", _at("optimizers-torch")),
+                ("pending", f"{SAFETY}:pending_at_destroy", _at("pending-torch")),  # last
+                timeout_s=300)
+
+
+@functools.lru_cache(maxsize=None)
+def launch_crossing() -> list:
+    launch_saving()
+    return jobs(2, "mindspore", ("lm", "cross_run", _at("A", "B")),
+                ("bn", "bn_cross_run", _at("bn-A", "bn-B")),
+                ("sgd", "cross_run", (*_at("sgd-A", "sgd-B"), "sgd")),
+                ("optimizers", "optimizer_round_trips", _at("optimizers-mindspore")),
+                ("checks", f"{SAFETY}:error_checks_run", _at("A", "checks-mindspore")),
+                ("pending", f"{SAFETY}:pending_at_destroy", _at("pending-mindspore")),  # last
+                timeout_s=660)
+
+
+@functools.lru_cache(maxsize=None)
+def crashed(target: str = "crash_run", directory: str = "C") -> str:
+    """The message of the save that lost rank 1 midway."""
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(f"tests.checkpoint_scenarios:{target}", 2, "torch", checkpoint_dir(directory),
+                  timeout_s=60)
+    return str(failure.value)
+
+
+@functools.lru_cache(maxsize=None)
+def launch_resuming() -> dict:
+    launch_crossing()
+    crashed()
+    crashed("crash_async_run", "C-async")
+    os.makedirs(checkpoint_dir("checks"), exist_ok=True)
+    a, b, checks, c = _at("A", "B", "checks", "C")
+    return jobs(1, "torch", ("lm", "resume_run", (a, (1,), b, checks, c)),
+                ("bn", "bn_resume_run", _at("bn-A", "bn-native", "bn-B")),
+                ("sgd", "resume_run", (*_at("sgd-A"), (1,), *_at("sgd-B"), None, None, "sgd")),
+                ("crashed_async", "crashed_checkpoint_loads", _at("C-async")),
+                ("checks", f"{SAFETY}:error_checks_run", (a, checks)),
+                *((f"pending_{backend}", f"{SAFETY}:loaded_state", _at(f"pending-{backend}"))
+                  for backend in ("torch", "mindspore")),
+                timeout_s=240)[0]
