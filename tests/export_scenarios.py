@@ -3,7 +3,10 @@
 - ``export_run`` (either framework): the checkpoint suite's decoder sharded over every rank
   trains a few steps and is exported as one file, as several, and renamed by a ``key_map``;
   returns its full values gathered by ``get_full_state_dict``, which the files must hold
-  bit for bit (parity with a single-process reference is tests/test_parity.py's).
+  bit for bit (parity with a single-process reference is tests/test_parity.py's), after a
+  second export into "single" (an export replaces its own); and, for a directory holding
+  weights or a config the user put there, the error each rank raised and whether every
+  file was left byte for byte.
 - ``hf_run`` (torch): a small ``transformers`` Llama with tied embeddings, sharded, trained
   a step and exported with its config; returns its logits on a batch.
 """
@@ -25,14 +28,50 @@ def renamed(name: str) -> str | None:
     return None if name == "norm.weight" else f"model.{name}"
 
 
+def _users_directory(path: str, files: dict) -> None:
+    """Rank 0 writes the user's files; every rank waits for them."""
+    if hp.get_platform().rank() == 0:
+        os.makedirs(path)
+        for name, data in files.items():
+            with open(os.path.join(path, name), "wb") as handle:
+                handle.write(data)
+    hp.get_platform().barrier()
+
+
+def _refused(path: str, files: dict, export) -> dict:
+    """Export into a directory of the user's ``files``: the error, and whether every file
+    is unchanged and none was added."""
+    _users_directory(path, files)
+    try:
+        export(path)
+        error = None
+    except Exception as caught:  # noqa: BLE001 - the test reads the type and message
+        error = f"{type(caught).__name__}: {caught}"
+    unchanged = sorted(os.listdir(path)) == sorted(files) and all(
+        open(os.path.join(path, name), "rb").read() == data for name, data in files.items())
+    return {"error": error, "unchanged": unchanged}
+
+
+# weights and a config a user keeps: the original model a run fine-tunes
+USERS_WEIGHTS = {"model.safetensors": b"the original weights", "tokenizer.json": b"{}"}
+USERS_CONFIG = {"config.json": b'{"model_type": "theirs"}', "tokenizer.json": b"{}"}
+
+
 def export_run(directory: str) -> dict:
     side = _side()
     model, opt = _sharded(side, (hp.get_platform().world_size(),))
     _train(side, model, opt, 0, STEPS)
-    hp.export_full(os.path.join(directory, "single"), model)
+    hp.export_full(os.path.join(directory, "single"), model, max_shard_bytes=SMALL_SHARD_BYTES)
+    hp.export_full(os.path.join(directory, "single"), model)  # replaces its own export
     hp.export_full(os.path.join(directory, "sharded"), model, max_shard_bytes=SMALL_SHARD_BYTES)
     hp.export_full(os.path.join(directory, "renamed"), model, key_map=renamed)
-    return hp.get_full_state_dict(model, rank0_only=False)
+    refused = {
+        "weights": _refused(os.path.join(directory, "users-weights"), USERS_WEIGHTS,
+                            lambda path: hp.export_full(path, model)),
+        "config": _refused(os.path.join(directory, "users-config"), USERS_CONFIG,
+                           lambda path: hp.export_full(path, model, config={"model_type": "ours"})),
+    }
+    return {"gathered": hp.get_full_state_dict(model, rank0_only=False), "refused": refused}
 
 
 HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 61,

@@ -48,7 +48,7 @@ shared_launch.register(__name__, "export", 2, "tests.export_scenarios:export_run
 
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
 def test_export_matches_reference(backend):
-    gathered = shared_launch.results("export", backend)[0]
+    gathered = shared_launch.results("export", backend)[0]["gathered"]
     exported = shared_launch.directory(f"export-{backend}")
     for layout, several in (("single", False), ("sharded", True)):
         tensors, names = _read(os.path.join(exported, layout))
@@ -63,12 +63,28 @@ def test_export_matches_reference(backend):
 
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
 def test_export_key_map_renames_and_leaves_out(backend):
-    gathered = shared_launch.results("export", backend)[0]
+    gathered = shared_launch.results("export", backend)[0]["gathered"]
     tensors, _ = _read(os.path.join(shared_launch.directory(f"export-{backend}"), "renamed"))
     assert set(tensors) == {renamed(k) for k in gathered if renamed(k) is not None}
     for key, value in gathered.items():
         if renamed(key) is not None:
             np.testing.assert_array_equal(tensors[renamed(key)], value, err_msg=key)
+
+
+@pytest.mark.parametrize("what", ["weights", "config"])
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_export_never_replaces_the_users_files(backend, what):
+    """Weights or a config the user put in the directory (not an earlier export): every
+    rank raises before anything is removed or written; the directory is byte for byte as it
+    was. Replacing an earlier export of its own is test_export_matches_reference's "single"."""
+    for rank in shared_launch.results("export", backend):
+        refused = rank["refused"][what]
+        assert refused["error"] is not None, f"{what}: the export went ahead"
+        assert refused["unchanged"], f"{what}: the user's files were changed"
+    first = shared_launch.results("export", backend)[0]["refused"][what]["error"]
+    assert first.startswith("CheckpointError"), first
+    assert ("model.safetensors" if what == "weights" else "config.json") in first, first
+    assert "another" in first, first
 
 
 def test_transformers_loads_the_export(tmp_path):

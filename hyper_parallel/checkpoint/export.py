@@ -7,8 +7,15 @@ offsets are fixed up front. Then parameters are gathered one at a time (an all-g
 their shard group, and a tensor-parallel one's over its tensor-parallel ranks; every rank
 takes part) and rank 0 appends each one's bytes to its file
 as it arrives: no rank holds more than one full parameter. A file is written as
-``<name>.tmp`` and renamed when complete; earlier ``model*.safetensors`` files and index in
-the directory are removed first, other files (a tokenizer, say) are left alone.
+``<name>.tmp`` and renamed when complete.
+
+[Note: what an export may replace]
+An export replaces only an earlier export of its own: its weight files and index carry an
+``exported_by`` marker in their metadata, and those are removed first (a new export may
+have fewer files). A ``model*.safetensors`` or index without it (the original weights of a
+model being fine-tuned, say) is the user's and refused, as is a ``config.json`` that
+differs from ``config`` in a directory holding no export of ours; other files (a
+tokenizer) are left alone.
 
 Names are the model's own qualified names, or what ``key_map`` makes of them
 (names.py: a name mapped to None is not written). A parameter reachable under two names (tied
@@ -26,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.checkpoint.arguments import check_model, check_path
+from hyper_parallel.checkpoint.index import CheckpointError
 from hyper_parallel.checkpoint.layout import held_params
 from hyper_parallel.checkpoint.names import resolve
 from hyper_parallel.checkpoint.save import agree_on_failure
@@ -37,6 +45,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
           "int32": "I32", "int64": "I64"}
+#: in each file's ``__metadata__`` and the index's ``metadata``: what this export may replace
+EXPORTED_BY = {"exported_by": "hyper_parallel"}
 _SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8}
 
 
@@ -107,7 +117,7 @@ def _plan(specs: list, max_shard_bytes: int) -> list:
     for i, group in enumerate(groups):
         name = SINGLE_FILE if len(groups) == 1 else \
             f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        header, offsets, start = {"__metadata__": {"format": "pt"}}, {}, 0
+        header, offsets, start = {"__metadata__": {"format": "pt", **EXPORTED_BY}}, {}, 0
         for key, dtype, shape, nbytes in group:
             header[key] = {"dtype": _CODES[dtype], "shape": list(shape),
                            "data_offsets": [start, start + nbytes]}
@@ -128,10 +138,23 @@ def _attempt(step) -> Exception | None:
 
 
 def _prepare(path: str, config: dict | None) -> None:
+    """Make ``path`` ready: earlier exports of ours removed, anything else of the user's
+    refused before a byte is removed or written ([Note: what an export may replace])."""
     os.makedirs(path, exist_ok=True)
-    for name in os.listdir(path):
-        if name == INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors")):
-            os.remove(os.path.join(path, name))
+    weights = sorted(name for name in os.listdir(path) if name == INDEX_FILE
+                     or (name.startswith("model") and name.endswith(".safetensors")))
+    foreign = [name for name in weights if not _exported_by_us(os.path.join(path, name))]
+    if foreign:
+        raise CheckpointError(f"export_full: {path} holds weights hyper_parallel did not export "
+                              f"({', '.join(foreign)}), which the export would replace; export "
+                              f"into another (new or empty) directory, or move them away first")
+    config_file = os.path.join(path, "config.json")
+    if config is not None and not weights and os.path.exists(config_file) \
+            and not _holds_json(config_file, config):
+        raise CheckpointError(f"export_full: {config_file} exists and differs from the config "
+                              f"given; export into another directory, or move it away first")
+    for name in weights:
+        os.remove(os.path.join(path, name))
     if config is not None:
         _write_json(os.path.join(path, "config.json"), config)
 
@@ -169,8 +192,34 @@ def _finish(writers: dict, path: str, plan: list) -> None:
     if len(plan) > 1:
         total = sum(end - start for _, _, offsets in plan for start, end in offsets.values())
         _write_json(os.path.join(path, INDEX_FILE),
-                    {"metadata": {"total_size": total},
+                    {"metadata": {"total_size": total, **EXPORTED_BY},
                      "weight_map": {key: name for name, _, offsets in plan for key in offsets}})
+
+
+def _exported_by_us(file: str) -> bool:
+    """Whether a weight file or index carries this module's ``exported_by`` marker."""
+    try:
+        if file.endswith(".json"):
+            metadata = _read_json(file).get("metadata")
+        else:
+            with open(file, "rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                metadata = json.loads(handle.read(min(size, 1 << 24))).get("__metadata__")
+    except (OSError, ValueError, AttributeError):  # unreadable, or not our layout
+        return False
+    return isinstance(metadata, dict) and all(metadata.get(k) == v for k, v in EXPORTED_BY.items())
+
+
+def _holds_json(file: str, value: dict) -> bool:
+    try:
+        return _read_json(file) == value
+    except (OSError, ValueError):
+        return False
+
+
+def _read_json(file: str):
+    with open(file, encoding="utf-8") as handle:
+        return json.load(handle)
 
 
 def _write_json(file: str, value: dict) -> None:
