@@ -9,6 +9,9 @@ line of results.
 - ``torch_only``: the script imported torch. HP_BACKEND=mindspore with a torch model is
   refused; unset, ``init_distributed()`` picks torch (MindSpore is not imported by it), the
   model trains a step, and a Cell made after importing MindSpore is refused.
+- ``leave_twice_<backend>``: a single process joins, leaves, leaves again (nothing to do),
+  is then not joined, and joins again: torch can; MindSpore 2.10 cannot (its collectives
+  fail after a rejoin), so the join is refused with an error saying so.
 """
 
 from __future__ import annotations
@@ -98,5 +101,25 @@ def torch_only() -> dict:
     return out
 
 
+def leave_twice(backend: str) -> dict:
+    os.environ["HP_BACKEND"] = backend
+    platform = hp.get_platform()
+    hp.init_distributed()
+    hp.destroy_distributed()
+    hp.destroy_distributed()
+    result = {"joined_after_leaving": platform.is_initialized()}
+    try:
+        hp.init_distributed()
+        result["rejoin"] = {"type": None, "world_size": platform.world_size()}
+        hp.destroy_distributed()
+    except RuntimeError as error:
+        result["rejoin"] = {"type": "RuntimeError", "message": str(error),
+                            "joined": platform.is_initialized()}
+    return result
+
+
 if __name__ == "__main__":
-    print(json.dumps({"both_imported": both_imported, "torch_only": torch_only}[sys.argv[1]]()))
+    scenarios = {"both_imported": both_imported, "torch_only": torch_only,
+                 "leave_twice_torch": lambda: leave_twice("torch"),
+                 "leave_twice_mindspore": lambda: leave_twice("mindspore")}
+    print(json.dumps(scenarios[sys.argv[1]]()))

@@ -180,3 +180,20 @@ def test_model_framework_decides_where_hp_backend_is_unset_and_mismatches_are_na
         "this process runs hyper_parallel on torch (HP_BACKEND is unset and the script imported "
         "only torch), but the module (a SequentialCell) is a mindspore.nn.Cell; set "
         "HP_BACKEND=mindspore")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leaving_twice_is_harmless_and_a_rejoin_works_or_is_refused(backend):
+    """``destroy_distributed`` twice does nothing the second time (MindSpore's own teardown
+    crashed in its barrier) and the process is not joined after it; joining again works on
+    torch and is refused on MindSpore, whose collectives fail after a rejoin."""
+    result = _fresh_process(f"leave_twice_{backend}")
+    assert result["joined_after_leaving"] is False
+    if backend == "torch":
+        assert result["rejoin"] == {"type": None, "world_size": 1}
+    else:
+        assert result["rejoin"]["type"] == "RuntimeError"
+        assert "cannot join a process group again" in result["rejoin"]["message"]
+        assert result["rejoin"]["joined"] is False
+

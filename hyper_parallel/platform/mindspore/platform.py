@@ -80,6 +80,7 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, MindSporeTens
         super().__init__()
         self._store = None
         self._world_gather = None  # ops.AllGather on the world group, made on first use
+        self._left = False  # MindSpore's destroy_process_group leaves GlobalComm.INITED True
 
     @functools.cached_property
     def capabilities(self) -> Capabilities:
@@ -102,7 +103,7 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, MindSporeTens
 
     # ------------------------------------------------------------------ process groups
     def is_initialized(self) -> bool:
-        return bool(GlobalComm.INITED)
+        return bool(GlobalComm.INITED) and not self._left
 
     def _ensure_pynative(self) -> None:
         if ms.get_context("mode") != ms.PYNATIVE_MODE:
@@ -111,6 +112,7 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, MindSporeTens
     def init_process_group(self, rank, world_size, master_addr, master_port, timeout_s):
         from mindspore.communication.management import _init_with_store
 
+        self._refuse_rejoin()
         timeout = datetime.timedelta(seconds=timeout_s)
         self._store = msdist.TCPStore(master_addr, master_port, world_size=world_size,
                                       is_master=rank == 0, timeout=timeout)
@@ -125,8 +127,15 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, MindSporeTens
             return False
         from mindspore.communication import init
 
+        self._refuse_rejoin()
         init()
         return True
+
+    def _refuse_rejoin(self) -> None:
+        if self._left:
+            raise RuntimeError("MindSpore 2.10 cannot join a process group again in a process that "
+                               "left one (its collectives fail: docs/platforms.md); leave once, at "
+                               "the end, or start a new process")
 
     def destroy_process_group(self) -> None:
         # Collectives on CPU complete lazily: a rank that tears down while a peer's last
@@ -136,6 +145,7 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, MindSporeTens
         if self._store is not None:
             self._store_rendezvous("hp_exit")
         msdist.destroy_process_group()
+        self._left = True
 
     def _finish_collectives(self, group=None) -> None:
         token = Tensor(np.ones(1, np.float32))
