@@ -434,7 +434,8 @@ def _arange(*shape, start: float = 0.0) -> np.ndarray:
 
 # ====================================================================== the checks
 # One module per group of the contract; importing them registers their checks, in this order.
-CHECK_MODULES = ("checks_tensors", "checks_memory", "checks_parameters", "checks_autograd",
+CHECK_MODULES = ("checks_tensors", "checks_tensor_ops", "checks_memory", "checks_parameters", "checks_gradients",
+                 "checks_autograd",
                  "checks_state_io", "checks_process_groups", "checks_collectives",
                  "checks_tp_support")
 for _module in CHECK_MODULES:
