@@ -9,8 +9,8 @@ import numpy as np
 
 from hyper_parallel.platform.base import Platform
 from tests.platform.conformance import (
-    Skip, _arange, _check, _f32, _model_values, _same, _storage_bytes, _values,
-    collective_check, local_check, model_reference)
+    Skip, _arange, _check, _f32, _same, _storage_bytes, _values, collective_check, local_check)
+from tests.platform.framework_sides import _model_values, model_reference
 
 
 @local_check
