@@ -2,7 +2,7 @@
 backward reached get no gradient (torch), and the FSDPModule methods.
 
 The suite's shared 2-rank launch (tests/shared_launch.py) runs the rank-side scenarios
-(tests/fsdp2_surface_scenarios.py); each test reads its part. Parity: the mean of the
+(tests/fsdp2_surface_scenarios.py and the files it runs); each test reads its part. Parity: the mean of the
 ranks' losses equals a single-process reference's loss on the global batch, and the
 gathered parameters equal the reference's; on torch the losses also equal FSDP2's where
 FSDP2 runs the same steps.
