@@ -4,7 +4,8 @@ both frameworks.
 Every training scenario runs hyper_parallel on this rank's slice of each global batch and a
 single-process reference (same initial values, no fully_shard) on the whole batch, in the
 same process; on torch it also runs torch's own FSDP2 with the same calls where FSDP2 has
-the feature. ``run_all`` runs everything in one launch and returns plain Python values.
+the feature. ``run_all`` runs everything in one launch (``reset_iter_state``'s scenarios:
+reset_scenarios.py) and returns plain Python values.
 """
 
 from __future__ import annotations
@@ -148,109 +149,6 @@ def run_ignored_outside(kit) -> dict:
         out["their_losses"] = [kit.train_step(theirs, their_opt, x[_local()], y[_local()])
                                for x, y in make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=11)]
     return out
-
-
-# ---------------------------------------------------------------------------- reset_iter_state
-def _arm(kit, model, mode: str) -> list:
-    """Make the next step fail once: inside block 0's forward, after its second layer's
-    input was computed ("forward"), or when the gradient reaches block 0's output, after
-    block 1 and the root issued their reductions ("backward"). Returns hook handles to
-    remove after the step."""
-    platform = hp.get_platform()
-    if mode == "forward":
-        layer = model.blocks[0].fc2
-        attr = "forward" if kit.name == "torch" else "construct"
-
-        def fail_forward(*args, **kwargs):
-            del layer.__dict__[attr]
-            raise InjectedFailure("inside forward")
-
-        object.__setattr__(layer, attr, fail_forward)
-        return []
-    fired = []
-
-    def fail_backward():
-        if not fired:
-            fired.append(True)
-            raise InjectedFailure("inside backward")
-
-    def hook(module, args, kwargs, output):
-        if not fired:
-            platform.register_grad_hook(output, fail_backward)
-
-    return platform.register_forward_hooks(model.blocks[0], lambda m, a, k: None, hook)
-
-
-def _failing_step(kit, model, opt, x, y, mode: str) -> str:
-    """Run the aborted step; return the exception's type name."""
-    handles = []
-    if mode == "between":  # the loss computation fails after the forward completed
-        y = np.zeros((y.shape[0], y.shape[1] + 1), np.float32)
-    else:
-        handles = _arm(kit, model, mode)
-    try:
-        kit.train_step(model, opt, x, y)
-    except Exception as error:  # noqa: BLE001 - any exception aborts the step
-        return type(error).__name__
-    finally:
-        for handle in handles:
-            handle.remove()
-    return "no exception"
-
-
-def _recover(kit, model, opt) -> None:
-    model.reset_iter_state()
-    if kit.name == "torch":
-        opt.zero_grad()  # the aborted step's gradients, if any reached .grad, are dropped
-
-
-def run_reset(kit, mode: str) -> dict:
-    """A step aborted by an exception, reset_iter_state on the root, then training goes
-    on: every later step equals a reference that skipped the aborted step."""
-    model, ref = _pair(kit, _build_normed)
-    _wrap(model)
-    opt, ref_opt = kit.optimizer(kit.params(model)), kit.optimizer(kit.params(ref))
-    out = {"losses": [], "ref_losses": []}
-    for step, (x, y) in enumerate(make_batches(STEPS + 1, GLOBAL_BATCH, D_IN, D_OUT, seed=21)):
-        if step == FAIL_STEP:
-            out["raised"] = _failing_step(kit, model, opt, x[_local()], y[_local()], mode)
-            out["nested_unit"] = _attempt(model.blocks[0].reset_iter_state)[:2]
-            _recover(kit, model, opt)
-            out["sharded_after_reset"] = _sees_sharded_params(model)
-            continue
-        out["losses"].append(kit.train_step(model, opt, x[_local()], y[_local()]))
-        out["ref_losses"].append(kit.train_step(ref, ref_opt, x, y))
-    out["param_diff"] = _param_diff(kit, model, ref)
-    if kit.name == "torch":
-        out["their_losses"] = _fsdp2_reset(kit, mode)
-    return out
-
-
-def _fsdp2_reset(kit, mode: str):
-    """The same steps with torch's FSDP2 (its losses), or the error FSDP2 raised."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    try:
-        theirs = _build_normed(kit)
-        kit.load(theirs, 0)
-        _wrap(theirs, torch_fully_shard, mesh=_torch_mesh())
-        opt = kit.optimizer(kit.params(theirs))
-        losses = []
-        for step, (x, y) in enumerate(make_batches(STEPS + 1, GLOBAL_BATCH, D_IN, D_OUT, seed=21)):
-            if step == FAIL_STEP:
-                _failing_step(kit, theirs, opt, x[_local()], y[_local()], mode)
-                _recover(kit, theirs, opt)
-                continue
-            losses.append(kit.train_step(theirs, opt, x[_local()], y[_local()]))
-        return losses
-    except Exception as error:  # noqa: BLE001 - reported, the test decides
-        return f"{type(error).__name__}: {error}"
-
-
-def run_reset_before_first_forward(kit) -> dict:
-    model = _wrap(_build(kit))
-    return {"root": _attempt(model.reset_iter_state)[:2],
-            "nested": _attempt(model.blocks[0].reset_iter_state)[:2]}
 
 
 # ---------------------------------------------------------------------------- forward methods
@@ -435,6 +333,9 @@ def _fsdp2_reshard_after_forward(kit, world: int) -> dict:
 
 # ---------------------------------------------------------------------------- entry point
 def run_all() -> dict:
+    # reset_scenarios.py imports this file's helpers, so it is imported here
+    from tests.reset_scenarios import run_reset, run_reset_before_first_forward
+
     kit = get_kit()
     out = {"reshard_after_forward": run_reshard_after_forward(kit),
            "ignored_outside": run_ignored_outside(kit),
