@@ -1,8 +1,8 @@
 """The launches of the checkpoint suite, shared by tests/test_checkpoint.py and
 tests/test_checkpoint_safety.py: torch at 2 ranks saves, MindSpore at 2 ranks crosses,
 torch at 2 ranks crashes mid-save (twice), torch at 1 rank resumes. Each launch runs the
-jobs of both test modules (rank side: tests/checkpoint_scenarios.py and
-tests/checkpoint_safety_scenarios.py), once per session, so a test of either module
+jobs of both test modules (rank side: tests/checkpoint_scenarios.py and the checkpoint_*_scenarios.py files
+beside it), once per session, so a test of either module
 reads the results of a launch the other may already have paid for. A job that leaves an
 asynchronous save pending for ``hp.destroy_distributed()`` (tests/_rank_entry.py calls it
 after the last job) is the last of its launch.
@@ -21,6 +21,8 @@ import pytest
 from tests.multirank import RankFailure, run_ranks
 
 SAFETY = "tests.checkpoint_safety_scenarios"
+BN = "tests.checkpoint_bn_scenarios"
+OPTIMIZERS = "tests.checkpoint_optimizer_scenarios"
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,9 +51,9 @@ def _at(*names) -> tuple:
 @functools.lru_cache(maxsize=None)
 def launch_saving() -> list:
     return jobs(2, "torch", ("lm", "save_run", _at("A")),
-                ("bn", "bn_save_run", _at("bn-A", "bn-native")),
+                ("bn", f"{BN}:bn_save_run", _at("bn-A", "bn-native")),
                 ("sgd", "save_run", (*_at("sgd-A"), "sgd")),
-                ("optimizers", "optimizer_round_trips", _at("optimizers-torch")),
+                ("optimizers", f"{OPTIMIZERS}:optimizer_round_trips", _at("optimizers-torch")),
                 ("pending", f"{SAFETY}:pending_at_destroy", _at("pending-torch")),  # last
                 timeout_s=300)
 
@@ -60,9 +62,9 @@ def launch_saving() -> list:
 def launch_crossing() -> list:
     launch_saving()
     return jobs(2, "mindspore", ("lm", "cross_run", _at("A", "B")),
-                ("bn", "bn_cross_run", _at("bn-A", "bn-B")),
+                ("bn", f"{BN}:bn_cross_run", _at("bn-A", "bn-B")),
                 ("sgd", "cross_run", (*_at("sgd-A", "sgd-B"), "sgd")),
-                ("optimizers", "optimizer_round_trips", _at("optimizers-mindspore")),
+                ("optimizers", f"{OPTIMIZERS}:optimizer_round_trips", _at("optimizers-mindspore")),
                 ("checks", f"{SAFETY}:error_checks_run", _at("A", "checks-mindspore")),
                 ("pending", f"{SAFETY}:pending_at_destroy", _at("pending-mindspore")),  # last
                 timeout_s=660)
@@ -85,7 +87,7 @@ def launch_resuming() -> dict:
     os.makedirs(checkpoint_dir("checks"), exist_ok=True)
     a, b, checks, c = _at("A", "B", "checks", "C")
     return jobs(1, "torch", ("lm", "resume_run", (a, (1,), b, checks, c)),
-                ("bn", "bn_resume_run", _at("bn-A", "bn-native", "bn-B")),
+                ("bn", f"{BN}:bn_resume_run", _at("bn-A", "bn-native", "bn-B")),
                 ("sgd", "resume_run", (*_at("sgd-A"), (1,), *_at("sgd-B"), None, None, "sgd")),
                 ("crashed_async", "crashed_checkpoint_loads", _at("C-async")),
                 ("checks", f"{SAFETY}:error_checks_run", (a, checks)),
