@@ -22,7 +22,7 @@ import re
 
 from hyper_parallel.checkpoint.index import DTYPES, CheckpointError
 
-CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
+CHECKSUM = re.compile(r"crc32:[0-9a-f]{8}")
 
 
 def confined(directory: str, name: str, what: str) -> str:
@@ -83,7 +83,7 @@ def _check_tensor(directory: str, index_path: str, key: str, entry) -> None:
         if "checksum" in stored:
             value = stored["checksum"]
             _expect(isinstance(value, str) and CHECKSUM.fullmatch(value) is not None,
-                    index_path, f"{at}.checksum", "'sha256:' and 64 hex digits", value)
+                    index_path, f"{at}.checksum", "'crc32:' and 8 hex digits", value)
     if math.prod(shape) > 0 and not slices:
         raise CheckpointError(f"{index_path}: {where} has no slices")
 
