@@ -42,12 +42,12 @@ def _calls(window) -> dict:
 
 def refusals(model, grads, directory: str) -> dict:
     """What each entry point that does not read tensor-parallel layouts yet says of
-    ``model``, and whether the checkpoint directory was left unmade."""
+    ``model`` (tensor-parallel, under fully_shard or not), and whether the checkpoint
+    directory was left unmade."""
     platform = hp.get_platform()
     params = [p for _, sub in platform.named_modules(model) for _, p in platform.direct_params(sub)]
     path = f"{directory}/ckpt-{platform.rank()}"
-    calls = {"fully_shard": lambda: hp.fully_shard(model),
-             "get_state_dict": lambda: hp.get_state_dict(model),
+    calls = {"get_state_dict": lambda: hp.get_state_dict(model),
              "set_state_dict": lambda: hp.set_state_dict(model, {}),
              "get_full_state_dict": lambda: hp.get_full_state_dict(model),
              "save_checkpoint": lambda: hp.save_checkpoint(path, model),
