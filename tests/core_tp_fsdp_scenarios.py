@@ -17,12 +17,16 @@ in each configuration of ``CONFIGS`` (``clipped``: SGD, whose steps clipping sca
   the recorded tensor-parallel block), assembled in the test process; norms against the
   norm of the whole gradients.
 - on both, ``hp.clip_grad_norm_`` of the tensor-parallel model without fully_shard, one
-  step on the whole batch, against the one-process norm of the first step.
+  step on the whole batch, against the one-process norm of the first step;
+- on both, a checkpoint of the ``float32`` model after training, loaded into a fresh model
+  of the same layout (its shards) and into the plain model on every rank (whole values).
 
 Each returns plain numpy; the test compares.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -66,6 +70,37 @@ def _shard_records(named: list, to_numpy) -> dict:
         out[name] = {"values": values[:fp.local_rows], "start": fp.start,
                      "layout": _layout_record(param)}
     return out
+
+
+def _round_trip(model, fresh, plain, directory: str, to_numpy) -> dict:
+    """Save ``model``'s checkpoint, load it into ``fresh`` (the same layout, initial
+    values) and ``plain`` (one process's model, on every rank): their values before and
+    after."""
+    platform = hp.get_platform()
+    path = os.path.join(directory, "tp-fsdp-checkpoint")
+
+    def shards(m):
+        return _shard_records([(n, p) for n, p in _named(m)], to_numpy)
+
+    def whole(m):
+        return {n: to_numpy(p) for n, p in _named(m)}
+
+    hp.save_checkpoint(path, model)
+    out = {"fresh_before": shards(fresh)}
+    hp.load_checkpoint(path, fresh)
+    out["fresh_loaded"] = shards(fresh)
+    hp.load_checkpoint(path, plain)
+    out["plain_loaded"] = whole(plain)
+    out["rank"] = platform.rank()
+    return out
+
+
+def _named(model) -> list:
+    """``[(torch-style name, parameter)]``."""
+    platform = hp.get_platform()
+    return [(mindspore_name(f"{prefix}.{attr}" if prefix else attr), param)
+            for prefix, sub in platform.named_modules(model)
+            for attr, param in platform.direct_params(sub)]
 
 
 def _wrap(model, mesh, config: str, backend: str) -> None:
@@ -148,7 +183,13 @@ def _torch_config(config: str, mesh, dp_rank: int, directory: str) -> dict:
     core = _torch_train(ours, slices, core_tp.loss_parallel, core_tp.cross_entropy,
                         clip=(lambda ps: hp.clip_grad_norm_(ps, MAX_NORM)) if clipped else None)
     core["layouts"] = {n: _layout_record(p) for n, p in ours.named_parameters()}
-    core["refusals"] = refusals(ours, directory)
+    core["refusals"] = refusals(ours, directory, checkpoints=False)
+    if config == "float32":
+        fresh = core_tp.parallelize_module(torch_model(), mesh["tp"], plan(core_tp, "sequence"))
+        _wrap(fresh, mesh, config, "torch")
+        core["checkpoint"] = _round_trip(
+            ours, fresh, torch_model(), directory,
+            lambda p: (p.to_local() if hasattr(p, "to_local") else p).detach().numpy().copy())
     fsdp2 = _torch_train(theirs, slices, torch_tp.loss_parallel, F.cross_entropy,
                          clip=(lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM))
                          if clipped else None)
@@ -243,7 +284,12 @@ def run_mindspore(directory: str) -> dict:
         out[config] = _ms_train(model, _slices(dp_rank), parallel_loss, sharded=True,
                                 clip=clip if CONFIGS[config][2] else None)
         out[config].pop("grads")
-        out[config]["refusals"] = refusals(model, directory)
+        out[config]["refusals"] = refusals(model, directory, checkpoints=False)
+        if config == "float32":
+            fresh = hp.parallelize_module(mindspore_model(), mesh["tp"], plan(core_tp, "sequence"))
+            _wrap(fresh, mesh, config, "mindspore")
+            out[config]["checkpoint"] = _round_trip(model, fresh, mindspore_model(), directory,
+                                                    lambda p: p.asnumpy().copy())
     model = hp.parallelize_module(mindspore_model(), mesh["tp"], plan(core_tp, "sequence"))
     tp_only = _ms_train(model, [(ids, targets_for(targets, "sequence", TP))
                                 for ids, targets in batches()[:1]],

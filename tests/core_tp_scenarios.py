@@ -40,23 +40,27 @@ def _calls(window) -> dict:
                                                       "all_reduce")}
 
 
-def refusals(model, directory: str) -> dict:
+def refusals(model, directory: str, checkpoints: bool = True) -> dict:
     """What each entry point that does not read tensor-parallel layouts yet says of
     ``model`` (tensor-parallel, under fully_shard or not), and whether the checkpoint
-    directory was left unmade."""
+    directory was left unmade. ``checkpoints``: also save and load a checkpoint (refused
+    for a model no fully_shard unit manages)."""
+    from hyper_parallel.checkpoint.index import CheckpointError
+
     platform = hp.get_platform()
     path = f"{directory}/ckpt-{platform.rank()}"
     calls = {"get_state_dict": lambda: hp.get_state_dict(model),
              "set_state_dict": lambda: hp.set_state_dict(model, {}),
              "get_full_state_dict": lambda: hp.get_full_state_dict(model),
-             "save_checkpoint": lambda: hp.save_checkpoint(path, model),
-             "load_checkpoint": lambda: hp.load_checkpoint(path, model),
              "export_full": lambda: hp.export_full(path, model)}
+    if checkpoints:
+        calls["save_checkpoint"] = lambda: hp.save_checkpoint(path, model)
+        calls["load_checkpoint"] = lambda: hp.load_checkpoint(path, model)
     said = {}
     for name, call in calls.items():
         try:
             call()
-        except NotImplementedError as error:
+        except (NotImplementedError, CheckpointError) as error:
             said[name] = str(error)
     said["checkpoint_dir_made"] = os.path.exists(path)
     return said

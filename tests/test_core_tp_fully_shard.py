@@ -24,8 +24,12 @@ reductions):
   step equal torch's ``clip_grad_norm_`` under FSDP2 within 1e-7 (measured 1.5e-8: the
   two norms differ in the last bit), on MindSpore the parameters equal the one-process
   clipped ones within 2e-6 (measured 3.0e-8);
+- checkpoints: the float32 model saved after training loads into a fresh model of the
+  same layout (every shard bitwise the trained one's) and into the one-process model on
+  every rank (the whole tensors, bitwise the trained shards assembled): the checkpoint
+  stores whole shapes and each rank's block;
 - on both: every sharded parameter keeps its tensor-parallel layout record, state dicts
-  and checkpoints still refuse the sharded model, and fully_shard over a mesh whose ranks
+  and export still refuse the sharded model, and fully_shard over a mesh whose ranks
   hold other tensor-parallel blocks is a named error, module unchanged.
 """
 
@@ -75,14 +79,20 @@ def test_torch_mixed_precision_within_one_bfloat16_step_of_fsdp2():
 
 
 def _assembled(per_rank: list, config: str, step: int, reference: dict) -> dict:
-    """The whole parameters after ``step``: each rank's dp shard of its tensor-parallel
+    """The whole parameters after ``step``, from every rank's shard record."""
+    return _whole([result[config]["params"][step] for result in per_rank],
+                  {name: value.shape for name, value in reference.items()})
+
+
+def _whole(records: list, shapes: dict) -> dict:
+    """Whole parameters from each rank's records: its dp shard of its tensor-parallel
     block, placed by the block's recorded offset and the shard's first row."""
     whole = {}
-    for name, expected in reference.items():
-        values = np.full(expected.shape, np.nan, np.float32)
-        for result in per_rank:
-            record = result[config]["params"][step][name]
-            offset = list(record["layout"]["offset"]) if record["layout"] else [0] * values.ndim
+    for name, shape in shapes.items():
+        values = np.full(shape, np.nan, np.float32)
+        for per_name in records:
+            record = per_name[name]
+            offset = list(record["layout"]["offset"]) if record["layout"] else [0] * len(shape)
             offset[0] += record["start"]
             block = record["values"]
             values[tuple(slice(o, o + n) for o, n in zip(offset, block.shape))] = block
@@ -141,12 +151,11 @@ def test_sharded_parameters_keep_their_tensor_parallel_layout(backend):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_state_dicts_and_checkpoints_still_refuse_the_sharded_model(backend):
+def test_state_dicts_and_export_still_refuse_the_sharded_model(backend):
     for rank, result in enumerate(_runs(backend)):
-        run = result["float32"]["core"] if backend == "torch" else result["float32"]
-        said = run["refusals"]
+        said = _float32_run(backend, result)["refusals"]
         for entry_point in ("get_state_dict", "set_state_dict", "get_full_state_dict",
-                            "save_checkpoint", "load_checkpoint", "export_full"):
+                            "export_full"):
             assert "is not supported yet" in said.get(entry_point, ""), \
                 f"rank {rank}: {entry_point} did not refuse"
         assert not said["checkpoint_dir_made"], f"rank {rank}: a checkpoint was started"
@@ -205,3 +214,27 @@ def test_mindspore_clipped_training_matches_one_process():
         for name, value in expected.items():
             np.testing.assert_allclose(whole[name], value, rtol=0, atol=PARAM_ATOL,
                                        err_msg=f"step {step}: {name}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoint_loads_into_the_same_layout_and_into_one_process(backend):
+    runs = [_float32_run(backend, result) for result in _runs(backend)]
+    for rank, run in enumerate(runs):
+        trained = run["shards"][-1] if backend == "torch" else \
+            {name: record["values"] for name, record in run["params"][-1].items()}
+        fresh, after = run["checkpoint"]["fresh_before"], run["checkpoint"]["fresh_loaded"]
+        assert max(float(np.abs(fresh[n]["values"] - trained[n]).max()) for n in trained) > 1e-2, \
+            f"rank {rank}: the fresh model is not fresh"
+        for name, value in trained.items():
+            np.testing.assert_array_equal(after[name]["values"], value,
+                                          err_msg=f"rank {rank}: loaded shard of {name}")
+    shapes = {name: value.shape for name, value in runs[0]["checkpoint"]["plain_loaded"].items()}
+    whole = _whole([run["checkpoint"]["fresh_loaded"] for run in runs], shapes)
+    for rank, run in enumerate(runs):
+        for name, value in run["checkpoint"]["plain_loaded"].items():
+            np.testing.assert_array_equal(value, whole[name], err_msg=f"rank {rank}: {name}")
+
+
+def _float32_run(backend: str, result: dict) -> dict:
+    return result["float32"]["core"] if backend == "torch" else result["float32"]
