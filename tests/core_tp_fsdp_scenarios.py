@@ -103,6 +103,13 @@ def _named(model) -> list:
             for attr, param in platform.direct_params(sub)]
 
 
+def _wrapped_plain(model, mesh):
+    """``model`` without tensor parallelism under fully_shard over ``mesh["dp"]``."""
+    for unit in (model.attn, model.ffn, model):
+        hp.fully_shard(unit, mesh=mesh["dp"])
+    return model
+
+
 def _wrap(model, mesh, config: str, backend: str) -> None:
     low, reshard, _ = CONFIGS[config]
     mp = hp.MixedPrecisionPolicy(param_dtype=LOW[backend] if low else None,
@@ -110,6 +117,24 @@ def _wrap(model, mesh, config: str, backend: str) -> None:
     for unit in (model.attn, model.ffn):
         hp.fully_shard(unit, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
     hp.fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+
+
+def _refused_after_fully_shard(model, mesh) -> dict:
+    """parallelize_module over a model fully_shard manages: the error, and whether the
+    module stayed as it was."""
+    platform = hp.get_platform()
+
+    def state():
+        return [(id(p), type(sub), core_tp.tensor_parallel_layout(p))
+                for _, sub in platform.named_modules(model) for _, p in platform.direct_params(sub)]
+
+    before = state()
+    try:
+        core_tp.parallelize_module(model, mesh["tp"], {"ffn.w1": core_tp.ColwiseParallel()})
+        error = None
+    except ValueError as caught:
+        error = str(caught)
+    return {"error": error, "unchanged": before == state()}
 
 
 def _refused_on_the_whole_mesh(model, mesh) -> dict:
@@ -187,6 +212,8 @@ def _torch_config(config: str, mesh, dp_rank: int, directory: str) -> dict:
     if config == "float32":
         fresh = core_tp.parallelize_module(torch_model(), mesh["tp"], plan(core_tp, "sequence"))
         _wrap(fresh, mesh, config, "torch")
+        core["tp_after_fully_shard"] = _refused_after_fully_shard(
+            _wrapped_plain(torch_model(), mesh), mesh)
         core["checkpoint"] = _round_trip(
             ours, fresh, torch_model(), directory,
             lambda p: (p.to_local() if hasattr(p, "to_local") else p).detach().numpy().copy())
@@ -288,6 +315,8 @@ def run_mindspore(directory: str) -> dict:
         if config == "float32":
             fresh = hp.parallelize_module(mindspore_model(), mesh["tp"], plan(core_tp, "sequence"))
             _wrap(fresh, mesh, config, "mindspore")
+            out[config]["tp_after_fully_shard"] = _refused_after_fully_shard(
+                _wrapped_plain(mindspore_model(), mesh), mesh)
             out[config]["checkpoint"] = _round_trip(model, fresh, mindspore_model(), directory,
                                                     lambda p: p.asnumpy().copy())
     model = hp.parallelize_module(mindspore_model(), mesh["tp"], plan(core_tp, "sequence"))

@@ -30,7 +30,8 @@ reductions):
   stores whole shapes and each rank's block;
 - on both: every sharded parameter keeps its tensor-parallel layout record, state dicts
   and export still refuse the sharded model, and fully_shard over a mesh whose ranks
-  hold other tensor-parallel blocks is a named error, module unchanged.
+  hold other tensor-parallel blocks, or parallelize_module after fully_shard, is a named
+  error, module unchanged.
 """
 
 from __future__ import annotations
@@ -238,3 +239,14 @@ def test_checkpoint_loads_into_the_same_layout_and_into_one_process(backend):
 
 def _float32_run(backend: str, result: dict) -> dict:
     return result["float32"]["core"] if backend == "torch" else result["float32"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallelize_module_after_fully_shard_is_a_named_error(backend):
+    for rank, result in enumerate(_runs(backend)):
+        refused = _float32_run(backend, result)["tp_after_fully_shard"]
+        assert refused["error"] is not None and "is managed by fully_shard already" in \
+            refused["error"] and "parallelize_module first" in refused["error"], \
+            f"rank {rank}: {refused}"
+        assert refused["unchanged"], f"rank {rank}: the module changed"
