@@ -10,14 +10,12 @@ kept gathered, and in mixed precision (torch bfloat16, MindSpore float16; float3
 reductions):
 
 - torch: the core's styles under hp.fully_shard against torch's own DTensor tensor
-  parallelism under FSDP2, same model, init and data: in float32 losses and every rank's
-  local shard after every step bitwise equal; in bfloat16 losses within one bfloat16
-  rounding step (measured 5.1e-3 relative: the two compute the loss and the partial
-  sums in bfloat16 in another order, and AdamW amplifies that into parameters);
+  parallelism under FSDP2, same model, init and data: losses and every rank's local
+  shard after every step bitwise equal, in float32 and in bfloat16;
 - MindSpore: against the same model trained whole in one process on the whole batch: in
-  float32 the mean of the dp ranks' losses within 1e-6 relative (measured 8.4e-8) and
+  float32 the mean of the dp ranks' losses within 1e-6 relative (measured up to 1.7e-7) and
   the parameters, assembled from every rank's shard and recorded layout, within 2e-6
-  (measured 3.4e-7); in float16 losses within 2e-3 relative (measured 7.1e-4);
+  (measured up to 4.9e-7); in float16 losses within 1e-3 relative (measured 2.8e-4);
 - ``hp.clip_grad_norm_`` (SGD, every step clipped): the norm over every mesh dim equals
   the one-process norm of the whole gradients (torch: 1.1e-7 relative, MindSpore 5.1e-7;
   asserted 2e-6), with and without fully_shard; on torch the shards after each clipped
@@ -45,9 +43,10 @@ from tests.test_core_tensor_parallel import _expected_layouts
 
 BACKENDS = ["torch", "mindspore"]
 FLOAT32 = ("float32", "float32-keep-gathered")
+BITWISE_ON_TORCH = FLOAT32 + ("mixed",)
 LOSS_RTOL, PARAM_ATOL = 1e-6, 2e-6
 NORM_RTOL, CLIPPED_SHARD_ATOL = 2e-6, 1e-7
-LOW_LOSS_RTOL = {"torch": 1e-2, "mindspore": 2e-3}
+MINDSPORE_FLOAT16_LOSS_RTOL = 1e-3
 
 shared_launch.register(__name__, "core_tp_fully_shard", 4, "tests.core_tp_fsdp_scenarios:run_all",
                        lambda backend: (backend, shared_launch.directory("core-tp-fsdp")),
@@ -59,7 +58,7 @@ def _runs(backend: str) -> list:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("config", FLOAT32)
+@pytest.mark.parametrize("config", BITWISE_ON_TORCH)
 def test_torch_equals_dtensor_tp_under_fsdp2_bitwise(config):
     for rank, result in enumerate(_runs("torch")):
         ours, theirs = result[config]["core"], result[config]["fsdp2"]
@@ -69,14 +68,6 @@ def test_torch_equals_dtensor_tp_under_fsdp2_bitwise(config):
             for name, value in shards.items():
                 np.testing.assert_array_equal(ours["shards"][step][name], value,
                                               err_msg=f"rank {rank}, step {step}: {name}")
-
-
-@pytest.mark.timeout(600)
-def test_torch_mixed_precision_within_one_bfloat16_step_of_fsdp2():
-    for rank, result in enumerate(_runs("torch")):
-        ours, theirs = result["mixed"]["core"], result["mixed"]["fsdp2"]
-        np.testing.assert_allclose(ours["losses"], theirs["losses"],
-                                   rtol=LOW_LOSS_RTOL["torch"], atol=0, err_msg=f"rank {rank}")
 
 
 def _assembled(per_rank: list, config: str, step: int, reference: dict) -> dict:
@@ -129,7 +120,7 @@ def test_mindspore_mixed_precision_losses_near_one_process():
     per_rank = _runs("mindspore")
     np.testing.assert_allclose(_mean_dp_losses(per_rank, "mixed"),
                                per_rank[0]["reference"]["losses"],
-                               rtol=LOW_LOSS_RTOL["mindspore"], atol=0)
+                               rtol=MINDSPORE_FLOAT16_LOSS_RTOL, atol=0)
 
 
 def _layouts(backend: str, result: dict, config: str) -> dict:
