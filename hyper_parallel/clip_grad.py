@@ -13,6 +13,10 @@ single-process norm of the full gradients:
 - a parameter kept whole (below ``shard_threshold_bytes``, a shard group of one rank, an
   ignored parameter, a module no unit manages) is the same on every rank and is counted
   once, locally;
+- a parameter split by the core's tensor parallelism (``tensor_parallel_layout``) holds
+  this rank's block: a ``Shard`` block's sums are reduced over its tensor-parallel group
+  too (after the shard group, where a unit shards it), a ``Replicate`` one (every rank
+  of that group holds the same values and gradient) is counted once;
 - units on different meshes reduce over their own groups, in the order their parameters
   come (the same on every rank, which passes the same parameters);
 - meshes that span different numbers of ranks are refused (``placement.ranks_spanned``):
@@ -38,7 +42,7 @@ import numpy as np
 from hyper_parallel.fully_shard.param import FSDPParam, fsdp_param_of
 from hyper_parallel.fully_shard.placement import ranks_spanned
 from hyper_parallel.platform import get_platform
-from hyper_parallel.tensor_parallel.layout import refuse_tensor_parallel
+from hyper_parallel.tensor_parallel.layout import tensor_parallel_layout
 
 if TYPE_CHECKING:
     from hyper_parallel.platform import Platform
@@ -59,7 +63,6 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
     platform = get_platform()
     max_norm, norm_type = _checked_numbers(max_norm, norm_type)
     params = _as_list(platform, parameters, "parameters")
-    refuse_tensor_parallel(params, "clip_grad_norm_")
     if grads is None:
         if platform.capabilities.returns_grads_from_backward:
             raise TypeError(f"on {platform.name} gradients are returned by value_and_grad, not "
@@ -95,7 +98,7 @@ def total_norm(platform: Platform, pairs: list, norm_type: float) -> float:
     """The ``norm_type``-norm of the full gradients of ``pairs`` (parameter, this rank's
     gradient), the same on every rank: see the design note."""
     whole = []  # norms of gradients every rank holds whole
-    by_group: dict = {}  # id(shard group) -> (group, norms of this rank's shards)
+    by_groups: dict = {}  # ids of the groups -> ([(group, dim name)], norms of this rank's parts)
     spans = ranks_spanned(fp.mesh_info for fp in map(fsdp_param_of, (p for p, _ in pairs))
                           if fp is not None)
     if len(spans) > 1:
@@ -116,25 +119,41 @@ def total_norm(platform: Platform, pairs: list, norm_type: float) -> float:
                 f"whose dims this norm does not reduce over: use "
                 f"torch.nn.utils.clip_grad_norm_, which reads the DTensor gradients' placements")
         grad = _local(platform, param, grad)
-        if fsdp_param is None or fsdp_param.shard_size == 1:
-            if _numel(platform, grad):
+        groups = _groups_over(fsdp_param, tensor_parallel_layout(param))
+        if fsdp_param is not None and fsdp_param.shard_size > 1:
+            grad = _without_padding(platform, fsdp_param, grad)
+        if grad is None or not _numel(platform, grad):
+            grad = None
+        if not groups:
+            if grad is not None:
                 whole.append(platform.vector_norm(grad, norm_type))
             continue
-        group = fsdp_param.mesh_info.shard_group
-        _, norms = by_group.setdefault(id(group), (group, []))
-        real = _without_padding(platform, fsdp_param, grad)
-        if real is not None:
-            norms.append(platform.vector_norm(real, norm_type))
+        _, norms = by_groups.setdefault(tuple(id(group) for group, _ in groups), (groups, []))
+        if grad is not None:
+            norms.append(platform.vector_norm(grad, norm_type))
     is_inf = math.isinf(norm_type)
     partials = [_combined(platform, whole, norm_type)]
-    for group, norms in by_group.values():  # every rank of a group joins, shards or not
+    for groups, norms in by_groups.values():  # every rank of a group joins, shards or not
         local = _combined(platform, norms, norm_type)
         value = platform.from_numpy(np.array([local if is_inf else local ** norm_type],
                                              dtype=np.float32))
-        platform.all_reduce(value, group, op="max" if is_inf else "sum", dim="shard").wait()
+        for group, dim in groups:
+            platform.all_reduce(value, group, op="max" if is_inf else "sum", dim=dim).wait()
         reduced = float(platform.to_numpy(value)[0])
         partials.append(reduced if is_inf else reduced ** (1.0 / norm_type))
     return _combined_floats(partials, norm_type)
+
+
+def _groups_over(fsdp_param: FSDPParam | None, layout: Any) -> list:
+    """``[(group, dim name)]`` a gradient's partial sums are reduced over: its unit's shard
+    group where the unit shards it, then its tensor-parallel group where tensor
+    parallelism split it into different blocks (a replicated block is counted once)."""
+    groups = []
+    if fsdp_param is not None and fsdp_param.shard_size > 1:
+        groups.append((fsdp_param.mesh_info.shard_group, "shard"))
+    if layout is not None and layout.placement.is_shard() and layout.mesh.size() > 1:
+        groups.append((layout.mesh.get_group(0), layout.mesh_dim_name))
+    return groups
 
 
 def _combined(platform: Platform, norms: list, norm_type: float) -> float:

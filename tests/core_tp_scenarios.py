@@ -40,26 +40,27 @@ def _calls(window) -> dict:
                                                       "all_reduce")}
 
 
-def refusals(model, grads, directory: str) -> dict:
+def refusals(model, directory: str, checkpoints: bool = True) -> dict:
     """What each entry point that does not read tensor-parallel layouts yet says of
-    ``model``, and whether the checkpoint directory was left unmade."""
+    ``model`` (tensor-parallel, under fully_shard or not), and whether the checkpoint
+    directory was left unmade. ``checkpoints``: also save and load a checkpoint (refused
+    for a model no fully_shard unit manages)."""
+    from hyper_parallel.checkpoint.index import CheckpointError
+
     platform = hp.get_platform()
-    params = [p for _, sub in platform.named_modules(model) for _, p in platform.direct_params(sub)]
     path = f"{directory}/ckpt-{platform.rank()}"
-    calls = {"fully_shard": lambda: hp.fully_shard(model),
-             "get_state_dict": lambda: hp.get_state_dict(model),
+    calls = {"get_state_dict": lambda: hp.get_state_dict(model),
              "set_state_dict": lambda: hp.set_state_dict(model, {}),
              "get_full_state_dict": lambda: hp.get_full_state_dict(model),
-             "save_checkpoint": lambda: hp.save_checkpoint(path, model),
-             "load_checkpoint": lambda: hp.load_checkpoint(path, model),
-             "export_full": lambda: hp.export_full(path, model),
-             "clip_grad_norm_": lambda: hp.clip_grad_norm_(
-                 params, 1.0, grads=None if grads is None else list(grads))}
+             "export_full": lambda: hp.export_full(path, model)}
+    if checkpoints:
+        calls["save_checkpoint"] = lambda: hp.save_checkpoint(path, model)
+        calls["load_checkpoint"] = lambda: hp.load_checkpoint(path, model)
     said = {}
     for name, call in calls.items():
         try:
             call()
-        except NotImplementedError as error:
+        except (NotImplementedError, CheckpointError) as error:
             said[name] = str(error)
     said["checkpoint_dir_made"] = os.path.exists(path)
     return said
@@ -137,7 +138,7 @@ def run_torch_against_dtensor(plan_kind: str, kind: str, directory: str, dp: int
                             core_tp.loss_parallel if sequence else contextlib.nullcontext,
                             core_tp.cross_entropy if sequence else F.cross_entropy)
     core_run["layouts"] = {n: _layout_record(p) for n, p in model.named_parameters()}
-    core_run["refusals"] = refusals(model, None, directory)
+    core_run["refusals"] = refusals(model, directory)
     return {"torch": torch_run, "core": core_run}
 
 
@@ -190,7 +191,8 @@ def run_mindspore_against_one_process(plan_kind: str, kind: str, directory: str,
         parallel_loss = whole_loss
     parallel = _ms_train(model, kind, parallel_loss, lambda ids: ids,
                          lambda targets: targets_for(targets, plan_kind, TP))
-    parallel["refusals"] = refusals(model, parallel.pop("grads"), directory)
+    parallel["refusals"] = refusals(model, directory)
+    parallel.pop("grads")
     reference.pop("grads")
     return {"reference": reference, "core": parallel}
 

@@ -6,8 +6,9 @@ A value's stored shape is the whole tensor's, over tensor and data parallelism, 
 rank's region is one block of it: offsets in every dim and a shape. A managed parameter is
 held as its data-parallel shard (param.py, [Note: shard layout]): rows ``[start, start +
 rows)`` of its shard dim ``d``. Tensor parallelism (torch's DTensor parameters, Shard and
-Replicate placements) first gives the rank a block of the whole tensor
-(``Platform.tensor_parallel_block``), and the shard's rows are rows of that block: the
+Replicate placements, ``Platform.tensor_parallel_block``; the core's, the ``ParamLayout``
+recorded on the parameter) first gives the rank a block of the whole tensor, and the
+shard's rows are rows of that block: the
 region is the block's offsets plus ``start`` on dim ``d``, and the block's shape with
 ``rows`` on dim ``d``, whether tensor parallelism split dim ``d`` too or another dim. The
 local tensor may carry zero padding rows after the region (MindSpore). The optimizer's
@@ -41,7 +42,7 @@ from hyper_parallel.checkpoint.names import resolve
 from hyper_parallel.checkpoint.state_dict import slot_owners
 from hyper_parallel.fully_shard.placement import ranks_spanned
 from hyper_parallel.fully_shard.state import STATE_ATTR
-from hyper_parallel.tensor_parallel.layout import refuse_tensor_parallel
+from hyper_parallel.tensor_parallel.layout import tensor_parallel_layout
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.param import FSDPParam
@@ -82,7 +83,6 @@ def held_params(platform: Platform, model: Any, key_map: Any = None,
     """One ``Held`` per distinct parameter of ``model`` (and, with ``buffers``, per buffer),
     by its first qualified name, stored under what ``key_map`` makes of it (names.py); the
     values it maps to None are left out."""
-    refuse_tensor_parallel(model, "checkpoints")
     _check_unit_meshes(platform, model)
     owners = slot_owners(platform, model)
     found, seen = [], set()  # found: (name, value, FSDPParam or None)
@@ -122,7 +122,8 @@ def _check_unit_meshes(platform: Platform, model: Any) -> None:
 
 
 def _held_whole(platform: Platform, name: str, param: Any, key: str) -> Held:
-    if platform.param_local_values(param) is not param:
+    if platform.param_local_values(param) is not param or \
+            tensor_parallel_layout(param) is not None:
         raise CheckpointError(f"{name} is a tensor-parallel parameter outside every fully_shard "
                               f"unit; checkpoints store tensor-parallel parameters that a unit "
                               f"manages: apply fully_shard to the model's root (it takes every "
@@ -135,7 +136,9 @@ def _held_whole(platform: Platform, name: str, param: Any, key: str) -> Held:
 def _held_managed(platform: Platform, name: str, fp: FSDPParam, key: str) -> Held:
     part = tuple(fp.full_shape)  # this rank's tensor-parallel part, or the whole tensor
     shape, offsets = part, (0,) * len(part)
-    if fp.is_tensor_parallel:
+    if fp.tensor_parallel_layout is not None:  # the core's tensor parallelism
+        shape, offsets = fp.tensor_parallel_layout.whole_shape, fp.tensor_parallel_layout.offset
+    elif fp.is_tensor_parallel:
         block = platform.tensor_parallel_block(fp.sharded_param)
         if block is None:
             raise CheckpointError(

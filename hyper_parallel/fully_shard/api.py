@@ -38,7 +38,7 @@ from hyper_parallel.fully_shard.fsdp_module import (
 from hyper_parallel.fully_shard.state import STATE_ATTR, FSDPState
 from hyper_parallel.distributed import require_joined_job
 from hyper_parallel.platform import MODULE_CLASSES, get_platform, module_framework
-from hyper_parallel.tensor_parallel.layout import refuse_tensor_parallel
+from hyper_parallel.tensor_parallel.layout import tensor_parallel_layout
 
 _REPLACED_BY = "_hp_replaced_by"    # on an original parameter a unit replaced
 
@@ -131,6 +131,23 @@ def _managed_params(platform, modules: list, ignored_ids: set) -> tuple[list, se
     return [tuple(v) for v in by_id.values()], seen
 
 
+def _check_tensor_parallel_apart(platform, info: MeshInfo, entries: list) -> None:
+    """A parameter split by the core's tensor parallelism is sharded over data-parallel
+    ranks that hold the same tensor-parallel block: its mesh may share no rank but this one
+    with the unit's data-parallel mesh (torch checks the same of a DTensor's mesh)."""
+    data_parallel = set(info.mesh.ranks)
+    for fqn, param, *_ in entries:
+        layout = tensor_parallel_layout(param)
+        if layout is not None and data_parallel & set(layout.mesh.ranks) != {platform.rank()}:
+            raise ValueError(
+                f"parameter {fqn!r} is split by tensor parallelism over ranks "
+                f"{sorted(layout.mesh.ranks)}, and fully_shard's data-parallel mesh "
+                f"{info.mesh.mesh_dim_names} spans ranks {sorted(data_parallel)}, which hold "
+                f"other blocks of it: shard over the data-parallel dims only (e.g. "
+                f"fully_shard(block, mesh=mesh['dp']) after parallelize_module(model, "
+                f"mesh['tp'], plan))")
+
+
 def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Callable | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
@@ -166,7 +183,6 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     modules = _module_list(module)
     platform = get_platform(modules[0])
     require_joined_job("fully_shard", platform)
-    refuse_tensor_parallel(modules, "fully_shard")
     for m in modules:
         if STATE_ATTR in m.__dict__:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "
@@ -225,6 +241,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
                              "(small parameters are all-reduced over the whole job); use a mesh "
                              "of only data-parallel dims over all ranks, or "
                              "shard_threshold_bytes=0")
+    for info, entries in by_mesh:
+        _check_tensor_parallel_apart(platform, info, entries)
     infos = [info for info, _ in by_mesh] or [default]
     reshard_after_forward = _resolve_reshard_after_forward(
         reshard_after_forward, [info.shard_size for info in infos])

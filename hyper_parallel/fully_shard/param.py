@@ -23,6 +23,7 @@ from typing import Any
 
 from hyper_parallel.fully_shard.mesh import MeshInfo
 from hyper_parallel.platform import Platform
+from hyper_parallel.tensor_parallel.layout import LAYOUT_ATTR, record_layout, tensor_parallel_layout
 
 SHARDED_BY = "_hp_sharded_by"  # on a sharded parameter: the unit that owns it
 
@@ -33,10 +34,11 @@ FSDP_PARAM_ATTR = "_hp_fsdp_param"
 
 
 def library_attrs(param: Any) -> dict:
-    """The library's attributes on a sharded parameter (``SHARDED_BY``, ``FSDP_PARAM_ATTR``):
-    a framework conversion that swaps the tensor's contents (torch's ``Module._apply``) drops
-    them, so they are read before and put back after (``restore_library_attrs``)."""
-    return {name: getattr(param, name) for name in (SHARDED_BY, FSDP_PARAM_ATTR)
+    """The library's attributes on a sharded parameter (``SHARDED_BY``, ``FSDP_PARAM_ATTR``,
+    a tensor-parallel ``LAYOUT_ATTR``): a framework conversion that swaps the tensor's
+    contents (torch's ``Module._apply``) drops them, so they are read before and put back
+    after (``restore_library_attrs``)."""
+    return {name: getattr(param, name) for name in (SHARDED_BY, FSDP_PARAM_ATTR, LAYOUT_ATTR)
             if hasattr(param, name)}
 
 
@@ -89,6 +91,11 @@ class FSDPParam:
                 orig_param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim,
                 shard_dim if is_sharded else None, self.full_shape, backing=self.padded_shard)
         setattr(self.sharded_param, FSDP_PARAM_ATTR, weakref.ref(self))
+        #: the core's tensor parallelism split ``param``: its full parameter is this rank's
+        #: tensor-parallel block, and the shard keeps the block's layout for later readers
+        self.tensor_parallel_layout = tensor_parallel_layout(orig_param)
+        if self.tensor_parallel_layout is not None:
+            record_layout(self.sharded_param, self.tensor_parallel_layout)
 
     @property
     def _padded_at_end(self) -> bool:
@@ -187,9 +194,9 @@ class FSDPParam:
                         f"full_state_dict=True)); see docs/api.md, Deferred initialisation), or "
                         f"replace it by a parameter laid out as its shard")
         self.padded_shard = padded  # a shard-like replacement: padded by reset_sharded_param
-        owner = getattr(self.sharded_param, SHARDED_BY, None)
+        kept = library_attrs(self.sharded_param)
         self.sharded_param = new
-        restore_library_attrs(new, {SHARDED_BY: owner, FSDP_PARAM_ATTR: weakref.ref(self)})
+        restore_library_attrs(new, dict(kept, **{FSDP_PARAM_ATTR: weakref.ref(self)}))
         self.register()
 
     def register(self) -> None:

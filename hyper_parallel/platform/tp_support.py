@@ -19,6 +19,11 @@ import abc
 from dataclasses import dataclass
 from typing import Any
 
+#: on a module: ``{attr_name: what its instance attribute was}`` while ``read_in_forward``
+#: shadows it (``_NOTHING``: none)
+_SHADOWED = "_hp_read_in_forward"
+_NOTHING = object()
+
 
 @dataclass(frozen=True)
 class ParallelLayer:
@@ -56,13 +61,23 @@ class TensorParallelSupport(abc.ABC):
     def read_in_forward(self, module: Any, attr_name: str, tensor: Any) -> None:
         """Make ``module.<attr_name>`` read ``tensor`` (a parameter as one forward uses it:
         through a differentiable op) until ``end_read_in_forward``; the registered parameter
-        stays what ``parameters()`` yields. An instance attribute shadows a registered
-        parameter in both frameworks' attribute lookup."""
+        stays what ``parameters()`` yields, and what the module read before (a full
+        parameter fully_shard attached) is read again after. An instance attribute shadows
+        a registered parameter in both frameworks' attribute lookup."""
+        saved = module.__dict__.setdefault(_SHADOWED, {})
+        if attr_name not in saved:
+            saved[attr_name] = module.__dict__.get(attr_name, _NOTHING)
         object.__setattr__(module, attr_name, tensor)
 
     def end_read_in_forward(self, module: Any, attr_name: str) -> None:
         """Undo ``read_in_forward`` (ending twice is harmless)."""
-        module.__dict__.pop(attr_name, None)
+        before = module.__dict__.get(_SHADOWED, {}).pop(attr_name, None)
+        if before is None:
+            return
+        if before is _NOTHING:
+            module.__dict__.pop(attr_name, None)
+        else:
+            object.__setattr__(module, attr_name, before)
 
     @abc.abstractmethod
     def amax(self, tensor: Any, dim: int) -> Any:

@@ -9,7 +9,10 @@ than written trains something else than intended.
 
 [Note: validate everything, then change anything]
 Every key is resolved and every (module, style) pair checked (``ParallelStyle.check``)
-before the first style applies, so a bad plan raises with the module untouched.
+before the first style applies, so a bad plan raises with the module untouched. A module
+fully_shard already manages is refused: its parameters are data-parallel shards, not the
+blocks a style splits, and a style's hooks would run outside the unit's (style.py,
+[Note: styles under fully_shard]): tensor parallelism first, then fully_shard, as torch.
 """
 
 from __future__ import annotations
@@ -58,6 +61,21 @@ def _mesh_1d(device_mesh: Any) -> Any:
     return mesh
 
 
+def _refuse_sharded(platform: Any, module: Any) -> None:
+    # fully_shard's parameters read tensor_parallel.layout: imported here, not at the top
+    from hyper_parallel.fully_shard.param import fsdp_param_of
+    from hyper_parallel.fully_shard.state import STATE_ATTR
+
+    for name, sub in platform.named_modules(module):
+        managed = [attr for attr, param in platform.direct_params(sub)
+                   if fsdp_param_of(param) is not None]
+        if STATE_ATTR in sub.__dict__ or managed:
+            where = f"{name}.{managed[0]}" if managed else name
+            raise ValueError(f"parallelize_module: {where or 'the module'} is managed by "
+                             f"fully_shard already; apply parallelize_module first, then "
+                             f"fully_shard (as torch requires)")
+
+
 def parallelize_module(module: Any, device_mesh: Any = None,
                        parallelize_plan: ParallelStyle | dict | None = None, *,
                        src_data_rank: int | None = 0) -> Any:
@@ -75,6 +93,7 @@ def parallelize_module(module: Any, device_mesh: Any = None,
     else:
         raise TypeError(f"parallelize_plan must be a ParallelStyle or a dict of them; got "
                         f"{type(parallelize_plan).__name__}")
+    _refuse_sharded(platform, module)
     pairs, seen = [], {}
     for key, style in plan.items():
         if not isinstance(style, ParallelStyle):

@@ -7,9 +7,11 @@ module computes with it as with any parameter, and an optimizer updates it as an
 What the block is part of is recorded on the parameter itself, under ``LAYOUT_ATTR``, as
 one ``ParamLayout``: the mesh, the placement, the whole shape and this rank's offset in
 every dim. It is the only place fully_shard, checkpoints, export and clipping may learn
-that a parameter is part of a bigger one (``tensor_parallel_layout``); until they read
-it, they refuse such parameters (``refuse_tensor_parallel``) instead of taking a block for
-the whole.
+that a parameter is part of a bigger one (``tensor_parallel_layout``). fully_shard shards
+the block and keeps the record on the sharded parameter (fully_shard/param.py), clipping
+reduces a split block's norm over its mesh (clip_grad.py); checkpoints and export, until
+they read it, refuse such parameters (``refuse_tensor_parallel``) instead of taking a
+block for the whole.
 
 [Note: activations between styles]
 A style's output is a plain tensor (``use_local_output=True``, torch's default for the

@@ -23,7 +23,8 @@ from hyper_parallel.tensor_parallel.layout import LayoutTensor
 from hyper_parallel.tensor_parallel.placement import (
     Partial, Replicate, Shard, check_placement)
 from hyper_parallel.tensor_parallel.redistribute import check_movable, move, prepared
-from hyper_parallel.tensor_parallel.style import ParallelStyle, check_even, split_param
+from hyper_parallel.tensor_parallel.style import (
+    ParallelStyle, check_even, param_in_forward, split_param)
 
 _LAYERS = ("torch: nn.Linear, nn.Embedding; MindSpore: nn.Dense without activation, "
            "mint.nn.Linear, nn.Embedding, mint.nn.Embedding")
@@ -135,7 +136,7 @@ class RowwiseParallel(_LinearStyle):
                              result_grads_whole=True)
             if layer.bias is not None:
                 p.read_in_forward(mod, layer.bias,
-                                C.to_partial(p.registered_param(mod, layer.bias), mesh))
+                                C.to_partial(param_in_forward(mod, layer.bias), mesh))
             return (local,) + tuple(args[1:]), kwargs
 
         def post(mod, args, kwargs, output):

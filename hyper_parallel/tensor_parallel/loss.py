@@ -8,7 +8,10 @@ the target's log-probability read on the rank whose columns hold it (zero on the
 and all-reduced; ``ignore_index`` rows count zero and are left out of the mean. The
 backward needs no collective: each rank's gradient is ``(exp(logp) - onehot) * g`` on its
 own columns, ``g`` the incoming gradient (divided by the number of counted rows for
-"mean"). Each step is the one torch 2.13's ``loss_parallel`` takes, in the same order.
+"mean"). Each step is the one torch 2.13's ``loss_parallel`` takes, in the same order,
+and in its dtypes: the log-softmax of float16 or bfloat16 logits is computed in float32
+and its result cast back (torch's elementwise type promotion), the rest in the logits'
+dtype.
 """
 
 from __future__ import annotations
@@ -70,9 +73,12 @@ def cross_entropy(input: Any, target: Any, ignore_index: int = -100,
 
     def forward(inputs):
         x = inputs[0]
+        dtype = p.dtype_of(x)
+        if dtype in (p.dtype("float16"), p.dtype("bfloat16")):
+            x = p.cast(x, p.dtype("float32"))
         shifted = p.subtract(x, C.summed(p.amax(x, 1), mesh, op="max"))
         sumexp = C.summed(p.sum_dim(p.exp(shifted), 1), mesh)
-        logp = p.subtract(shifted, p.log(sumexp))
+        logp = p.cast(p.subtract(shifted, p.log(sumexp)), dtype)
         picked = p.where(p.reshape(mine, (-1, 1)), p.take_along_dim(logp, column, 1), 0.0)
         losses = p.where(counted, p.reshape(-C.summed(picked, mesh), (-1,)), 0.0)
         total = p.cast(p.total(counted), p.dtype_of(x))

@@ -16,7 +16,8 @@ from hyper_parallel.tensor_parallel import collectives as C
 from hyper_parallel.tensor_parallel.layout import LayoutTensor
 from hyper_parallel.tensor_parallel.placement import Shard
 from hyper_parallel.tensor_parallel.redistribute import prepared
-from hyper_parallel.tensor_parallel.style import ParallelStyle, record_replicated
+from hyper_parallel.tensor_parallel.style import (
+    ParallelStyle, param_in_forward, record_replicated)
 
 
 class SequenceParallel(ParallelStyle):
@@ -39,7 +40,7 @@ class SequenceParallel(ParallelStyle):
                                  f"LayoutTensor, but got {args[0] if args else None!r}")
             local = prepared(args[0], layout, layout, mesh, result_grads_whole=True)
             for attr in names:
-                p.read_in_forward(mod, attr, C.reduce_in_backward(p.registered_param(mod, attr),
+                p.read_in_forward(mod, attr, C.reduce_in_backward(param_in_forward(mod, attr),
                                                                 mesh))
             return (local,) + tuple(args[1:]), kwargs
 

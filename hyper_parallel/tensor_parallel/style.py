@@ -6,6 +6,20 @@ modules (``check``: the layer kind, even splits, the layouts), and only when all
 it call ``apply``. ``apply`` replaces parameters by their local blocks (recording each
 block's ``ParamLayout``) and installs the forward hooks that move activations; it raises
 nothing a check could have found.
+
+[Note: styles under fully_shard]
+``fully_shard`` over a tensor-parallel module (TP first, then FSDP, as torchtitan
+composes them) shards each parameter's local block over the data-parallel mesh; while its
+unit is unsharded, the module reads the gathered block, which is exactly the parameter
+the style computes with. A style that reads a parameter itself (a row-wise bias made
+partial, a sequence-parallel norm's parameters) therefore reads what the module reads now
+(``param_in_forward``), never the registered parameter, and puts back what it shadowed
+(``read_in_forward``/``end_read_in_forward``). Hook order: ``register_forward_hooks``
+prepends pre-hooks and appends post-hooks, and ``fully_shard`` comes after
+``parallelize_module``, so on a module that is both a unit and styled (a block under
+``PrepareModuleInput``), the unit gathers before any style runs and reshards after every
+style's post-hook: styles always see full blocks. ``parallelize_module`` after
+``fully_shard`` would see shards, which is why it must come first.
 """
 
 from __future__ import annotations
@@ -29,6 +43,12 @@ class ParallelStyle:
 
     def apply(self, module: Any, mesh: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not implement apply")
+
+
+def param_in_forward(module: Any, attr: str) -> Any:
+    """``module.<attr>`` as the module's forward reads it now: the registered parameter,
+    or the full block ``fully_shard`` attached while its unit is unsharded."""
+    return getattr(module, attr)
 
 
 def whole_values(param: Any, mesh: Any, src_data_rank: int | None) -> Any:

@@ -77,6 +77,14 @@ def check_read_in_forward_end_read_in_forward(ctx):
     p.end_read_in_forward(model.fc1, "bias")
     p.end_read_in_forward(model.fc1, "bias")
     _check(model.fc1.bias is param, "module.bias does not read the parameter again")
+    # under fully_shard the module reads an attached full tensor: read again after
+    full = _f32(ctx, np.ones(3))
+    p.attach_tensor(model.fc1, "bias", full)
+    p.read_in_forward(model.fc1, "bias", shadow)
+    _check(model.fc1.bias is shadow, "module.bias does not read the tensor over an attached one")
+    p.end_read_in_forward(model.fc1, "bias")
+    p.end_read_in_forward(model.fc1, "bias")
+    _check(model.fc1.bias is full, "module.bias does not read the attached full tensor again")
 
 
 @local_check
