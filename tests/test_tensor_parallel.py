@@ -6,8 +6,8 @@ The suite's shared 4-rank torch launch (tests/shared_launch.py) runs every scena
 Parity is against a single-process reference on the global batch and against torch FSDP2
 + TP on the same model and data: losses, full parameters, and the sharded parameters'
 layout (placements, mesh ranks, local values). DCP: a checkpoint saved from hyper_parallel
-loads into fresh hyper_parallel and FSDP2 models. MindSpore has no DTensor and
-hyper_parallel no tensor-parallel layer there, so there is nothing to compose with.
+loads into fresh hyper_parallel and FSDP2 models. MindSpore has no DTensor: its tensor
+parallelism is the core's (tests/test_core_tp_fully_shard.py composes it with fully_shard).
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ def test_partial_dtensor_is_refused_before_anything_changes():
 
 @pytest.mark.timeout(120)
 def test_mindspore_has_no_tensor_parallel_parameters():
-    """MindSpore has no DTensor and hyper_parallel no tensor-parallel layer there yet: its
-    platform shards every parameter as it is (the default ``param_local_values``)."""
+    """MindSpore has no DTensor: its platform shards every parameter as it is (the default
+    ``param_local_values``); the core's tensor parallelism keeps each rank's block as a
+    plain parameter (tests/test_core_tp_fully_shard.py)."""
     if importlib.util.find_spec("mindspore") is None:
         pytest.skip("mindspore is not installed")
     import mindspore
