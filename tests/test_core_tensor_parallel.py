@@ -23,6 +23,8 @@ in the test process on a mesh without groups, each shown to leave the model unch
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -295,6 +297,8 @@ def test_the_public_names_are_torchs_own_on_torch_and_the_cores_elsewhere(monkey
     assert hp.ColwiseParallel is torch_tp.ColwiseParallel
     assert hp.loss_parallel is torch_tp.loss_parallel
     assert hp.Shard is torch_placements.Shard
+    if importlib.util.find_spec("mindspore") is None:
+        pytest.skip("the core's names are checked where HP_BACKEND=mindspore, which is not installed")
     monkeypatch.setenv("HP_BACKEND", "mindspore")
     for name in ("parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
                  "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
