@@ -34,7 +34,7 @@ import hyper_parallel as hp
 from hyper_parallel import tensor_parallel as core_tp
 from hyper_parallel.fully_shard.param import fsdp_param_of
 from tests.core_tp_models import batches, mindspore_model, mindspore_name, plan, targets_for, torch_model
-from tests.core_tp_scenarios import refusals
+from tests.core_tp_scenarios import _layout_record, refusals
 
 DP, TP = 2, 2
 LR = {"adamw": 0.01, "sgd": 0.1}
@@ -50,14 +50,6 @@ def _slices(dp_rank: int) -> list:
     the sequence plan's head rows are)."""
     rows = slice(dp_rank, dp_rank + 1)
     return [(ids[rows], targets_for(targets[rows], "sequence", TP)) for ids, targets in batches()]
-
-
-def _layout_record(param) -> dict | None:
-    layout = core_tp.tensor_parallel_layout(param)
-    if layout is None:
-        return None
-    return {"placement": repr(layout.placement), "whole_shape": layout.whole_shape,
-            "offset": layout.offset}
 
 
 def _shard_records(named: list, to_numpy) -> dict:
