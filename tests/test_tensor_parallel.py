@@ -74,6 +74,17 @@ def test_matches_fsdp2_with_tensor_parallel():
 
 
 @pytest.mark.timeout(180)
+def test_meta_device_build_with_activation_checkpointing_trains_the_same():
+    """Built on the meta device and materialised with ``to_empty`` after fully_shard, its
+    blocks under activation checkpointing (as torchtitan builds a model): the layers still
+    compute with tensor-parallel DTensors, in the forward and in the recomputation, and
+    training is the eagerly built model's, bit for bit (the same math)."""
+    for rank, result in enumerate(_launch()):
+        np.testing.assert_array_equal(result["meta_checkpointed_losses"], result["losses"])
+        assert result["meta_checkpointed_diff"] == 0.0, f"rank {rank}"
+
+
+@pytest.mark.timeout(180)
 def test_dcp_checkpoint_loads_into_hyper_parallel_and_fsdp2():
     for rank, result in enumerate(_launch()):
         assert result["fresh_differs"] > 1e-2, f"rank {rank}: the fresh model is not fresh"

@@ -4,8 +4,10 @@ full or no activation checkpointing, bf16 mixed precision or float32, untied or 
 embeddings, its chunked loss, clipping, AdamW and LR schedule, 4 steps from the same
 initial parameters on the same data. hyper_parallel's losses, gradient norms and final
 parameters equal FSDP2's bit for bit, also under torchtitan's default spmd_backend, which
-FSDP2 refuses, and in float32 match a single-process reference. The same on 4 ranks with
-torchtitan's tensor parallelism over 2 of them, and for its Qwen3-MoE with load balancing.
+FSDP2 refuses, and in float32 match a single-process reference. The same for its Qwen3-MoE
+with load balancing, and on 4 ranks for the model configured as its ``Trainer`` configures it
+(tests/torchtitan_trainer_config_scenarios.py: its tensor parallelism over 2 ranks with
+sequence parallelism, ``fully_shard`` over the other 2).
 
 Needs torchtitan 0.3.0 (the ``titan`` extra: ``pip install -e ".[titan]"``); skipped without.
 """
@@ -20,10 +22,10 @@ pytest.importorskip("torchtitan", minversion="0.3.0",
 
 from tests.multirank import run_ranks  # noqa: E402
 from tests.torchtitan_scenarios import (  # noqa: E402
-    CONFIGS, LAYERS, SPMD_DEFAULT, SPMD_DEFAULT_CONFIGS, TP_CONFIGS, config_name)
+    CONFIGS, LAYERS, SPMD_DEFAULT, SPMD_DEFAULT_CONFIGS, config_name)
+from tests.torchtitan_trainer_config_scenarios import CONFIGS as TRAINER_CONFIGS  # noqa: E402
 
 NAMES = [config_name(*config) for config in CONFIGS]
-TP_NAMES = [config_name(*config) for config in TP_CONFIGS]
 FLOAT32 = [name for name in NAMES if "float32" in name]
 BFLOAT16 = [name for name in NAMES if "bfloat16" in name]
 # float32 against the reference: the ranks sum their halves of each gradient and loss
@@ -70,8 +72,8 @@ def moe_results() -> dict:
 
 
 @pytest.fixture(scope="module")
-def tp_results() -> dict:
-    return run_ranks("tests.torchtitan_scenarios:run_tensor_parallel", 4, "torch",
+def trainer_config_results() -> dict:
+    return run_ranks("tests.torchtitan_trainer_config_scenarios:run", 4, "torch",
                      timeout_s=400)[0]
 
 
@@ -119,22 +121,6 @@ def test_bfloat16_training_stays_near_the_float32_reference(results, name):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("run", ["hp", f"hp_{SPMD_DEFAULT}"])
-@pytest.mark.parametrize("name", TP_NAMES)
-def test_tensor_parallel_torchtitan_trains_exactly_as_fsdp2(tp_results, name, run):
-    """torchtitan's tensor parallelism over 2 of 4 ranks, fully_shard over the other 2:
-    hyper_parallel (under "partial_dtensor" and under the default "spmd_types") trains as
-    FSDP2 does under "partial_dtensor", bit for bit."""
-    _assert_bitwise_equal(tp_results[name][run], tp_results[name]["fsdp2"])
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", [name for name in TP_NAMES if "float32" in name])
-def test_tensor_parallel_float32_matches_the_single_process_reference(tp_results, name):
-    _assert_near_float32_reference(tp_results[name]["hp"], tp_results[name]["reference"])
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("run", ["hp", f"hp_{SPMD_DEFAULT}"])
 def test_mixture_of_experts_trains_exactly_as_fsdp2(moe_results, run):
     """torchtitan's Qwen3-MoE (grouped experts, top-2 routing, its load-balancing hook
     updating each layer's expert bias from the tokens every rank routed) trains under
@@ -156,3 +142,27 @@ def test_mixture_of_experts_matches_the_single_process_reference(moe_results):
     np.testing.assert_allclose(run["grad_norms"], reference["grad_norms"], atol=ATOL, rtol=0)
     for key, value in reference["expert_biases"].items():
         np.testing.assert_array_equal(run["expert_biases"][key], value, err_msg=key)
+
+
+TRAINER_NAMES = [config_name(ac, mp, False) for ac, mp in TRAINER_CONFIGS]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", TRAINER_NAMES)
+def test_model_configured_as_the_trainer_does_trains_exactly_as_fsdp2(trainer_config_results,
+                                                                      name):
+    """The model configured by ``update_from_config`` as torchtitan's Trainer does, tensor
+    parallel 2 with sequence parallelism: each module distributes its own parameters and
+    redistributes its inputs, so every layer computes with DTensors; hyper_parallel's full
+    parameters are tensor-parallel DTensors as FSDP2's are (also across ``to_empty`` and in
+    activation checkpointing's recomputation), and training is FSDP2's, bit for bit."""
+    _assert_bitwise_equal(trainer_config_results[name]["hp"],
+                          trainer_config_results[name]["fsdp2"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [name for name in TRAINER_NAMES if "float32" in name])
+def test_model_configured_as_the_trainer_does_matches_the_reference(trainer_config_results,
+                                                                    name):
+    _assert_near_float32_reference(trainer_config_results[name]["hp"],
+                                   trainer_config_results["reference"])

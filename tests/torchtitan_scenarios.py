@@ -1,8 +1,8 @@
 """Rank side of tests/test_torchtitan.py: torchtitan 0.3.0's own Llama 3 training, under
 torch's ``fully_shard`` and under hyper_parallel's in its place.
 
-torchtitan's ``Trainer`` cannot be built here: its module imports tensorboard, datasets and
-a tokenizer, and its setup assumes a GPU. So ``train`` drives the pieces the trainer drives,
+torchtitan's ``Trainer`` cannot be built here (its setup assumes a GPU; its ``Config`` can,
+tests/torchtitan_trainer_config_scenarios.py). So ``train`` drives the pieces the trainer drives,
 with its code: the Llama 3 model (a tiny config, ``_model_config``), ``parallelize_llama``
 (activation checkpointing, then ``fully_shard`` on the blocks, on ``[norm, lm_head]`` and on
 the model, through ``apply_fsdp_to_decoder``), ``init_weights``, the chunked loss
@@ -53,12 +53,9 @@ CONFIGS = [("selective", "bfloat16", False), ("full", "bfloat16", False),
 SPMD_DEFAULT = "spmd_types"  # torchtitan's default spmd_backend, which FSDP2 refuses
 # the configs hyper_parallel also trains under SPMD_DEFAULT: the debugmodel's, and float32
 SPMD_DEFAULT_CONFIGS = [("selective", "bfloat16", False), ("selective", "float32", False)]
-# (result key, fully_shard's implementation, spmd_backend) of the tensor-parallel and the
-# mixture-of-experts runs
+# (result key, fully_shard's implementation, spmd_backend) of the mixture-of-experts runs
 RUNS = (("fsdp2", "fsdp2", "partial_dtensor"), ("hp", "hp", "partial_dtensor"),
         (f"hp_{SPMD_DEFAULT}", "hp", SPMD_DEFAULT))
-# the configs trained with tensor parallelism too (run_tensor_parallel, 4 ranks)
-TP_CONFIGS = [("selective", "bfloat16", False), ("selective", "float32", False)]
 # Qwen3-MoE (run_moe): selective AC, float32 (ties do not apply)
 MOE_AC, MOE_MP = "selective", "float32"
 
@@ -172,10 +169,12 @@ def _canonical(name: str) -> str:
 
 
 def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: dict,
-             moe: bool = False):
+             moe: bool = False, trainer_config=None):
     """torchtitan's model (Llama 3, or with ``moe`` Qwen3-MoE), built on meta, parallelized
     by its own ``parallelize_*`` with ``impl``'s fully_shard under ``parallel_dims``'
-    spmd_backend, materialised and initialised as its trainer does, then given ``initial``."""
+    spmd_backend, materialised and initialised as its trainer does, then given ``initial``.
+    With ``trainer_config`` (a ``Trainer.Config``), the model's config is first updated from
+    it as the trainer does (``update_from_config``: its sharding config)."""
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import distribute_tensor
@@ -184,15 +183,20 @@ def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: di
     from torchtitan.models.llama3 import parallelize_llama
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
-    with torch.device("meta"):
-        model = (_moe_config() if moe else _model_config(tied)).build()
+    config = _moe_config() if moe else _model_config(tied)
     ac_config = {"selective": SelectiveAC.Config(), "full": FullAC.Config(), "none": None}[ac]
+    training = TrainingConfig(mixed_precision_param=mp)
+    parallelism = ParallelismConfig(spmd_backend=parallel_dims.spmd_backend)
+    if trainer_config is not None:
+        config.update_from_config(config=trainer_config)
+        training, parallelism = trainer_config.training, trainer_config.parallelism
+        ac_config = trainer_config.activation_checkpoint
+    with torch.device("meta"):
+        model = config.build()
     parallelize = parallelize_qwen3 if moe else parallelize_llama
     with in_place_of_fsdp2() if impl == "hp" else contextlib.nullcontext():
-        parallelize(model, parallel_dims=parallel_dims,
-                          training=TrainingConfig(mixed_precision_param=mp),
-                          parallelism=ParallelismConfig(spmd_backend=parallel_dims.spmd_backend),
-                          compile_config=CompileConfig(), ac_config=ac_config, dump_folder="")
+        parallelize(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                    compile_config=CompileConfig(), ac_config=ac_config, dump_folder="")
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
@@ -302,13 +306,13 @@ def _full(param) -> np.ndarray:
     return value.detach().to(torch.float32).numpy()
 
 
-def _parallel_dims(spmd_backend: str, world: int, tp: int = 1):
-    """torchtitan's ParallelDims of ``world`` ranks, tensor parallel over ``tp`` of them and
-    fully sharded over the rest, under ``spmd_backend`` (set globally, as its trainer does)."""
+def _parallel_dims(spmd_backend: str, world: int):
+    """torchtitan's ParallelDims of ``world`` ranks, fully sharded over all of them, under
+    ``spmd_backend`` (set globally, as its trainer does)."""
     from torchtitan.distributed import ParallelDims, utils as dist_utils
 
     dist_utils.set_spmd_backend(spmd_backend)
-    return ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=tp, pp=1, ep=1,
+    return ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1,
                         world_size=world, spmd_backend=spmd_backend)
 
 
@@ -344,27 +348,6 @@ def run() -> dict:
         model = _sharded("hp", ac, mp, tied, parallel_dims, initial)
         out[config_name(ac, mp, tied)][f"hp_{SPMD_DEFAULT}"] = train(model, batches, rows,
                                                                      parallel_dims, True)
-    return out
-
-
-def run_tensor_parallel() -> dict:
-    """On 4 ranks, tensor parallel over 2 (torchtitan's own TP plan on attention and
-    feed-forward) and fully sharded over 2: each of TP_CONFIGS under FSDP2 and under
-    hyper_parallel with "partial_dtensor", under hyper_parallel with SPMD_DEFAULT, and the
-    float32 whole model on every row."""
-    import_torchtitan()
-    world, tp = hp.get_platform().world_size(), 2
-    batches, rows = _batches(world // tp), _rows(tp)
-    out = {}
-    for ac, mp, tied in TP_CONFIGS:
-        initial = {name: p.detach() for name, p in _whole(tied).named_parameters()}
-        result = {}
-        for key, impl, spmd_backend in RUNS:
-            parallel_dims = _parallel_dims(spmd_backend, world, tp)
-            model = _sharded(impl, ac, mp, tied, parallel_dims, initial)
-            result[key] = train(model, batches, rows, parallel_dims, impl == "hp")
-        result["reference"] = train(_whole(tied), batches, slice(None))
-        out[config_name(ac, mp, tied)] = result
     return out
 
 

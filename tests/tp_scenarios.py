@@ -140,6 +140,37 @@ def _layout(model) -> dict:
             for n, p in model.named_parameters()}
 
 
+def _meta_built_checkpointed(mesh, initial: dict, batches, rows: slice) -> tuple:
+    """The hp model built on the meta device, its blocks under activation checkpointing
+    (torchtitan's order: tensor parallelism, checkpoint wrapper, fully_shard), materialised
+    by ``to_empty`` after fully_shard and given ``initial`` as torchtitan's trainer does:
+    ``(losses, full parameters)`` after training."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import hyper_parallel as hp
+
+    with torch.device("meta"):
+        model = _model_class()()
+    parallelize_module(model, mesh["tp"], layer_plan())
+    model.attn, model.mlp = checkpoint_wrapper(model.attn), checkpoint_wrapper(model.mlp)
+    for unit in (model.attn, model.mlp, model):
+        hp.fully_shard(unit, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+
+    def canonical(name):
+        return name.replace("._checkpoint_wrapped_module", "")
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(distribute_tensor(torch.tensor(initial[canonical(name)]),
+                                          param.device_mesh, param.placements))
+    losses = _train(model, batches, rows)
+    return losses, {canonical(name): value for name, value in _full(model).items()}
+
+
 def run_all(checkpoint_dir: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -216,6 +247,10 @@ def run_all(checkpoint_dir: str) -> dict:
         f"{n}: {ours[n][:3]} vs {theirs[n][:3]}" for n in ours
         if ours[n][:3] != theirs[n][:3] or not np.array_equal(ours[n][3], theirs[n][3])]
     result["placements"] = {n: ours[n][0] for n in ours}
+    # a meta-device build (to_empty after fully_shard) with activation checkpointing
+    result["meta_checkpointed_losses"], meta_full = _meta_built_checkpointed(
+        mesh, initial, batches, rows)
+    result["meta_checkpointed_diff"] = _max_diff(meta_full, full)
 
     # DCP: save the hp model, load it into fresh hp and FSDP2 models (other initial values)
     dcp.save(model.state_dict(), checkpoint_id=checkpoint_dir)

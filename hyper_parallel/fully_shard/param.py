@@ -32,14 +32,20 @@ SHARDED_BY = "_hp_sharded_by"  # on a sharded parameter: the unit that owns it
 #: state owns the FSDPParam), read by ``fsdp_param_of``
 FSDP_PARAM_ATTR = "_hp_fsdp_param"
 
+#: the prefix of the attributes a platform puts on the sharded parameters it makes
+PLATFORM_ATTR_PREFIX = "_hp_"
+
 
 def library_attrs(param: Any) -> dict:
     """The library's attributes on a sharded parameter (``SHARDED_BY``, ``FSDP_PARAM_ATTR``,
-    a tensor-parallel ``LAYOUT_ATTR``): a framework conversion that swaps the tensor's
-    contents (torch's ``Module._apply``) drops them, so they are read before and put back
-    after (``restore_library_attrs``)."""
-    return {name: getattr(param, name) for name in (SHARDED_BY, FSDP_PARAM_ATTR, LAYOUT_ATTR)
-            if hasattr(param, name)}
+    a tensor-parallel ``LAYOUT_ATTR``, and a platform's own, whose names start with
+    ``PLATFORM_ATTR_PREFIX``, such as torch's tensor-parallel spec of a DTensor): a framework
+    conversion that swaps the tensor's contents (torch's ``Module._apply``, as in
+    ``model.to_empty()`` after a meta-device build) drops them, so they are read before and
+    put back after (``restore_library_attrs``)."""
+    names = {SHARDED_BY, FSDP_PARAM_ATTR, LAYOUT_ATTR}
+    names.update(name for name in vars(param) if name.startswith(PLATFORM_ATTR_PREFIX))
+    return {name: getattr(param, name) for name in sorted(names) if hasattr(param, name)}
 
 
 def restore_library_attrs(param: Any, attrs: dict) -> None:

@@ -31,16 +31,27 @@ def _strided_shard(dim: int, split_factor: int):
 
 
 
-def as_tensor_parallel(sharded_param, tensor):
+def as_tensor_parallel(sharded_param, tensor, views: dict, key: str):
     """``tensor`` (this rank's tensor-parallel part of ``sharded_param``'s full values) as
     the tensor-parallel DTensor the layers compute with (its gradient comes back to
-    ``tensor`` as a local tensor); ``tensor`` itself for any other parameter."""
+    ``tensor`` as a local tensor); ``tensor`` itself for any other parameter.
+
+    The DTensor made for a full tensor is kept in ``views[key]`` and given again when the
+    same full tensor is attached again: a unit resharded after forward is gathered again
+    for backward into the same full tensors, in a hook that runs without grad mode, and
+    activation checkpointing's recomputation must compute with the forward's DTensor
+    (which requires grad, so the recomputation saves what the forward saved)."""
     tp = getattr(sharded_param, TP_SPEC, None)
     if tp is None:
         return tensor
+    made = views.get(key)
+    if made is not None and made[0] is tensor:
+        return made[1]
     mesh, placements, shape, stride = tp
-    return DTensor.from_local(tensor, mesh, placements, run_check=False, shape=shape,
+    view = DTensor.from_local(tensor, mesh, placements, run_check=False, shape=shape,
                               stride=stride)
+    views[key] = (tensor, view)
+    return view
 
 
 class TorchTensorParallel:
