@@ -57,13 +57,48 @@ def _stages(kit) -> list:
     return [first, last]
 
 
-def _mse(kit, out, target):
-    return ((out - target) ** 2).mean()
+def pipeline_step(kit, link, stage, params, opt, micro_batches: list, peer: int,
+                  is_last: bool, accumulate: bool) -> float:
+    """One optimizer step of this rank's stage over ``micro_batches`` [(x, y)], exchanging
+    activations and their gradients with ``peer``; the summed loss on the last stage."""
+    # forward of every micro-batch, each graph kept for its backward
+    pending, loss = [], 0.0
+    for x, y in micro_batches:
+        if is_last:
+            inputs = link.recv((x.shape[0], WIDTH), peer)  # stage 0's output
+            target = kit.tensor(y)
+
+            def fn(hidden, target=target):
+                return ((stage(hidden) - target) ** 2).mean() / len(micro_batches)
+        else:
+            inputs, fn = kit.tensor(x), stage
+        out, backward = link.forward(fn, inputs, params)
+        if is_last:
+            loss += float(kit.to_numpy(out))
+        else:
+            link.send(out, peer)
+        pending.append((out, backward))
+    # backward of every micro-batch, latest first; only the step's last backward syncs
+    returned = []
+    for i in reversed(range(len(micro_batches))):
+        out, backward = pending.pop()
+        sync = i == 0 or not accumulate
+        stage.set_requires_gradient_sync(sync)  # off: gradients accumulate on the units
+        stage.set_is_last_backward(sync)        # off: no end-of-step drain of reductions
+        grad_out = link.ones_like(out) if is_last else link.recv(tuple(out.shape), peer)
+        grad_in, grads = backward(grad_out)
+        if is_last:
+            link.send(grad_in, peer)  # d(loss)/d(stage 0's output)
+        returned.append(grads)
+    # complete only now: a backward with is_last_backward off may leave its reductions in
+    # flight, finished by the last one
+    link.step(opt, returned)
+    return loss
 
 
 def run(accumulate: bool = True) -> dict:
-    """Train the pipeline STEPS steps; per-rank losses (stage 1), reduce-scatter counts per
-    step, and the stage's gathered parameters beside the reference's."""
+    """Train the pipeline STEPS steps; per-rank losses (last stage), reduce-scatter counts
+    per step, and the stage's gathered parameters beside the reference's."""
     kit = get_kit()
     link = _point_to_point(kit.name)
     platform = hp.get_platform()
@@ -89,41 +124,12 @@ def run(accumulate: bool = True) -> dict:
     rows = GLOBAL_BATCH // DP
     for x, y in make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=5):
         mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        xs = np.array_split(x[mine], MICRO_BATCHES)
-        ys = np.array_split(y[mine], MICRO_BATCHES)
+        micro_batches = list(zip(np.array_split(x[mine], MICRO_BATCHES),
+                                 np.array_split(y[mine], MICRO_BATCHES)))
         with hp.track_comms() as comms:
-            # forward of every micro-batch, each graph kept for its backward
-            pending, loss = [], 0.0
-            for mx, my in zip(xs, ys):
-                if is_last:
-                    inputs = link.recv((mx.shape[0], WIDTH), peer)
-                    target = kit.tensor(my)
-                    fn = lambda h, t=target: _mse(kit, stage(h), t) / MICRO_BATCHES  # noqa: E731
-                else:
-                    inputs, fn = kit.tensor(mx), stage
-                out, backward = link.forward(fn, inputs, params)
-                if is_last:
-                    loss += float(kit.to_numpy(out))
-                else:
-                    link.send(out, peer)
-                pending.append((out, backward))
-            # backward of every micro-batch, latest first; only the last one syncs
-            returned = []
-            for i in reversed(range(MICRO_BATCHES)):
-                out, backward = pending.pop()
-                last_backward = i == 0 or not accumulate
-                stage.set_requires_gradient_sync(last_backward)
-                stage.set_is_last_backward(last_backward)
-                grad_out = link.ones_like(out) if is_last else link.recv(tuple(out.shape), peer)
-                grad_in, grads = backward(grad_out)
-                if is_last:
-                    link.send(grad_in, peer)
-                returned.append(grads)
-            # complete only now: a backward with is_last_backward off may leave its
-            # reductions in flight, to be finished by the last one
-            link.step(opt, returned)
+            losses.append(pipeline_step(kit, link, stage, params, opt, micro_batches, peer,
+                                        is_last, accumulate))
         reduce_scatters.append(comms.calls("reduce_scatter"))
-        losses.append(loss)
         ref_losses.append(kit.train_step(ref_model, ref_opt, x, y))
 
     full = hp.gather_full_state_dict(stage)
