@@ -26,8 +26,9 @@ the sum once per unit. On MindSpore the backwards of the other micro-batches ret
 and the last one the whole reduced gradient: the returned gradients are summed (as for any
 accumulation, docs/gradient-pipeline.md), then the optimizer steps once.
 
-The reference is the same model (stage 0 then stage 1) trained in one process on the whole
-global batch. ``accumulate=False`` syncs every micro-batch instead: the same parameters,
+The pipeline is ``pipeline_step`` with the framework's pieces (``MindSporeLink``,
+``TorchLink``); ``run`` sets up the mesh and the stages and trains the reference beside it:
+the same model (stage 0 then stage 1) trained in one process on the whole global batch. ``accumulate=False`` syncs every micro-batch instead: the same parameters,
 one reduce-scatter per unit per micro-batch.
 """
 
@@ -183,8 +184,8 @@ class MindSporeLink:
         out, vjp_fn = self.ms.vjp(fn, inputs, weights=params)
 
         def backward(grad_out):
-            grad_in, grads = vjp_fn(grad_out)
-            return (grad_in[0] if isinstance(grad_in, tuple) else grad_in), grads
+            (grad_in,), grads = vjp_fn(grad_out)  # a gradient per input, per weight
+            return grad_in, grads
 
         return out, backward
 
