@@ -9,7 +9,7 @@ only the last backward syncs, one per unit and micro-batch when every backward d
 
 MindSpore runs "accumulate" by default; its "sync_every" and the overlapped gradient
 pipeline (``HP_SYNC_COLLECTIVES=0``, what Ascend runs) are under ``-m slow``: 4 MindSpore
-ranks on 2 cores cost ~15 s a run, and "accumulate" covers the MindSpore path they add to
+ranks on 2 shared cores took 13-20 s a run, and "accumulate" covers the MindSpore path they add to
 (torch's default run covers "sync_every"'s counts).
 """
 
