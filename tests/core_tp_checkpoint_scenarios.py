@@ -13,10 +13,11 @@ checkpoint, then one step more (the losses a resumed run must reproduce):
 - ``torch_dp2_tp2_save`` (4 ranks, torch's own DTensor tensor parallelism under
   ``hp.fully_shard`` over ``mesh["dp"]``): the checkpoint MindSpore resumes;
 - ``mindspore_dp2_tp2_run`` (4 ranks): that checkpoint resumed at (dp=2, tp=2) by the core's
-  styles under fully_shard, against the model trained whole in one process from the
-  same checkpoint; the same built under ``no_init_parameters()``; state dicts under
-  fully_shard; its own checkpoint (resumed on torch at 1 rank by the test process) and
-  export; and ``tp2_run``'s MindSpore checkpoint resumed under FSDP over 4 ranks.
+  styles under fully_shard; the same built under ``no_init_parameters()``; its own
+  checkpoint (resumed on torch at 1 rank by the test process); and ``tp2_run``'s
+  MindSpore checkpoint resumed under FSDP over 4 ranks;
+- ``mindspore_dp2_tp2_state_dicts`` (4 ranks, slow): state dicts and export of the resumed
+  (dp=2, tp=2) run.
 
 Ranks of one tensor-parallel group train the same data-parallel row of each batch (as in
 tests/core_tp_fsdp_scenarios.py); the tp2 and FSDP runs train the whole batch on every
@@ -200,8 +201,6 @@ def tp2_run(backend: str, directory: str) -> dict:
     run = build()
     out = {"losses": [run.step(batch) for batch in TRAIN]}
     fresh = [build(), build()]
-    for other in fresh:  # every optimizer has its state
-        other.step(TRAIN[0])
     out["state_dicts"] = state_dict_round_trips(run, fresh)
     out["layouts"] = {torch_key(n): _layout(p) for n, p in _named(run.model)}
     saved = os.path.join(directory, f"tp2-{backend}")
@@ -273,53 +272,66 @@ def torch_dp2_tp2_save(directory: str) -> dict:
 
 
 # ---------------------------------------------------------------- MindSpore, 4 ranks
+def _dp2_tp2(mesh, model=None) -> Run:
+    """The core's styles under fully_shard over ``mesh["dp"]`` (``model``: the plain one by
+    default), each dp row of the batch on its ranks."""
+    model = _core_model("mindspore", mesh["tp"], model)
+    _wrap(model, mesh, "float32", "mindspore")
+    return Run("mindspore", model, whole_batch=False, dp_rank=mesh.get_local_rank("dp"))
+
+
+def _starting_checkpoint(mesh, directory: str, torch_saved: str | None) -> str:
+    """torch's checkpoint, or without torch one of this framework's own first steps."""
+    if torch_saved is not None:
+        return torch_saved
+    run = _dp2_tp2(mesh)
+    for batch in TRAIN:
+        run.step(batch)
+    start = os.path.join(directory, "mindspore-start")
+    hp.save_checkpoint(start, run.model, run.opt, key_map=KEYS)
+    return start
+
+
 def mindspore_dp2_tp2_run(directory: str, torch_saved: str | None, tp2_saved: str) -> dict:
     """The core's styles under fully_shard at (dp=2, tp=2): ``torch_saved`` (torch's
     checkpoint; None without torch) resumed, eagerly and from a ``no_init_parameters()``
-    build, against the one-process model resumed from it; state dicts; its own
-    checkpoint and export; ``tp2_saved`` resumed under FSDP over 4 ranks."""
+    build; its own checkpoint, then one step more; ``tp2_saved`` resumed under FSDP over
+    4 ranks."""
     from mindspore.nn.utils import no_init_parameters
 
     mesh = hp.init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    dp_rank = mesh.get_local_rank("dp")
-
-    def build(model=None) -> Run:
-        model = _core_model("mindspore", mesh["tp"], model)
-        _wrap(model, mesh, "float32", "mindspore")
-        return Run("mindspore", model, whole_batch=False, dp_rank=dp_rank)
-
-    out = {}
-    run = build()
-    start = torch_saved
-    if torch_saved is None:  # without torch: this run's own first steps
-        for batch in TRAIN:
-            run.step(batch)
-        start = os.path.join(directory, "mindspore-start")
-        hp.save_checkpoint(start, run.model, run.opt, key_map=KEYS)
-        run = build()
+    start = _starting_checkpoint(mesh, directory, torch_saved)
+    run = _dp2_tp2(mesh)
     hp.load_checkpoint(start, run.model, run.opt, key_map=KEYS)
-    out["from_torch"] = {"loaded": run.full_state(optimizer=False)}
+    out = {"from_torch": {"loaded": run.full_state(optimizer=False)}}
     with no_init_parameters():  # the model is built without values; split and sharded after
         lazy = mindspore_model(with_values=False)
-    lazy = build(lazy)
+    lazy = _dp2_tp2(mesh, lazy)
     hp.load_checkpoint(start, lazy.model, lazy.opt, key_map=KEYS)
     out["deferred"] = {"loaded": lazy.full_state(optimizer=False),
                        "loss": lazy.step(NEXT), "after": lazy.full_state()}
-    reference = Run("mindspore", mindspore_model(), whole_batch=True)
-    hp.load_checkpoint(start, reference.model, reference.opt, key_map=KEYS)
-    out["from_torch"].update(loss=run.step(NEXT), after=run.full_state(),
-                             reference_loss=reference.step(NEXT),
-                             reference_after=reference.full_state(optimizer=False))
-    out["state_dicts"] = state_dict_round_trips(run, [build(), build()])
+    out["from_torch"].update(loss=run.step(NEXT), after=run.full_state())
     saved = os.path.join(directory, "mindspore-dp2-tp2")
     hp.save_checkpoint(saved, run.model, run.opt, key_map=KEYS)
     out["saved"] = run.full_state()
-    exported = _export(run.model, os.path.join(directory, "export-dp2-tp2"))
-    out["export"] = exported
-    out["export_in_plain"] = None if exported is None else _into_plain("mindspore", exported)
     out["next_loss"] = run.step(AFTER)
     out["after_next"] = run.full_state(optimizer=False)
     out["fsdp4_from_tp2"] = _fsdp_over_every_rank(tp2_saved)
+    return out
+
+
+def mindspore_dp2_tp2_state_dicts(directory: str, torch_saved: str | None) -> dict:
+    """The state dicts and the export of the (dp=2, tp=2) run resumed from
+    ``torch_saved``."""
+    mesh = hp.init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    run = _dp2_tp2(mesh)
+    hp.load_checkpoint(_starting_checkpoint(mesh, directory, torch_saved), run.model, run.opt,
+                       key_map=KEYS)
+    run.step(NEXT)
+    out = {"state_dicts": state_dict_round_trips(run, [_dp2_tp2(mesh), _dp2_tp2(mesh)])}
+    exported = _export(run.model, os.path.join(directory, "export-dp2-tp2"))
+    out["export"] = exported
+    out["export_in_plain"] = None if exported is None else _into_plain("mindspore", exported)
     return out
 
 

@@ -2,7 +2,7 @@
 moved between frameworks and layouts (rank side: tests/core_tp_checkpoint_scenarios.py).
 
 The language model of tests/core_tp_models.py under torchtitan's sequence-parallel plan,
-AdamW; MindSpore's names stored as torch's (``hp.torch_nn_names``). Three jobs in the
+AdamW; MindSpore's names stored as torch's (``hp.torch_nn_names``). Jobs in the
 suite's shared launches:
 
 - tp2 (2 ranks, both frameworks, the core's styles alone): the sharded state dict gives
@@ -14,11 +14,11 @@ suite's shared launches:
 - torch (dp=2, tp=2), 4 ranks: torch's DTensor tensor parallelism under ``hp.fully_shard``
   saves a checkpoint;
 - MindSpore (dp=2, tp=2), 4 ranks, the core's styles under fully_shard: torch's checkpoint
-  resumed (the whole values bitwise torch's; the next loss against MindSpore's one-process
-  model resumed from it, and against torch's own next loss); the same from a
-  ``no_init_parameters()`` build (bitwise the eager run); state dicts and export under
-  fully_shard as at tp2; its own checkpoint, resumed here on torch at 1 rank; and tp2's
-  checkpoint resumed under FSDP over 4 ranks without tensor parallelism.
+  resumed (the whole values bitwise torch's; the next step's loss and parameters against
+  torch's own next step); the same from a ``no_init_parameters()`` build (bitwise the
+  eager run); its own checkpoint, resumed here on torch at 1 rank; and tp2's checkpoint
+  resumed under FSDP over 4 ranks without tensor parallelism; under ``-m slow``, state
+  dicts and export under fully_shard as at tp2.
 
 The MindSpore job needs the other two; it starts them first (``_after``).
 """
@@ -35,15 +35,14 @@ from tests import shared_launch
 from tests.multirank import RankFailure
 
 BACKENDS = ["torch", "mindspore"]
-#: a resumed step against the one-process model resumed from the same checkpoint (the same
-#: framework: float32 sums over split dims taken in another order)
-SAME_FRAMEWORK_LOSS_RTOL = 1e-6
-#: a resumed step against the other framework's own next step: what the two frameworks'
-#: float32 kernels agree to
-CROSS_FRAMEWORK_LOSS_RTOL = 1e-5
-#: parameters after the resumed step: the same framework (as tests/test_core_tp_fully_shard.py)
-#: and across the frameworks
-SAME_FRAMEWORK_PARAM_ATOL, CROSS_FRAMEWORK_PARAM_ATOL = 2e-6, 1e-5
+#: a resumed step against the same framework's own next step in another layout (float32
+#: sums over split dims taken in another order; measured: 0 for the loss, 1.2e-7 for the
+#: parameters), as tests/test_core_tp_fully_shard.py
+SAME_FRAMEWORK_LOSS_RTOL, SAME_FRAMEWORK_PARAM_ATOL = 1e-6, 2e-6
+#: against the other framework's own next step: what the two frameworks' float32 kernels
+#: agree to (measured: losses 3.0e-7 relative torch -> MindSpore, 1.9e-7 MindSpore ->
+#: torch; parameters 1.2e-7 both ways)
+CROSS_FRAMEWORK_LOSS_RTOL, CROSS_FRAMEWORK_PARAM_ATOL = 1e-6, 1e-6
 DIRECTORY = "core-tp-ckpt"
 
 
@@ -74,13 +73,19 @@ shared_launch.register(__name__, "core_tp_checkpoints_torch", 4,
 shared_launch.register(__name__, "core_tp_checkpoints_mindspore", 4,
                        "tests.core_tp_checkpoint_scenarios:mindspore_dp2_tp2_run",
                        lambda backend: _after(), backends=("mindspore",), timeout_s=600)
+# state dicts and export under fully_shard: the default run covers them at tp2 (above) and
+# in tests/test_core_tp_fully_shard.py (the full state dict and the export at dp2 x tp2)
+shared_launch.register(__name__, "core_tp_checkpoints_mindspore_state_dicts", 4,
+                       "tests.core_tp_checkpoint_scenarios:mindspore_dp2_tp2_state_dicts",
+                       lambda backend: _after()[:2], backends=("mindspore",), timeout_s=600,
+                       slow=True)
 
 
-def _mindspore() -> list:
+def _mindspore(key: str = "core_tp_checkpoints_mindspore") -> list:
     if importlib.util.find_spec("mindspore") is None:
         pytest.skip("these checkpoints are MindSpore's tensor parallelism (the core's styles), "
                     "and MindSpore is not installed")
-    return shared_launch.results("core_tp_checkpoints_mindspore", "mindspore")
+    return shared_launch.results(key, "mindspore")
 
 
 def _torch_saved() -> list:
@@ -184,17 +189,11 @@ def test_torch_dp2_tp2_checkpoint_resumes_on_mindspore_dp2_tp2():
         _equal(loaded, saved, f"rank {rank}: torch's values on MindSpore")
     losses = [per_rank[r]["from_torch"]["loss"] for r in (0, 2)]  # one per dp row
     assert per_rank[1]["from_torch"]["loss"] == losses[0]
-    reference = per_rank[0]["from_torch"]["reference_loss"]
-    diff = _rel(np.mean(losses), reference)
-    assert diff <= SAME_FRAMEWORK_LOSS_RTOL, f"against one process: {diff:.2e}"
     torch_next = np.mean([torch_runs[r]["next_loss"] for r in (0, 2)])
     diff = _rel(np.mean(losses), torch_next)
     assert diff <= CROSS_FRAMEWORK_LOSS_RTOL, f"against torch's own next step: {diff:.2e}"
-    after = per_rank[0]["from_torch"]["after"]
-    _close(after, per_rank[0]["from_torch"]["reference_after"], SAME_FRAMEWORK_PARAM_ATOL,
-           "after the step, against one process")
-    _close(after, torch_runs[0]["after_next"], CROSS_FRAMEWORK_PARAM_ATOL,
-           "after the step, against torch's own")
+    _close(per_rank[0]["from_torch"]["after"], torch_runs[0]["after_next"],
+           CROSS_FRAMEWORK_PARAM_ATOL, "after the step, against torch's own")
 
 
 def _close(got: dict, expected: dict, atol: float, what: str) -> None:
@@ -212,9 +211,10 @@ def test_no_init_parameters_under_tp_and_fully_shard_resumes_as_the_eager_build(
         _equal(lazy["after"], eager["after"], f"rank {rank}: after one step")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mindspore_dp2_tp2_state_dicts_under_fully_shard():
-    per_rank = _mindspore()
+    per_rank = _mindspore("core_tp_checkpoints_mindspore_state_dicts")
     layouts = _tp2("mindspore")
 
     def layouts_of(rank):
@@ -234,13 +234,14 @@ def test_mindspore_dp2_tp2_state_dicts_under_fully_shard():
     _check_state_dicts(per_rank, layouts_of)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mindspore_dp2_tp2_export_loads_into_one_process():
-    per_rank = _mindspore()
-    saved = per_rank[0]["saved"]
+    per_rank = _mindspore("core_tp_checkpoints_mindspore_state_dicts")
+    full = per_rank[0]["state_dicts"]["full"]
     exported = per_rank[0]["export"]
-    assert sorted(exported) == _model_keys(saved)
-    _equal(exported, saved, "export_full", _model_keys(saved))
+    assert sorted(exported) == _model_keys(full)
+    _equal(exported, full, "export_full", _model_keys(full))
     _equal(per_rank[0]["export_in_plain"], exported, "the export in one process's model")
 
 
@@ -279,7 +280,7 @@ def test_mindspore_dp2_tp2_checkpoint_resumes_on_torch_at_one_rank(monkeypatch):
     saved = per_rank[0]["saved"]
     values = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     assert sorted(values) == _model_keys(saved)
-    _equal(values, saved, "MindSpore's values on torch")
+    _equal(values, saved, "MindSpore's values on torch", _model_keys(saved))
     ids, targets = AFTER
     loss = F.cross_entropy(model(torch.from_numpy(ids)),
                            torch.from_numpy(targets_for(targets, "replicated", 2)))

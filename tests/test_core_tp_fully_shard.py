@@ -25,11 +25,14 @@ reductions):
 - checkpoints: the float32 model saved after training loads into a fresh model of the
   same layout (every shard bitwise the trained one's) and into the one-process model on
   every rank (the whole tensors, bitwise the trained shards assembled): the checkpoint
-  stores whole shapes and each rank's block;
-- on both: every sharded parameter keeps its tensor-parallel layout record, state dicts
-  and export still refuse the sharded model, and fully_shard over a mesh whose ranks
-  hold other tensor-parallel blocks, or parallelize_module after fully_shard, is a named
-  error, module unchanged.
+  stores whole shapes and each rank's block; the full state dict (every rank) and
+  ``export_full``'s file are those whole tensors bitwise;
+- on both: every sharded parameter keeps its tensor-parallel layout record, and
+  fully_shard over a mesh whose ranks hold other tensor-parallel blocks, or
+  parallelize_module after fully_shard, is a named error, module unchanged.
+
+Sharded state dicts, optimizer state and checkpoints moved between frameworks and layouts:
+tests/test_core_tp_checkpoints.py.
 """
 
 from __future__ import annotations
@@ -143,18 +146,6 @@ def test_sharded_parameters_keep_their_tensor_parallel_layout(backend):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_state_dicts_and_export_still_refuse_the_sharded_model(backend):
-    for rank, result in enumerate(_runs(backend)):
-        said = _float32_run(backend, result)["refusals"]
-        for entry_point in ("get_state_dict", "set_state_dict", "get_full_state_dict",
-                            "export_full"):
-            assert "is not supported yet" in said.get(entry_point, ""), \
-                f"rank {rank}: {entry_point} did not refuse"
-        assert not said["checkpoint_dir_made"], f"rank {rank}: a checkpoint was started"
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_fully_shard_over_the_tensor_parallel_ranks_is_a_named_error(backend):
     for rank, result in enumerate(_runs(backend)):
         refused = result["whole_mesh"]
@@ -226,6 +217,13 @@ def test_checkpoint_loads_into_the_same_layout_and_into_one_process(backend):
     for rank, run in enumerate(runs):
         for name, value in run["checkpoint"]["plain_loaded"].items():
             np.testing.assert_array_equal(value, whole[name], err_msg=f"rank {rank}: {name}")
+        for name, value in run["checkpoint"]["full_state"].items():  # the full state dict
+            np.testing.assert_array_equal(value, whole[name],
+                                          err_msg=f"rank {rank}: full state dict: {name}")
+    exported = runs[0]["checkpoint"]["export"]
+    assert sorted(exported) == sorted(whole)
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, whole[name], err_msg=f"export_full: {name}")
 
 
 def _float32_run(backend: str, result: dict) -> dict:

@@ -139,7 +139,7 @@ def state_entries(model: Any, optimizer: Any = None, tensor_parallel_parts: bool
     platform = get_platform()
     owners = slot_owners(platform, model)
     entries, keys = [], set()
-    by_param = {}  # id(parameter) -> (key, FSDPParam, ParamLayout, local shape)
+    by_param = {}  # id(parameter) -> (key, its Entry, its local shape)
     for name, sub in platform.named_modules(model):
         for attr, param in platform.direct_params(sub):
             key = f"{name}.{attr}" if name else attr
