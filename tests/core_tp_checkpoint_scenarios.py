@@ -13,11 +13,11 @@ checkpoint, then one step more (the losses a resumed run must reproduce):
 - ``torch_dp2_tp2_save`` (4 ranks, torch's own DTensor tensor parallelism under
   ``hp.fully_shard`` over ``mesh["dp"]``): the checkpoint MindSpore resumes;
 - ``mindspore_dp2_tp2_run`` (4 ranks): that checkpoint resumed at (dp=2, tp=2) by the core's
-  styles under fully_shard; the same built under ``no_init_parameters()``; its own
+  styles under fully_shard, the model built under ``no_init_parameters()``; its own
   checkpoint (resumed on torch at 1 rank by the test process); and ``tp2_run``'s
   MindSpore checkpoint resumed under FSDP over 4 ranks;
-- ``mindspore_dp2_tp2_state_dicts`` (4 ranks, slow): state dicts and export of the resumed
-  (dp=2, tp=2) run.
+- ``mindspore_dp2_tp2_eager`` (4 ranks, slow): the same resumed by an eager build; its
+  state dicts and export.
 
 Ranks of one tensor-parallel group train the same data-parallel row of each batch (as in
 tests/core_tp_fsdp_scenarios.py); the tp2 and FSDP runs train the whole batch on every
@@ -38,7 +38,7 @@ from tests.core_tp_fsdp_scenarios import DP, LR, TP, _wrap
 from tests.core_tp_models import (
     batches, mindspore_model, mindspore_name, plan, targets_for, torch_model)
 
-TRAIN = batches()[:2]  # before the checkpoint
+TRAIN = batches()[:1]  # before the checkpoint
 NEXT = batches()[2]    # the step after it
 AFTER = batches(seed=2)[0]  # the step after the resumed run's own checkpoint
 KEYS = hp.torch_nn_names
@@ -123,8 +123,7 @@ def _params(model) -> list:
 
 def _core_model(backend: str, mesh, model=None):
     """``model`` (the framework's plain model by default) split by the core's styles."""
-    model = (torch_model() if backend == "torch" else mindspore_model()) if model is None \
-        else model
+    model = _plain_model(backend) if model is None else model
     return core_tp.parallelize_module(model, mesh, plan(core_tp, "sequence"))
 
 
@@ -161,10 +160,7 @@ def _export(model, path: str) -> dict | None:
 def _into_plain(backend: str, whole: dict) -> dict:
     """``whole`` (torch's names) loaded into the plain one-process model: its values."""
     plain = _plain_model(backend)
-    platform = hp.get_platform()
-    names = [f"{prefix}.{attr}" if prefix else attr for prefix, sub in platform.named_modules(plain)
-             for attr, _ in platform.direct_params(sub)]
-    hp.set_state_dict(plain, {n: whole[mindspore_name(n)] for n in names})
+    hp.set_state_dict(plain, {n: whole[mindspore_name(n)] for n, _ in _named(plain)})
     return Run(backend, plain, whole_batch=True).full_state(optimizer=False)
 
 
@@ -243,7 +239,8 @@ def torch_dp2_tp2_save(directory: str) -> dict:
     class TorchNames:  # torch's styles with torch's placements
         Shard, Replicate = torch_placements.Shard, torch_placements.Replicate
         ColwiseParallel, RowwiseParallel = torch_tp.ColwiseParallel, torch_tp.RowwiseParallel
-        SequenceParallel, PrepareModuleInput = torch_tp.SequenceParallel, torch_tp.PrepareModuleInput
+        SequenceParallel = torch_tp.SequenceParallel
+        PrepareModuleInput = torch_tp.PrepareModuleInput
         PrepareModuleInputOutput = torch_tp.PrepareModuleInputOutput
 
     import torch
@@ -293,42 +290,43 @@ def _starting_checkpoint(mesh, directory: str, torch_saved: str | None) -> str:
 
 
 def mindspore_dp2_tp2_run(directory: str, torch_saved: str | None, tp2_saved: str) -> dict:
-    """The core's styles under fully_shard at (dp=2, tp=2): ``torch_saved`` (torch's
-    checkpoint; None without torch) resumed, eagerly and from a ``no_init_parameters()``
-    build; its own checkpoint, then one step more; ``tp2_saved`` resumed under FSDP over
+    """The core's styles under fully_shard at (dp=2, tp=2), the model built under
+    ``no_init_parameters()``: ``torch_saved`` (torch's checkpoint; None without torch)
+    resumed; its own checkpoint, then one step more; ``tp2_saved`` resumed under FSDP over
     4 ranks."""
     from mindspore.nn.utils import no_init_parameters
 
     mesh = hp.init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     start = _starting_checkpoint(mesh, directory, torch_saved)
-    run = _dp2_tp2(mesh)
-    hp.load_checkpoint(start, run.model, run.opt, key_map=KEYS)
-    out = {"from_torch": {"loaded": run.full_state(optimizer=False)}}
     with no_init_parameters():  # the model is built without values; split and sharded after
         lazy = mindspore_model(with_values=False)
-    lazy = _dp2_tp2(mesh, lazy)
-    hp.load_checkpoint(start, lazy.model, lazy.opt, key_map=KEYS)
-    out["deferred"] = {"loaded": lazy.full_state(optimizer=False),
-                       "loss": lazy.step(NEXT), "after": lazy.full_state()}
-    out["from_torch"].update(loss=run.step(NEXT), after=run.full_state())
+    run = _dp2_tp2(mesh, lazy)
+    out = {"from_torch": _resumed(run, start)}
     saved = os.path.join(directory, "mindspore-dp2-tp2")
     hp.save_checkpoint(saved, run.model, run.opt, key_map=KEYS)
-    out["saved"] = run.full_state()
+    out["saved"] = run.full_state(optimizer=False)
     out["next_loss"] = run.step(AFTER)
     out["after_next"] = run.full_state(optimizer=False)
     out["fsdp4_from_tp2"] = _fsdp_over_every_rank(tp2_saved)
     return out
 
 
-def mindspore_dp2_tp2_state_dicts(directory: str, torch_saved: str | None) -> dict:
-    """The state dicts and the export of the (dp=2, tp=2) run resumed from
-    ``torch_saved``."""
+def _resumed(run: Run, saved: str) -> dict:
+    """``saved`` loaded into ``run``, then one step: the values loaded, the loss, the values
+    after."""
+    hp.load_checkpoint(saved, run.model, run.opt, key_map=KEYS)
+    out = {"loaded": run.full_state(optimizer=False), "loss": run.step(NEXT)}
+    out["after"] = run.full_state(optimizer=False)
+    return out
+
+
+def mindspore_dp2_tp2_eager(directory: str, torch_saved: str | None) -> dict:
+    """The run of ``mindspore_dp2_tp2_run`` built eagerly, resumed from ``torch_saved``;
+    then its state dicts and its export."""
     mesh = hp.init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     run = _dp2_tp2(mesh)
-    hp.load_checkpoint(_starting_checkpoint(mesh, directory, torch_saved), run.model, run.opt,
-                       key_map=KEYS)
-    run.step(NEXT)
-    out = {"state_dicts": state_dict_round_trips(run, [_dp2_tp2(mesh), _dp2_tp2(mesh)])}
+    out = {"from_torch": _resumed(run, _starting_checkpoint(mesh, directory, torch_saved))}
+    out["state_dicts"] = state_dict_round_trips(run, [_dp2_tp2(mesh), _dp2_tp2(mesh)])
     exported = _export(run.model, os.path.join(directory, "export-dp2-tp2"))
     out["export"] = exported
     out["export_in_plain"] = None if exported is None else _into_plain("mindspore", exported)

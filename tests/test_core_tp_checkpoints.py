@@ -5,20 +5,21 @@ The language model of tests/core_tp_models.py under torchtitan's sequence-parall
 AdamW; MindSpore's names stored as torch's (``hp.torch_nn_names``). Jobs in the
 suite's shared launches:
 
-- tp2 (2 ranks, both frameworks, the core's styles alone): the sharded state dict gives
-  each value's box of the whole tensor (the recorded layout) and its data; it and the
-  full state dict (model and optimizer) load into a fresh model bitwise; the checkpoint
-  loads into the one-process model and ``export_full``'s file into it, both bitwise the
-  full state; a checkpoint whose whole shape differs is a named ``CheckpointError``, the
-  model and optimizer unchanged;
+- tp2 (2 ranks, the core's styles alone; MindSpore, and torch under ``-m slow``): the
+  sharded state dict gives each value's box of the whole tensor (the recorded layout)
+  and its data; it and the full state dict (model and optimizer) load into a fresh model
+  bitwise; the checkpoint loads into the one-process model and ``export_full``'s file
+  into it, both bitwise the full state; a checkpoint whose whole shape differs is a named
+  ``CheckpointError``, the model and optimizer unchanged;
 - torch (dp=2, tp=2), 4 ranks: torch's DTensor tensor parallelism under ``hp.fully_shard``
   saves a checkpoint;
-- MindSpore (dp=2, tp=2), 4 ranks, the core's styles under fully_shard: torch's checkpoint
-  resumed (the whole values bitwise torch's; the next step's loss and parameters against
-  torch's own next step); the same from a ``no_init_parameters()`` build (bitwise the
-  eager run); its own checkpoint, resumed here on torch at 1 rank; and tp2's checkpoint
-  resumed under FSDP over 4 ranks without tensor parallelism; under ``-m slow``, state
-  dicts and export under fully_shard as at tp2.
+- MindSpore (dp=2, tp=2), 4 ranks, the core's styles under fully_shard, the model built
+  under ``no_init_parameters()``: torch's checkpoint resumed (the whole values bitwise
+  torch's; the next step's loss and parameters against torch's own next step); its own
+  checkpoint, resumed here on torch at 1 rank; and tp2's checkpoint resumed under FSDP
+  over 4 ranks without tensor parallelism; under ``-m slow``, an eager build resuming
+  torch's checkpoint bitwise as the deferred one does, and state dicts and export under
+  fully_shard as at tp2.
 
 The MindSpore job needs the other two; it starts them first (``_after``).
 """
@@ -66,17 +67,25 @@ def _after() -> tuple:
 
 shared_launch.register(__name__, "core_tp_checkpoints_tp2", 2,
                        "tests.core_tp_checkpoint_scenarios:tp2_run",
-                       lambda backend: (backend, _directory()), timeout_s=300)
+                       lambda backend: (backend, _directory()), backends=("mindspore",),
+                       timeout_s=300)
+# the core's styles on torch: the same code as MindSpore's run above
+shared_launch.register(__name__, "core_tp_checkpoints_tp2_torch", 2,
+                       "tests.core_tp_checkpoint_scenarios:tp2_run",
+                       lambda backend: (backend, _directory()), backends=("torch",),
+                       timeout_s=300, slow=True)
 shared_launch.register(__name__, "core_tp_checkpoints_torch", 4,
                        "tests.core_tp_checkpoint_scenarios:torch_dp2_tp2_save",
                        lambda backend: (_directory(),), backends=("torch",), timeout_s=120)
 shared_launch.register(__name__, "core_tp_checkpoints_mindspore", 4,
                        "tests.core_tp_checkpoint_scenarios:mindspore_dp2_tp2_run",
                        lambda backend: _after(), backends=("mindspore",), timeout_s=600)
-# state dicts and export under fully_shard: the default run covers them at tp2 (above) and
-# in tests/test_core_tp_fully_shard.py (the full state dict and the export at dp2 x tp2)
-shared_launch.register(__name__, "core_tp_checkpoints_mindspore_state_dicts", 4,
-                       "tests.core_tp_checkpoint_scenarios:mindspore_dp2_tp2_state_dicts",
+# an eager build resuming the same checkpoint, its state dicts and export under fully_shard:
+# the default run covers them at tp2 (above), in tests/test_core_tp_fully_shard.py (the
+# eager build's checkpoint, full state dict and export at dp2 x tp2) and with the
+# no_init_parameters build resuming torch's checkpoint
+shared_launch.register(__name__, "core_tp_checkpoints_mindspore_eager", 4,
+                       "tests.core_tp_checkpoint_scenarios:mindspore_dp2_tp2_eager",
                        lambda backend: _after()[:2], backends=("mindspore",), timeout_s=600,
                        slow=True)
 
@@ -97,7 +106,12 @@ def _torch_saved() -> list:
 def _tp2(backend: str) -> list:
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed")
-    return shared_launch.results("core_tp_checkpoints_tp2", backend)
+    return shared_launch.results("core_tp_checkpoints_tp2" if backend == "mindspore"
+                                 else "core_tp_checkpoints_tp2_torch", backend)
+
+
+#: the tp2 cases on each framework; torch's under ``-m slow`` (the same core code)
+TP2_BACKENDS = ["mindspore", pytest.param("torch", marks=pytest.mark.slow)]
 
 
 def _equal(got: dict, expected: dict, what: str, keys=None) -> None:
@@ -138,7 +152,7 @@ def _check_state_dicts(per_rank: list, layouts_of) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TP2_BACKENDS)
 def test_tp2_state_dicts_give_boxes_of_the_whole_and_load_back(backend):
     per_rank = _tp2(backend)
 
@@ -153,7 +167,7 @@ def test_tp2_state_dicts_give_boxes_of_the_whole_and_load_back(backend):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TP2_BACKENDS)
 def test_tp2_checkpoint_and_export_load_into_one_process(backend):
     per_rank = _tp2(backend)
     saved = per_rank[0]["saved"]
@@ -168,7 +182,7 @@ def test_tp2_checkpoint_and_export_load_into_one_process(backend):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TP2_BACKENDS)
 def test_a_checkpoint_of_another_whole_shape_is_refused_unchanged(backend):
     for rank, result in enumerate(_tp2(backend)):
         refused = result["other_whole_shape"]
@@ -180,6 +194,8 @@ def test_a_checkpoint_of_another_whole_shape_is_refused_unchanged(backend):
 
 @pytest.mark.timeout(900)
 def test_torch_dp2_tp2_checkpoint_resumes_on_mindspore_dp2_tp2():
+    """Into the core's styles under fully_shard, the model built under
+    ``no_init_parameters()``."""
     torch_runs = _torch_saved()
     per_rank = _mindspore()
     saved = torch_runs[0]["saved"]
@@ -202,10 +218,14 @@ def _close(got: dict, expected: dict, atol: float, what: str) -> None:
                                    err_msg=f"{what}: {key}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_no_init_parameters_under_tp_and_fully_shard_resumes_as_the_eager_build():
-    for rank, result in enumerate(_mindspore()):
-        eager, lazy = result["from_torch"], result["deferred"]
+def test_no_init_parameters_build_resumes_as_the_eager_build():
+    """The default run resumes torch's checkpoint into a model built under
+    ``no_init_parameters()``; an eager build resumes it bitwise the same."""
+    lazy_runs = _mindspore()
+    for rank, eager in enumerate(_mindspore("core_tp_checkpoints_mindspore_eager")):
+        lazy, eager = lazy_runs[rank]["from_torch"], eager["from_torch"]
         _equal(lazy["loaded"], eager["loaded"], f"rank {rank}: loaded")
         assert lazy["loss"] == eager["loss"], f"rank {rank}"
         _equal(lazy["after"], eager["after"], f"rank {rank}: after one step")
@@ -214,7 +234,7 @@ def test_no_init_parameters_under_tp_and_fully_shard_resumes_as_the_eager_build(
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mindspore_dp2_tp2_state_dicts_under_fully_shard():
-    per_rank = _mindspore("core_tp_checkpoints_mindspore_state_dicts")
+    per_rank = _mindspore("core_tp_checkpoints_mindspore_eager")
     layouts = _tp2("mindspore")
 
     def layouts_of(rank):
@@ -237,7 +257,7 @@ def test_mindspore_dp2_tp2_state_dicts_under_fully_shard():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mindspore_dp2_tp2_export_loads_into_one_process():
-    per_rank = _mindspore("core_tp_checkpoints_mindspore_state_dicts")
+    per_rank = _mindspore("core_tp_checkpoints_mindspore_eager")
     full = per_rank[0]["state_dicts"]["full"]
     exported = per_rank[0]["export"]
     assert sorted(exported) == _model_keys(full)

@@ -3,8 +3,9 @@
 Each sharded value is all-gathered over its unit's shard group (padded like the unit's
 buffers) and trimmed; whole values (unsharded parameters, step counters) are read as they
 are. A value the core's tensor parallelism split into blocks (its ``ParamLayout``) is then
-all-gathered over its tensor-parallel mesh along its split dim: the whole tensor. One value is gathered at a time, and a rank that does not keep the result drops it
-before the next: no rank holds more than the full state plus one value. The inverse, a
+all-gathered over its tensor-parallel mesh along its split dim: the whole tensor. One
+value is gathered at a time, and a rank that does not keep the result drops it before the
+next: no rank holds more than the full state plus one value. The inverse, a
 full state dict loaded into a sharded model, is ``set_state_dict`` (state_dict.py) given
 full tensors or arrays: each rank keeps its rows.
 """
