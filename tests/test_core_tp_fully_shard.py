@@ -15,13 +15,13 @@ reductions):
 - MindSpore: against the same model trained whole in one process on the whole batch: in
   float32 the mean of the dp ranks' losses within 1e-6 relative (measured up to 1.7e-7) and
   the parameters, assembled from every rank's shard and recorded layout, within 2e-6
-  (measured up to 4.9e-7); in float16 losses within 1e-3 relative (measured 2.8e-4);
+  (measured up to 2.4e-7); in float16 losses within 2e-3 relative (measured 9.6e-4);
 - ``hp.clip_grad_norm_`` (SGD, every step clipped): the norm over every mesh dim equals
-  the one-process norm of the whole gradients (torch: 1.1e-7 relative, MindSpore 5.1e-7;
+  the one-process norm of the whole gradients (torch: 1.1e-7 relative, MindSpore 6.5e-7;
   asserted 2e-6), with and without fully_shard; on torch the shards after each clipped
   step equal torch's ``clip_grad_norm_`` under FSDP2 within 1e-7 (measured 1.5e-8: the
   two norms differ in the last bit), on MindSpore the parameters equal the one-process
-  clipped ones within 2e-6 (measured 3.0e-8);
+  clipped ones within 2e-6 (measured 1.2e-7);
 - checkpoints: the float32 model saved after training loads into a fresh model of the
   same layout (every shard bitwise the trained one's) and into the one-process model on
   every rank (the whole tensors, bitwise the trained shards assembled): the checkpoint
@@ -49,7 +49,7 @@ FLOAT32 = ("float32", "float32-keep-gathered")
 BITWISE_ON_TORCH = FLOAT32 + ("mixed",)
 LOSS_RTOL, PARAM_ATOL = 1e-6, 2e-6
 NORM_RTOL, CLIPPED_SHARD_ATOL = 2e-6, 1e-7
-MINDSPORE_FLOAT16_LOSS_RTOL = 1e-3
+MINDSPORE_FLOAT16_LOSS_RTOL = 2e-3  # float16 rounding: about 1e-3 relative per op
 
 shared_launch.register(__name__, "core_tp_fully_shard", 4, "tests.core_tp_fsdp_scenarios:run_all",
                        lambda backend: (backend, shared_launch.directory("core-tp-fsdp")),
