@@ -19,7 +19,8 @@ in each configuration of ``CONFIGS`` (``clipped``: SGD, whose steps clipping sca
 - on both, ``hp.clip_grad_norm_`` of the tensor-parallel model without fully_shard, one
   step on the whole batch, against the one-process norm of the first step;
 - on both, a checkpoint of the ``float32`` model after training, loaded into a fresh model
-  of the same layout (its shards) and into the plain model on every rank (whole values).
+  of the same layout (its shards) and into the plain model on every rank (whole values);
+  its full state dict and its export.
 
 Each returns plain numpy; the test compares.
 """
@@ -34,7 +35,7 @@ import hyper_parallel as hp
 from hyper_parallel import tensor_parallel as core_tp
 from hyper_parallel.fully_shard.param import fsdp_param_of
 from tests.core_tp_models import batches, mindspore_model, mindspore_name, plan, targets_for, torch_model
-from tests.core_tp_scenarios import _layout_record, refusals
+from tests.core_tp_scenarios import _layout_record
 
 DP, TP = 2, 2
 LR = {"adamw": 0.01, "sgd": 0.1}
@@ -67,7 +68,8 @@ def _shard_records(named: list, to_numpy) -> dict:
 def _round_trip(model, fresh, plain, directory: str, to_numpy) -> dict:
     """Save ``model``'s checkpoint, load it into ``fresh`` (the same layout, initial
     values) and ``plain`` (one process's model, on every rank): their values before and
-    after."""
+    after; and ``model``'s full state dict (every rank) and export (read back on rank 0),
+    under torch's names."""
     platform = hp.get_platform()
     path = os.path.join(directory, "tp-fsdp-checkpoint")
 
@@ -83,6 +85,15 @@ def _round_trip(model, fresh, plain, directory: str, to_numpy) -> dict:
     out["fresh_loaded"] = shards(fresh)
     hp.load_checkpoint(path, plain)
     out["plain_loaded"] = whole(plain)
+    out["full_state"] = {mindspore_name(n): v for n, v in
+                         hp.get_full_state_dict(model, rank0_only=False).items()}
+    exported = os.path.join(directory, f"tp-fsdp-export-{platform.name}")
+    hp.export_full(exported, model, key_map=hp.torch_nn_names)
+    out["export"] = None
+    if platform.rank() == 0:
+        from safetensors.numpy import load_file
+
+        out["export"] = dict(load_file(os.path.join(exported, "model.safetensors")))
     out["rank"] = platform.rank()
     return out
 
@@ -200,7 +211,6 @@ def _torch_config(config: str, mesh, dp_rank: int, directory: str) -> dict:
     core = _torch_train(ours, slices, core_tp.loss_parallel, core_tp.cross_entropy,
                         clip=(lambda ps: hp.clip_grad_norm_(ps, MAX_NORM)) if clipped else None)
     core["layouts"] = {n: _layout_record(p) for n, p in ours.named_parameters()}
-    core["refusals"] = refusals(ours, directory, checkpoints=False)
     if config == "float32":
         fresh = core_tp.parallelize_module(torch_model(), mesh["tp"], plan(core_tp, "sequence"))
         _wrap(fresh, mesh, config, "torch")
@@ -303,7 +313,6 @@ def run_mindspore(directory: str) -> dict:
         out[config] = _ms_train(model, _slices(dp_rank), parallel_loss, sharded=True,
                                 clip=clip if CONFIGS[config][2] else None)
         out[config].pop("grads")
-        out[config]["refusals"] = refusals(model, directory, checkpoints=False)
         if config == "float32":
             fresh = hp.parallelize_module(mindspore_model(), mesh["tp"], plan(core_tp, "sequence"))
             _wrap(fresh, mesh, config, "mindspore")

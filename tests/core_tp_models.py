@@ -161,7 +161,10 @@ def mindspore_name(name: str) -> str:
     return name.replace(".gamma", ".weight").replace(".beta", ".bias")
 
 
-def mindspore_model():
+def mindspore_model(with_values: bool = True):
+    """The MindSpore model; ``with_values=False`` keeps the layers' own initializers (built
+    under ``no_init_parameters()``, its parameters stay deferred). Its LayerNorms take
+    torch's epsilon, so the two frameworks' models compute the same function."""
     import mindspore as ms
     from mindspore import mint, nn
 
@@ -190,9 +193,9 @@ def mindspore_model():
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(VOCAB, DIM)
-            self.attn_norm, self.attn = nn.LayerNorm((DIM,)), Attention()
-            self.ffn_norm, self.ffn = nn.LayerNorm((DIM,)), FeedForward()
-            self.norm = nn.LayerNorm((DIM,))
+            self.attn_norm, self.attn = nn.LayerNorm((DIM,), epsilon=1e-5), Attention()
+            self.ffn_norm, self.ffn = nn.LayerNorm((DIM,), epsilon=1e-5), FeedForward()
+            self.norm = nn.LayerNorm((DIM,), epsilon=1e-5)
             self.head = nn.Dense(DIM, VOCAB, has_bias=False)
 
         def construct(self, ids):
@@ -203,9 +206,10 @@ def mindspore_model():
             return self.head(h.reshape(-1, h.shape[-1]))
 
     model = LM()
-    values = init_values()
-    for name, param in model.parameters_and_names():
-        param.set_data(ms.Tensor(values[mindspore_name(name)]))
+    if with_values:
+        values = init_values()
+        for name, param in model.parameters_and_names():
+            param.set_data(ms.Tensor(values[mindspore_name(name)]))
     return model
 
 

@@ -14,8 +14,6 @@ Each returns plain numpy; the test compares.
 
 from __future__ import annotations
 
-import os
-
 import hyper_parallel as hp
 from hyper_parallel import tensor_parallel as core_tp
 from tests.core_tp_models import (
@@ -38,32 +36,6 @@ def _calls(window) -> dict:
     """``{op: calls}`` over the tensor-parallel mesh dim in a ``track_comms`` window."""
     return {op: window.calls(op, dim="tp") for op in ("all_gather", "reduce_scatter",
                                                       "all_reduce")}
-
-
-def refusals(model, directory: str, checkpoints: bool = True) -> dict:
-    """What each entry point that does not read tensor-parallel layouts yet says of
-    ``model`` (tensor-parallel, under fully_shard or not), and whether the checkpoint
-    directory was left unmade. ``checkpoints``: also save and load a checkpoint (refused
-    for a model no fully_shard unit manages)."""
-    from hyper_parallel.checkpoint.index import CheckpointError
-
-    platform = hp.get_platform()
-    path = f"{directory}/ckpt-{platform.rank()}"
-    calls = {"get_state_dict": lambda: hp.get_state_dict(model),
-             "set_state_dict": lambda: hp.set_state_dict(model, {}),
-             "get_full_state_dict": lambda: hp.get_full_state_dict(model),
-             "export_full": lambda: hp.export_full(path, model)}
-    if checkpoints:
-        calls["save_checkpoint"] = lambda: hp.save_checkpoint(path, model)
-        calls["load_checkpoint"] = lambda: hp.load_checkpoint(path, model)
-    said = {}
-    for name, call in calls.items():
-        try:
-            call()
-        except (NotImplementedError, CheckpointError) as error:
-            said[name] = str(error)
-    said["checkpoint_dir_made"] = os.path.exists(path)
-    return said
 
 
 # ---------------------------------------------------------------- torch
@@ -111,7 +83,7 @@ def _torch_train(model, kind: str, plan_kind: str, loss_context, cross_entropy) 
     return {"losses": losses, "grads": grads, "params": params, "calls": counts}
 
 
-def run_torch_against_dtensor(plan_kind: str, kind: str, directory: str, dp: int = 1) -> dict:
+def run_torch_against_dtensor(plan_kind: str, kind: str, dp: int = 1) -> dict:
     """One plan and optimizer, under torch's DTensor TP and under the core's styles."""
     import contextlib
 
@@ -138,7 +110,6 @@ def run_torch_against_dtensor(plan_kind: str, kind: str, directory: str, dp: int
                             core_tp.loss_parallel if sequence else contextlib.nullcontext,
                             core_tp.cross_entropy if sequence else F.cross_entropy)
     core_run["layouts"] = {n: _layout_record(p) for n, p in model.named_parameters()}
-    core_run["refusals"] = refusals(model, directory)
     return {"torch": torch_run, "core": core_run}
 
 
@@ -170,8 +141,7 @@ def _ms_train(model, kind: str, loss_fn, ids_of, targets_of) -> dict:
                         for n, p in model.parameters_and_names()}}
 
 
-def run_mindspore_against_one_process(plan_kind: str, kind: str, directory: str,
-                                      dp: int = 1) -> dict:
+def run_mindspore_against_one_process(plan_kind: str, kind: str, dp: int = 1) -> dict:
     """The core's styles at tp2, and the same model trained whole in this process."""
     from mindspore import ops
 
@@ -191,16 +161,15 @@ def run_mindspore_against_one_process(plan_kind: str, kind: str, directory: str,
         parallel_loss = whole_loss
     parallel = _ms_train(model, kind, parallel_loss, lambda ids: ids,
                          lambda targets: targets_for(targets, plan_kind, TP))
-    parallel["refusals"] = refusals(model, directory)
     parallel.pop("grads")
     reference.pop("grads")
     return {"reference": reference, "core": parallel}
 
 
-def run_all(backend: str, directory: str, dp: int = 1, plans: tuple = PLANS) -> dict:
+def run_all(backend: str, dp: int = 1, plans: tuple = PLANS) -> dict:
     """Every plan and optimizer over ``mesh["tp"]`` of a (dp, tp) mesh: with ``dp`` > 1
     the tensor-parallel groups are not the world (every dp group trains the same batch)."""
     runner = run_torch_against_dtensor if backend == "torch" \
         else run_mindspore_against_one_process
-    return {f"{plan_kind}-{kind}": runner(plan_kind, kind, directory, dp)
+    return {f"{plan_kind}-{kind}": runner(plan_kind, kind, dp)
             for plan_kind in plans for kind in ("sgd", "adamw")}

@@ -32,9 +32,9 @@ shared_launch.register(__name__, "checkpoint_tensor_parallel", 4,
                        backends=("torch",), timeout_s=180)
 
 
-NO_TENSOR_PARALLEL = ("these cases build torch's DTensor tensor parallelism; the checkpoint of "
-                      "MindSpore's (the core's styles under fully_shard) is "
-                      "tests/test_core_tp_fully_shard.py's")
+NO_TENSOR_PARALLEL = ("these cases build torch's DTensor tensor parallelism; the checkpoints of "
+                      "MindSpore's (the core's styles) are tests/test_core_tp_fully_shard.py's "
+                      "and tests/test_core_tp_checkpoints.py's")
 # attn.k.bias gets a gradient that is zero up to rounding (softmax ignores what it adds to
 # every score of a query), which AdamW turns into steps of about lr: its values after
 # training follow the reduction order, which another tensor-parallel degree changes

@@ -15,21 +15,24 @@ reductions):
 - MindSpore: against the same model trained whole in one process on the whole batch: in
   float32 the mean of the dp ranks' losses within 1e-6 relative (measured up to 1.7e-7) and
   the parameters, assembled from every rank's shard and recorded layout, within 2e-6
-  (measured up to 4.9e-7); in float16 losses within 1e-3 relative (measured 2.8e-4);
+  (measured up to 2.4e-7); in float16 losses within 2e-3 relative (measured 9.6e-4);
 - ``hp.clip_grad_norm_`` (SGD, every step clipped): the norm over every mesh dim equals
-  the one-process norm of the whole gradients (torch: 1.1e-7 relative, MindSpore 5.1e-7;
+  the one-process norm of the whole gradients (torch: 1.1e-7 relative, MindSpore 6.5e-7;
   asserted 2e-6), with and without fully_shard; on torch the shards after each clipped
   step equal torch's ``clip_grad_norm_`` under FSDP2 within 1e-7 (measured 1.5e-8: the
   two norms differ in the last bit), on MindSpore the parameters equal the one-process
-  clipped ones within 2e-6 (measured 3.0e-8);
+  clipped ones within 2e-6 (measured 1.2e-7);
 - checkpoints: the float32 model saved after training loads into a fresh model of the
   same layout (every shard bitwise the trained one's) and into the one-process model on
   every rank (the whole tensors, bitwise the trained shards assembled): the checkpoint
-  stores whole shapes and each rank's block;
-- on both: every sharded parameter keeps its tensor-parallel layout record, state dicts
-  and export still refuse the sharded model, and fully_shard over a mesh whose ranks
-  hold other tensor-parallel blocks, or parallelize_module after fully_shard, is a named
-  error, module unchanged.
+  stores whole shapes and each rank's block; the full state dict (every rank) and
+  ``export_full``'s file are those whole tensors bitwise;
+- on both: every sharded parameter keeps its tensor-parallel layout record, and
+  fully_shard over a mesh whose ranks hold other tensor-parallel blocks, or
+  parallelize_module after fully_shard, is a named error, module unchanged.
+
+Sharded state dicts, optimizer state and checkpoints moved between frameworks and layouts:
+tests/test_core_tp_checkpoints.py.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ FLOAT32 = ("float32", "float32-keep-gathered")
 BITWISE_ON_TORCH = FLOAT32 + ("mixed",)
 LOSS_RTOL, PARAM_ATOL = 1e-6, 2e-6
 NORM_RTOL, CLIPPED_SHARD_ATOL = 2e-6, 1e-7
-MINDSPORE_FLOAT16_LOSS_RTOL = 1e-3
+MINDSPORE_FLOAT16_LOSS_RTOL = 2e-3  # float16 rounding: about 1e-3 relative per op
 
 shared_launch.register(__name__, "core_tp_fully_shard", 4, "tests.core_tp_fsdp_scenarios:run_all",
                        lambda backend: (backend, shared_launch.directory("core-tp-fsdp")),
@@ -143,18 +146,6 @@ def test_sharded_parameters_keep_their_tensor_parallel_layout(backend):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_state_dicts_and_export_still_refuse_the_sharded_model(backend):
-    for rank, result in enumerate(_runs(backend)):
-        said = _float32_run(backend, result)["refusals"]
-        for entry_point in ("get_state_dict", "set_state_dict", "get_full_state_dict",
-                            "export_full"):
-            assert "is not supported yet" in said.get(entry_point, ""), \
-                f"rank {rank}: {entry_point} did not refuse"
-        assert not said["checkpoint_dir_made"], f"rank {rank}: a checkpoint was started"
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_fully_shard_over_the_tensor_parallel_ranks_is_a_named_error(backend):
     for rank, result in enumerate(_runs(backend)):
         refused = result["whole_mesh"]
@@ -226,6 +217,13 @@ def test_checkpoint_loads_into_the_same_layout_and_into_one_process(backend):
     for rank, run in enumerate(runs):
         for name, value in run["checkpoint"]["plain_loaded"].items():
             np.testing.assert_array_equal(value, whole[name], err_msg=f"rank {rank}: {name}")
+        for name, value in run["checkpoint"]["full_state"].items():  # the full state dict
+            np.testing.assert_array_equal(value, whole[name],
+                                          err_msg=f"rank {rank}: full state dict: {name}")
+    exported = runs[0]["checkpoint"]["export"]
+    assert sorted(exported) == sorted(whole)
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, whole[name], err_msg=f"export_full: {name}")
 
 
 def _float32_run(backend: str, result: dict) -> dict:

@@ -39,7 +39,6 @@ from hyper_parallel.checkpoint.names import resolve
 from hyper_parallel.checkpoint.save import agree_on_failure
 from hyper_parallel.checkpoint.full_state import _full_value
 from hyper_parallel.platform import get_platform
-from hyper_parallel.tensor_parallel.layout import refuse_tensor_parallel
 from hyper_parallel.checkpoint.state_dict import state_entries, to_numpy
 
 SINGLE_FILE = "model.safetensors"
@@ -68,11 +67,10 @@ def export_full(path: str, model: Any, config: dict | None = None,
                          f"number of bytes")
     platform = get_platform()
     check_model(platform, "export_full", model)
-    refuse_tensor_parallel(model, "export_full")
     held = {h.name: h for h in held_params(platform, model, buffers=False)}  # each once
     keys = resolve(key_map, list(held))
-    # a tensor-parallel parameter (one a unit manages: held_params) is gathered over its
-    # tensor-parallel ranks too
+    # a tensor-parallel parameter (the core's, or a torch DTensor a unit manages:
+    # held_params) is gathered over its tensor-parallel ranks too
     every = state_entries(model, tensor_parallel_parts=True)
     entries = [e for e in every if e.key in keys]
     tied = [e.key for e in every if e.key not in held]

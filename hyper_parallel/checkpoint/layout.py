@@ -8,9 +8,10 @@ held as its data-parallel shard (param.py, [Note: shard layout]): rows ``[start,
 rows)`` of its shard dim ``d``. Tensor parallelism (torch's DTensor parameters, Shard and
 Replicate placements, ``Platform.tensor_parallel_block``; the core's, the ``ParamLayout``
 recorded on the parameter) first gives the rank a block of the whole tensor, and the
-shard's rows are rows of that block: the
-region is the block's offsets plus ``start`` on dim ``d``, and the block's shape with
-``rows`` on dim ``d``, whether tensor parallelism split dim ``d`` too or another dim. The
+shard's rows are rows of that block: the region is the block's offsets plus ``start`` on
+dim ``d``, and the block's shape with ``rows`` on dim ``d``, whether tensor parallelism
+split dim ``d`` too or another dim. A core tensor-parallel parameter no unit manages is
+held as its block. The
 local tensor may carry zero padding rows after the region (MindSpore). The optimizer's
 moments of a parameter are laid out like its local tensor, so they share its region.
 Unmanaged parameters and buffers (torch's persistent buffers, ``StateIO.buffers``) are
@@ -122,15 +123,20 @@ def _check_unit_meshes(platform: Platform, model: Any) -> None:
 
 
 def _held_whole(platform: Platform, name: str, param: Any, key: str) -> Held:
-    if platform.param_local_values(param) is not param or \
-            tensor_parallel_layout(param) is not None:
+    """A parameter no unit manages: the whole tensor, or the block the core's tensor
+    parallelism left this rank (its recorded ``ParamLayout``)."""
+    if platform.param_local_values(param) is not param:
         raise CheckpointError(f"{name} is a tensor-parallel parameter outside every fully_shard "
                               f"unit; checkpoints store tensor-parallel parameters that a unit "
                               f"manages: apply fully_shard to the model's root (it takes every "
                               f"parameter no other unit does)")
     shape = tuple(platform.shape(param))
-    return Held(name, param, None, dtype_name(platform, platform.dtype_of(param)), shape,
-                (0,) * len(shape), shape, key=key)
+    whole, offsets = shape, (0,) * len(shape)
+    layout = tensor_parallel_layout(param)
+    if layout is not None:
+        whole, offsets = tuple(layout.whole_shape), tuple(layout.offset)
+    return Held(name, param, None, dtype_name(platform, platform.dtype_of(param)), whole,
+                offsets, shape, key=key)
 
 
 def _held_managed(platform: Platform, name: str, fp: FSDPParam, key: str) -> Held:

@@ -2,11 +2,15 @@
 
 [Note: sharded value]
 A ``ShardedValue`` is this rank's part of one model or optimizer value: ``local`` holds
-rows ``[offset, offset + length)`` of dim ``shard_dim`` of a tensor of ``global_shape``,
-padding stripped (MindSpore's sharded Parameters keep padding rows, see param.py; they
-never appear here). ``shard_dim=None`` is a whole value: an unsharded parameter, a step
-counter. So values saved by any number of ranks can be put together again in any other
-layout: loading takes, for each value, the pieces that overlap this rank's rows.
+rows ``[offset, offset + length)`` of dim ``shard_dim`` of its block, padding stripped
+(MindSpore's sharded Parameters keep padding rows, see param.py; they never appear here).
+The block is the whole tensor of ``global_shape``, or, for a parameter the core's tensor
+parallelism split (its ``ParamLayout``, tensor_parallel/layout.py), this rank's
+tensor-parallel block, ``block = (offsets, shape)`` within the whole tensor: fully_shard
+shards that block as it shards a whole parameter. ``shard_dim=None`` is the whole block:
+an unsharded parameter, a step counter. So every part is one box of the whole tensor
+(``box()``), and values saved by any number of ranks can be put together again in any
+other layout: loading takes, for each value, the pieces that overlap this rank's box.
 
 Keys: a parameter's qualified name (tied parameters under each of their names, as
 ``state_dict()`` gives them on torch); per-parameter optimizer state as
@@ -15,11 +19,12 @@ optimizer's own values as ``optim.<name>`` (MindSpore's step counters).
 
 ``set_state_dict`` accepts, per key, one ``ShardedValue``, a list of them (pieces saved by
 several ranks) or a full tensor or numpy array, and checks every key, shape and the
-coverage of this rank's rows before it writes anything.
+coverage of this rank's box before it writes anything.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,56 +33,79 @@ import numpy as np
 from hyper_parallel.checkpoint.arguments import check_bool, check_model
 from hyper_parallel.fully_shard.state import STATE_ATTR
 from hyper_parallel.platform import get_platform
-from hyper_parallel.tensor_parallel.layout import refuse_tensor_parallel
+from hyper_parallel.tensor_parallel.layout import tensor_parallel_layout
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.param import FSDPParam
     from hyper_parallel.platform.base import Platform
+    from hyper_parallel.tensor_parallel.layout import ParamLayout
 
 OPTIM_PREFIX = "optim."
 
 
 @dataclass(frozen=True)
 class ShardedValue:
-    """This rank's rows ``[offset, offset + length)`` of dim ``shard_dim`` of a value of
-    ``global_shape`` (``shard_dim=None``: the whole value). ``local`` is a framework tensor
-    or a numpy array, or None in a layout read without its data."""
+    """This rank's rows ``[offset, offset + length)`` of dim ``shard_dim`` of its block
+    (``shard_dim=None``: the whole block); the block is the whole value of ``global_shape``,
+    or ``block = (offsets, shape)`` within it (a tensor-parallel block). ``local`` is a
+    framework tensor or a numpy array, or None in a layout read without its data."""
 
     local: Any
     global_shape: tuple
     shard_dim: int | None = None
     offset: int = 0
     length: int = 0
+    block: tuple | None = None
+
+    def box(self) -> tuple:
+        """``(offsets, shape)``: where this part lies in the whole value."""
+        if self.block is None:
+            offsets, shape = [0] * len(self.global_shape), list(self.global_shape)
+        else:
+            offsets, shape = list(self.block[0]), list(self.block[1])
+        if self.shard_dim is not None:
+            offsets[self.shard_dim] += self.offset
+            shape[self.shard_dim] = self.length
+        return tuple(offsets), tuple(shape)
 
     def layout(self) -> dict:
         """The record without the data, as plain JSON-able values."""
         return {"global_shape": list(self.global_shape), "shard_dim": self.shard_dim,
-                "offset": self.offset, "length": self.length}
+                "offset": self.offset, "length": self.length,
+                "block": None if self.block is None else [list(part) for part in self.block]}
 
     @classmethod
     def from_layout(cls, layout: dict, local: Any = None) -> ShardedValue:
+        block = layout.get("block")
         return cls(local, tuple(layout["global_shape"]), layout["shard_dim"],
-                   layout["offset"], layout["length"])
+                   layout["offset"], layout["length"],
+                   None if block is None else tuple(tuple(part) for part in block))
 
 
 @dataclass(frozen=True)
 class Entry:
     """One value of a model (and optimizer): where this rank holds it and how it is laid out.
     ``tensor`` is the live local tensor a load writes (padded where the platform pads);
-    ``fsdp_param`` the layout of a sharded value, None for a whole one."""
+    ``fsdp_param`` the layout of a sharded value, None for a whole one;
+    ``tensor_parallel`` the core tensor-parallel layout of a value in a block of its own."""
 
     key: str
     tensor: Any
     fsdp_param: FSDPParam | None
+    tensor_parallel: ParamLayout | None = None
 
     def target(self, platform: Platform) -> ShardedValue:
         """This rank's part, as a layout (no data)."""
-        fp = self.fsdp_param
+        fp, tp = self.fsdp_param, self.tensor_parallel
+        block_shape = tuple(platform.shape(self.tensor)) if fp is None else tuple(fp.full_shape)
+        whole, block = block_shape, None
+        if tp is not None:
+            whole, block = tuple(tp.whole_shape), (tuple(tp.offset), block_shape)
         if fp is None:
-            shape = tuple(platform.shape(self.tensor))
-            return ShardedValue(None, shape, None, 0, shape[0] if shape else 0)
+            return ShardedValue(None, whole, None, 0, block_shape[0] if block_shape else 0,
+                                block)
         offset = min(fp.mesh_info.shard_rank * fp.chunk_rows, fp.rows)
-        return ShardedValue(None, tuple(fp.full_shape), fp.shard_dim, offset, fp.local_rows)
+        return ShardedValue(None, whole, fp.shard_dim, offset, fp.local_rows, block)
 
     def read(self, platform: Platform) -> ShardedValue:
         """This rank's part with its data, padding stripped."""
@@ -86,7 +114,7 @@ class Entry:
             local = platform.narrow(local, fp.shard_dim, 0, fp.local_rows)
         target = self.target(platform)
         return ShardedValue(local, target.global_shape, target.shard_dim, target.offset,
-                            target.length)
+                            target.length, target.block)
 
 
 def slot_owners(platform: Platform, model: Any) -> dict:
@@ -104,12 +132,14 @@ def slot_owners(platform: Platform, model: Any) -> dict:
 
 def state_entries(model: Any, optimizer: Any = None, tensor_parallel_parts: bool = False) -> list:
     """Every value of the model (in module order) and then of the optimizer, as ``Entry``.
-    A tensor-parallel parameter (torch) is an error, or with ``tensor_parallel_parts`` its
-    data-parallel layout over this rank's tensor-parallel part."""
-    refuse_tensor_parallel(model, "state dicts")
+    A parameter the core's tensor parallelism split is laid out by its recorded
+    ``ParamLayout``. A torch DTensor tensor-parallel parameter is an error, or with
+    ``tensor_parallel_parts`` its data-parallel layout over this rank's tensor-parallel
+    part."""
     platform = get_platform()
     owners = slot_owners(platform, model)
-    entries, keys, by_param = [], set(), {}  # by_param: id(parameter) -> (key, FSDPParam)
+    entries, keys = [], set()
+    by_param = {}  # id(parameter) -> (key, its Entry, its local shape)
     for name, sub in platform.named_modules(model):
         for attr, param in platform.direct_params(sub):
             key = f"{name}.{attr}" if name else attr
@@ -136,8 +166,9 @@ def state_entries(model: Any, optimizer: Any = None, tensor_parallel_parts: bool
                     "data parallelism only; use hp.save_checkpoint / hp.load_checkpoint, or "
                     "model.state_dict() with torch.distributed.checkpoint, for this model")
             local = param if fsdp_param is None else platform.local_tensor(param)
-            entries.append(Entry(key, local, layout))
-            by_param.setdefault(id(param), (key, layout))
+            entry = Entry(key, local, layout, tensor_parallel_layout(param))
+            entries.append(entry)
+            by_param.setdefault(id(param), (key, entry, tuple(platform.shape(local))))
     if optimizer is not None:
         entries += _optimizer_entries(platform, optimizer, by_param)
     return entries
@@ -153,13 +184,15 @@ def _optimizer_entries(platform: Platform, optimizer: Any, by_param: dict) -> li
             raise ValueError(f"the optimizer's {state_name!r} state belongs to a parameter that "
                              "is not the model's: pass the optimizer built on this model's "
                              "parameters (after fully_shard)")
-        key, layout = by_param[id(owner)]
+        key, param_entry, local_shape = by_param[id(owner)]
+        state_key = f"{OPTIM_PREFIX}{state_name}.{key}"
         # state shaped like the parameter is laid out like it; other state (a per-parameter
         # step) is whole
-        if layout is not None and platform.shape(tensor) != platform.shape(
-                platform.local_tensor(layout.sharded_param)):
-            layout = None
-        entries.append(Entry(f"{OPTIM_PREFIX}{state_name}.{key}", tensor, layout))
+        if tuple(platform.shape(tensor)) == local_shape:
+            entries.append(Entry(state_key, tensor, param_entry.fsdp_param,
+                                 param_entry.tensor_parallel))
+        else:
+            entries.append(Entry(state_key, tensor, None))
     return entries
 
 
@@ -242,51 +275,50 @@ def check_state(platform: Platform, entries: list, pieces_by_key: dict, strict: 
     return plan
 
 
-def _local_shape(piece: ShardedValue) -> tuple:
-    shape = list(piece.global_shape)
-    if piece.shard_dim is not None:
-        shape[piece.shard_dim] = piece.length
-    return tuple(shape)
-
-
 def _coverage_problem(platform: Platform, target: ShardedValue, pieces: list) -> str:
-    """Why ``pieces`` cannot give this rank's ``target`` rows, or "" when they can."""
+    """Why ``pieces`` cannot give this rank's ``target`` box, or "" when they can."""
     for piece in pieces:
         if tuple(piece.global_shape) != target.global_shape:
             return (f"the state dict holds shape {tuple(piece.global_shape)}, the model's is "
                     f"{target.global_shape}")
+        offsets, shape = piece.box()
+        if any(o < 0 or o + n > w for o, n, w in zip(offsets, shape, piece.global_shape)):
+            return (f"a piece at offsets {offsets} of shape {shape} lies outside the whole "
+                    f"shape {piece.global_shape}")
         if piece.local is not None:
-            shape = tuple(piece.local.shape) if isinstance(piece.local, np.ndarray) \
+            local = tuple(piece.local.shape) if isinstance(piece.local, np.ndarray) \
                 else tuple(platform.shape(piece.local))
-            if shape != _local_shape(piece):
-                return (f"a piece of shape {shape} claims rows [{piece.offset}, "
-                        f"{piece.offset + piece.length}) of dim {piece.shard_dim} of "
-                        f"{piece.global_shape}")
-    if any(p.shard_dim is None for p in pieces) or target.length == 0 and target.shard_dim is not None:
-        return ""  # a whole value, or no rows to load on this rank
+            if local != shape:
+                return (f"a piece of shape {local} claims the part at offsets {offsets} of "
+                        f"shape {shape} of {piece.global_shape}")
+    offsets, shape = target.box()
+    if math.prod(shape) == 0:
+        return ""  # no elements to load on this rank
     if not pieces:
         return "no piece given"
-    dims = {p.shard_dim for p in pieces}
-    if len(dims) > 1:
-        return f"pieces sharded on different dims {sorted(dims)}"
-    dim = dims.pop()
-    lo, hi = _needed_rows(target, dim)
-    reached = lo
-    for piece in sorted(pieces, key=lambda p: p.offset):
-        if piece.offset > reached:
-            break
-        reached = max(reached, piece.offset + piece.length)
-    if reached < hi:
-        return (f"the pieces given cover rows up to {reached} of dim {dim} but this rank needs "
-                f"rows [{lo}, {hi}) of {target.global_shape} (a rank's part is missing?)")
+    covered = np.zeros(shape, bool)
+    for piece in pieces:
+        where = _overlap(piece.box(), (offsets, shape))
+        if where is not None:
+            covered[where[1]] = True
+    if not covered.all():
+        return (f"the pieces given cover {int(covered.sum())} of the {covered.size} elements "
+                f"this rank needs (offsets {offsets}, shape {shape} of {target.global_shape}; "
+                f"a rank's part is missing?)")
     return ""
 
 
-def _needed_rows(target: ShardedValue, dim: int) -> tuple:
-    """The rows of ``dim`` this rank's part spans."""
-    if target.shard_dim == dim:
-        return target.offset, target.offset + target.length
-    return 0, target.global_shape[dim]
+def _overlap(source: tuple, target: tuple) -> tuple | None:
+    """Where two boxes ``(offsets, shape)`` of one value meet: ``(slices into the source,
+    slices into the target)``, or None where they do not."""
+    into_source, into_target = [], []
+    for s_off, s_len, t_off, t_len in zip(*source, *target):
+        start, stop = max(s_off, t_off), min(s_off + s_len, t_off + t_len)
+        if start >= stop:
+            return None
+        into_source.append(slice(start - s_off, stop - s_off))
+        into_target.append(slice(start - t_off, stop - t_off))
+    return tuple(into_source), tuple(into_target)
 
 
 def to_numpy(platform: Platform, value: Any) -> np.ndarray:
@@ -299,38 +331,18 @@ def to_numpy(platform: Platform, value: Any) -> np.ndarray:
 
 
 def assemble(platform: Platform, target: ShardedValue, pieces: list) -> np.ndarray:
-    """This rank's ``target`` rows out of checked ``pieces``, as a new numpy array: first
-    the region the pieces span on their dim (rows ``[lo, hi)``), then this rank's cut."""
-    whole = next((p for p in pieces if p.shard_dim is None), None)
-    if whole is not None:
-        region, dim, lo = to_numpy(platform, whole.local), None, 0
-    else:
-        dim = pieces[0].shard_dim
-        lo, hi = _needed_rows(target, dim)
-        shape = list(target.global_shape)
-        shape[dim] = hi - lo
-        region = None
-        for piece in pieces:
-            start, stop = max(lo, piece.offset), min(hi, piece.offset + piece.length)
-            if start >= stop:
-                continue
-            data = to_numpy(platform, piece.local)
-            if region is None:
-                region = np.empty(shape, data.dtype)
-            _rows(region, dim)[start - lo:stop - lo] = \
-                _rows(data, dim)[start - piece.offset:stop - piece.offset]
-        if region is None:  # this rank owns no rows
-            region = np.empty(shape, np.float32)
-    if target.shard_dim is None:
-        return np.array(region, copy=True)
-    first = target.offset - lo if dim == target.shard_dim else target.offset
-    cut = _rows(region, target.shard_dim)[first:first + target.length]
-    return np.ascontiguousarray(np.moveaxis(cut, 0, target.shard_dim)).copy()
-
-
-def _rows(array: np.ndarray, dim: int) -> np.ndarray:
-    """A view of ``array`` with ``dim`` first (writes go through)."""
-    return np.moveaxis(array, dim, 0)
+    """This rank's ``target`` box out of checked ``pieces``, as a new numpy array."""
+    offsets, shape = target.box()
+    out = None
+    for piece in pieces:
+        where = _overlap(piece.box(), (offsets, shape))
+        if where is None:
+            continue
+        data = to_numpy(platform, piece.local)
+        if out is None:
+            out = np.empty(shape, data.dtype)
+        out[where[1]] = data[where[0]]
+    return np.empty(shape, np.float32) if out is None else out  # None: no elements here
 
 
 def write_entry(platform: Platform, entry: Entry, rows: np.ndarray) -> None:

@@ -9,7 +9,7 @@ docs/tensor-parallel.md describes what each style does and the current limits.
 
 from hyper_parallel.tensor_parallel.api import parallelize_module
 from hyper_parallel.tensor_parallel.layout import (
-    LAYOUT_ATTR, LayoutTensor, ParamLayout, refuse_tensor_parallel, tensor_parallel_layout)
+    LAYOUT_ATTR, LayoutTensor, ParamLayout, tensor_parallel_layout)
 from hyper_parallel.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
 from hyper_parallel.tensor_parallel.loss import cross_entropy, loss_parallel
 from hyper_parallel.tensor_parallel.placement import Placement, Replicate, Shard
@@ -22,5 +22,5 @@ __all__ = [
     "ColwiseParallel", "LAYOUT_ATTR", "LayoutTensor", "ParallelStyle", "ParamLayout",
     "Placement", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
     "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "cross_entropy",
-    "loss_parallel", "parallelize_module", "refuse_tensor_parallel", "tensor_parallel_layout",
+    "loss_parallel", "parallelize_module", "tensor_parallel_layout",
 ]

@@ -9,9 +9,10 @@ one ``ParamLayout``: the mesh, the placement, the whole shape and this rank's of
 every dim. It is the only place fully_shard, checkpoints, export and clipping may learn
 that a parameter is part of a bigger one (``tensor_parallel_layout``). fully_shard shards
 the block and keeps the record on the sharded parameter (fully_shard/param.py), clipping
-reduces a split block's norm over its mesh (clip_grad.py); checkpoints and export, until
-they read it, refuse such parameters (``refuse_tensor_parallel``) instead of taking a
-block for the whole.
+reduces a split block's norm over its mesh (clip_grad.py), checkpoints store the block as
+a region of the whole tensor (checkpoint/layout.py), and state dicts and export lay it out
+as a box of the whole value and gather it over the mesh (checkpoint/state_dict.py,
+full_state.py).
 
 [Note: activations between styles]
 A style's output is a plain tensor (``use_local_output=True``, torch's default for the
@@ -58,28 +59,6 @@ def tensor_parallel_layout(param: Any) -> ParamLayout | None:
 
 def record_layout(param: Any, layout: ParamLayout) -> None:
     setattr(param, LAYOUT_ATTR, layout)
-
-
-def refuse_tensor_parallel(values: Any, entry_point: str) -> None:
-    """Raise NotImplementedError if a parameter in ``values`` (a module and its submodules,
-    or a list of modules or parameters) carries a core tensor-parallel layout:
-    ``entry_point`` does not read that layout yet and would take the local block for the
-    whole parameter."""
-    platform = get_platform()
-    items = values if isinstance(values, (list, tuple)) else [values]
-    for item in items:
-        named = [("", item)] if platform.is_tensor(item) else [
-            (f"{prefix}.{attr}" if prefix else attr, param)
-            for prefix, sub in platform.named_modules(item)
-            for attr, param in platform.direct_params(sub)]
-        for name, param in named:
-            layout = tensor_parallel_layout(param)
-            if layout is not None:
-                raise NotImplementedError(
-                    f"{entry_point} over a module split by hyper_parallel.tensor_parallel."
-                    f"parallelize_module is not supported yet: parameter {name or '(given)'!r} "
-                    f"holds only this rank's block of a {layout.whole_shape} tensor; use "
-                    f"tensor parallelism without {entry_point} for now")
 
 
 class LayoutTensor:

@@ -71,13 +71,20 @@ def split_param(module: Any, attr: str, placement: Placement, mesh: Any,
     p = get_platform()
     param = p.registered_param(module, attr)
     shape = tuple(p.shape(param))
-    values = whole_values(param, mesh, src_data_rank)
-    offset = [0] * len(shape)
+    offset, dim, size = [0] * len(shape), 0, shape[0] if shape else 0
     if isinstance(placement, Shard):
-        size = shape[placement.dim] // mesh.size()
-        offset[placement.dim] = mesh.get_local_rank(0) * size
-        with p.no_grad():
-            values = p.narrow(values, placement.dim, offset[placement.dim], size)
+        dim, size = placement.dim, shape[placement.dim] // mesh.size()
+        offset[dim] = mesh.get_local_rank(0) * size
+    with p.no_grad():
+        if p.is_deferred(param):
+            # built without values (no_init_parameters, meta): only this rank's block is
+            # made, from the parameter's initializer; its values come later (a
+            # checkpoint), so there is nothing to take from src_data_rank
+            values = p.deferred_part(param, dim, offset[dim], size)
+        else:
+            values = whole_values(param, mesh, src_data_rank)
+            if isinstance(placement, Shard):
+                values = p.narrow(values, dim, offset[dim], size)
     new = p.new_local_param(param, p.contiguous(values))
     record_layout(new, ParamLayout(mesh, placement, shape, tuple(offset)))
     p.set_local_param(module, attr, new)
