@@ -44,8 +44,10 @@ _REPLACED_BY = "_hp_replaced_by"    # on an original parameter a unit replaced
 
 
 @functools.lru_cache(maxsize=None)
-def _fsdp_class(cls: type) -> type:
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+def _fsdp_class(cls: type, platform_bases: tuple) -> type:
+    """``FSDP<cls>``: our methods first, then the module's class, then the platform's
+    ``unit_bases`` (torch: FSDP2's own ``FSDPModule``, so torch's code recognises a unit)."""
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls, *platform_bases), {})
 
 
 def _module_list(module) -> list:
@@ -264,6 +266,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     state = FSDPState(platform, unit_name, modules, groups, reshard_after_forward, mp_policy)
     for m in modules:
         object.__setattr__(m, STATE_ATTR, state)
-        m.__class__ = _fsdp_class(type(m))
+        m.__class__ = _fsdp_class(type(m), platform.unit_bases())
+        platform.present_unit(m, state.reduce_accumulated)
         platform.register_forward_hooks(m, state.pre_forward, state.post_forward)
     return module

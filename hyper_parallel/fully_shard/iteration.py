@@ -47,6 +47,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from hyper_parallel.fully_shard.gradients import reduce_gradients
+
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.gradients import UnitReduction
     from hyper_parallel.fully_shard.state import FSDPState
@@ -186,6 +188,18 @@ class IterationContext:
             logger.debug("backward ended with is_last_backward=False: reductions left in flight")
         for state in self.states:
             state.finish_backward()
+
+    def reduce_accumulated(self) -> None:
+        """Reduce what every unit accumulated with gradient sync off, one reduction per
+        unit and parameter group (in backward order), as a last microbatch's backward
+        would, then end the step as its final callback does: drain (with the root's
+        ``is_last_backward`` set) and reshard every unit. A unit whose sync is still off
+        keeps accumulating."""
+        for state in reversed(self.states):
+            accumulated, state.unsharded_grads = state.unsharded_grads, None
+            if accumulated is not None:
+                reduce_gradients(state, accumulated)
+        self.finish_backward()
 
     def reset(self) -> None:
         """After an exception aborted a forward or backward (``reset_iter_state``): wait every

@@ -360,6 +360,13 @@ class FSDPState:
                 self._enter(UnitState.KEPT)
         return reduce_gradients(self, full_grads)
 
+    def reduce_accumulated(self) -> None:
+        """The end of a step whose every backward ran with gradient sync off, for a driver
+        that ends it outside any backward (torch's pipeline stages): see
+        ``IterationContext.reduce_accumulated``. Before any forward there is nothing."""
+        if self.iteration is not None:
+            self.iteration.reduce_accumulated()
+
     def finish_backward(self) -> None:
         """Root's final callback, for every unit: reshard what backward left unsharded."""
         self._forwards_done = 0
