@@ -72,6 +72,7 @@ def _train(fully_shard) -> dict:
         out["collectives"].append(counter.counts)
         out["hp_collectives"].append(_hp_counts(window))
         out["sync_calls"].append(calls[0])
+    out["units"] = sum(isinstance(m, method_owner) for m in model.modules())
     out["params"] = {name: p.full_tensor().detach().numpy()
                      for name, p in model.named_parameters()}
     return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 import hyper_parallel as hp
+from tests.scenarios import _counting
 
 DIM = 32
 BLOCKS = 4
@@ -42,24 +43,25 @@ def _blocks():
     return [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(BLOCKS)]
 
 
-class _Stage:
-    """Builds one stage module: its blocks in sequence (a class, so torch's ``FSDPModule.
-    __new__`` can make plain copies of it)."""
+def _stage(blocks):
+    """One stage module: ``blocks`` in sequence."""
+    import torch.nn as nn
 
-    @staticmethod
-    def make(blocks):
-        import torch.nn as nn
+    class Stage(nn.Module):
+        def __init__(self, chunk):
+            super().__init__()
+            self.blocks = nn.ModuleList(chunk)
 
-        class Stage(nn.Module):
-            def __init__(self, chunk):
-                super().__init__()
-                self.blocks = nn.ModuleList(chunk)
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+    return Stage(blocks)
 
-            def forward(self, x):
-                for block in self.blocks:
-                    x = block(x)
-                return x
-        return Stage(blocks)
+
+def _torch_units():
+    from torch.distributed.fsdp import FSDPModule
+    return FSDPModule
 
 
 def _shard(fully_shard, stage, dp_mesh, mixed: bool) -> None:
@@ -139,7 +141,7 @@ def _train(name: str, fully_shard, mesh, use_hp: bool) -> dict:
     blocks = _blocks()
     chunk = BLOCKS // n_stages
     indices = [pp_rank + k * pp_size for k in range(per_rank)]  # the looped placement
-    modules = [_Stage.make(blocks[i * chunk:(i + 1) * chunk]) for i in indices]
+    modules = [_stage(blocks[i * chunk:(i + 1) * chunk]) for i in indices]
     for module in modules:
         _shard(fully_shard, module, mesh["dp"], mixed)
     # static shapes (as torchtitan gives them): no metadata inference, whose backward over
@@ -158,19 +160,25 @@ def _train(name: str, fully_shard, mesh, use_hp: bool) -> dict:
     opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.5)
     rng = np.random.default_rng(7)
     local = slice(dp_rank * GLOBAL_BATCH // dp_size, (dp_rank + 1) * GLOBAL_BATCH // dp_size)
-    out = {"losses": [], "norms": [], "collectives": [], "hp_collectives": []}
+    out = {"losses": [], "norms": [], "collectives": [], "hp_collectives": [],
+           "unshard_reshard": []}
+    # the class whose unshard/reshard a unit runs when the schedule calls them
+    unit_class = hp.FSDPModule if use_hp else _torch_units()
     for _ in range(STEPS):
         x = torch.from_numpy(rng.standard_normal((GLOBAL_BATCH, DIM)).astype(np.float32))
         y = torch.from_numpy(rng.standard_normal((GLOBAL_BATCH, DIM)).astype(np.float32))
         losses = []
         counter = _c10d_counter()
-        with hp.track_comms() as window, counter:
+        with hp.track_comms() as window, counter, \
+                _counting(unit_class, "unshard") as unshards, \
+                _counting(unit_class, "reshard") as reshards:
             if pp_rank == 0:
                 schedule.step(x[local])
             else:
                 schedule.step(target=y[local], losses=losses)
         out["collectives"].append(counter.counts)
         out["hp_collectives"].append(_hp_counts(window))
+        out["unshard_reshard"].append((unshards[0], reshards[0]))
         out["norms"].append(_clip_across_stages(modules, mesh["pp"].get_group()))
         opt.step()
         opt.zero_grad()

@@ -68,6 +68,22 @@ def _module_list(module) -> list:
     return modules
 
 
+def _refuse_native_units(platform, modules: list) -> None:
+    """A module the framework's own fully_shard sharded (torch's FSDP2) cannot be, or be
+    inside, a unit of ours: its parameters are that API's shards."""
+    for root in modules:
+        for name, sub in platform.named_modules(root):
+            api = platform.native_unit_api(sub)
+            if api is not None:
+                which = (f"a {type(root).__name__} whose submodule {name!r} "
+                         f"({type(sub).__name__}) is" if name else
+                         f"a {type(root).__name__}, which is")
+                raise ValueError(
+                    f"fully_shard got {which} sharded by {api} already; one model's units must all be "
+                    f"hyper_parallel's: apply hp.fully_shard to the model before any other "
+                    f"sharding, in place of {api}")
+
+
 def _mesh_info(mesh: DeviceMesh, replicate_dims: tuple, shard_dims: tuple) -> MeshInfo:
     return MeshInfo(data_parallel_mesh(mesh, replicate_dims, shard_dims), mesh, shard_dims)
 
@@ -185,6 +201,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     modules = _module_list(module)
     platform = get_platform(modules[0])
     require_joined_job("fully_shard", platform)
+    _refuse_native_units(platform, modules)
     for m in modules:
         if STATE_ATTR in m.__dict__:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "

@@ -269,6 +269,12 @@ class Platform(Collectives, TensorPrimitives):
         accumulated with gradient sync off, waits for them and reshards (torch's pipeline
         stages call it after the last microbatch). The default: nothing to present."""
 
+    def native_unit_api(self, module: Any) -> str | None:
+        """The framework's own API that made ``module`` a fully sharded unit of its own
+        (torch: "torch's fully_shard (FSDP2)"), which ``fully_shard`` refuses; None where
+        none did (a hyper_parallel unit included). The default: none."""
+        return None
+
     def updated_in_forward(self, module: Any) -> list:
         """Parameters that ``module``'s own forward overwrites in place (MindSpore
         BatchNorm's moving statistics). ``fully_shard`` leaves them whole on every rank, as

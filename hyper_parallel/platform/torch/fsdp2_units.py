@@ -26,6 +26,10 @@ Two callers go past the methods:
 - ``FSDPModule._get_fsdp_state`` (FSDPMemTracker, ``_set_unshard_async_op``) wants FSDP2's
   state objects, which a unit has none of: it raises a NotImplementedError naming the
   caller's way out instead of an AttributeError deep inside torch.
+
+The other way round, a module FSDP2 sharded is an instance of torch's ``FSDPModule`` but
+not of ``FSDP2Unit``: ``native_unit_api`` names FSDP2 for it, and ``hp.fully_shard``
+refuses it (its DTensor parameters would otherwise read as tensor-parallel ones).
 """
 
 from __future__ import annotations
@@ -75,3 +79,10 @@ def present_unit(module, reduce_accumulated: Callable[[], None]) -> None:
     states = module.__dict__.setdefault(STATE_KEY, {})
     # keyed by the function ``contract`` decorated, as ``fully_shard.state`` reads it
     states[torch_fully_shard.__wrapped__] = PipelineReduction(reduce_accumulated)
+
+
+def native_unit_api(module) -> str | None:
+    """"torch's fully_shard (FSDP2)" for a module FSDP2 made a unit, else None."""
+    if isinstance(module, TorchFSDPModule) and not isinstance(module, FSDP2Unit):
+        return "torch's fully_shard (FSDP2)"
+    return None
