@@ -1,16 +1,20 @@
 """Rank side of tests/test_pipeline.py (torch only, 4 ranks): torch's own pipeline
 parallelism (``torch.distributed.pipelining``) over units of ``hp.fully_shard``, against the
-same schedule over FSDP2's units, on one mesh (pp 2, dp 2).
+same schedule over FSDP2's units, on one mesh (pp 2, dp 2; for HSDP pp 2, replicate 2,
+shard 1).
 
 Each schedule trains the same model (four ``Linear(32, 32)`` + Tanh blocks, each block a
-unit over ``mesh["dp"]``, each stage module a unit too) for a few steps, once with
+unit over the dp mesh, each stage module a unit too) for a few steps, once with
 ``hp.fully_shard`` and once with torch's ``fully_shard``, each rank feeding its dp slice of
 the global batch: the losses of the last stage, the parameters after the last step, and
-per step the collectives each run issued: hyper_parallel's from ``hp.track_comms``, FSDP2's
-counted by torch's ``CommDebugMode`` (which sees every c10d collective either issues; the
-pipeline's point-to-point sends are not collectives). Gradients are clipped across stages
-the way torchtitan does (each stage's norm over its DTensor gradients, summed over the pp
-group), outside the counted window.
+per step the collectives each run issued, counted for both by one dispatch counter of c10d
+collectives (the pipeline's point-to-point sends are not collectives) and, for
+hyper_parallel, by ``hp.track_comms``; and how often the schedule called the units'
+``unshard``/``reshard``. Gradients are clipped across stages the way torchtitan does (each
+stage's norm over its DTensor gradients, summed over the pp group), outside the counted
+window. The stages get their shapes up front (as torchtitan gives them): the metadata
+inference torch runs otherwise differentiates a leaf input under ``autograd.grad``, which
+FSDP2's hooks cannot run in torch 2.13.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ GLOBAL_BATCH = 16
 STEPS = 3
 MAX_NORM = 0.5
 
-#: name -> (schedule class name, stages per rank, bfloat16 parameters with float32 reduction)
+#: name -> (schedule class name, stages per rank, bfloat16 parameters with float32
+#: reduction, HSDP: the dp ranks replicate (a (replicate 2, shard 1) mesh) instead of shard)
 SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", 1, False),
-    "1f1b": ("Schedule1F1B", 1, True),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, True),
+    "gpipe": ("ScheduleGPipe", 1, False, False),
+    "1f1b": ("Schedule1F1B", 1, True, False),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, True, False),
+    "1f1b_hsdp": ("Schedule1F1B", 1, False, True),
 }
 
 
@@ -131,21 +137,22 @@ def _hp_counts(window) -> dict:
 
 
 def _train(name: str, fully_shard, mesh, use_hp: bool) -> dict:
+    """``mesh``: (pp, dp) or, for HSDP, (pp, replicate, shard)."""
     import torch
     import torch.distributed.pipelining as pipelining
 
-    schedule_name, per_rank, mixed = SCHEDULES[name]
+    schedule_name, per_rank, mixed, hsdp = SCHEDULES[name]
     pp_rank, pp_size = mesh["pp"].get_local_rank(), mesh["pp"].size()
-    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    dp_mesh = mesh["replicate", "shard"] if hsdp else mesh["dp"]
+    dp_rank, dp_size = (mesh["replicate"] if hsdp else dp_mesh).get_local_rank(), dp_mesh.size()
     n_stages = pp_size * per_rank
     blocks = _blocks()
     chunk = BLOCKS // n_stages
     indices = [pp_rank + k * pp_size for k in range(per_rank)]  # the looped placement
     modules = [_stage(blocks[i * chunk:(i + 1) * chunk]) for i in indices]
     for module in modules:
-        _shard(fully_shard, module, mesh["dp"], mixed)
-    # static shapes (as torchtitan gives them): no metadata inference, whose backward over
-    # a leaf input FSDP2's hooks cannot run under autograd.grad
+        _shard(fully_shard, module, dp_mesh, mixed)
+    # static shapes: no metadata inference (see the module's docstring)
     micro = torch.empty(GLOBAL_BATCH // dp_size // MICROBATCHES, DIM)
     stages = [pipelining.PipelineStage(module, index, n_stages, torch.device("cpu"),
                                        input_args=micro.clone().requires_grad_(index > 0),
@@ -196,10 +203,11 @@ def run_all() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    meshes = {False: init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")),
+              True: init_device_mesh("cpu", (2, 2, 1),
+                                     mesh_dim_names=("pp", "replicate", "shard"))}
     results = {}
-    for name in SCHEDULES:
-        results[name] = {"hp": _train(name, hp.fully_shard, mesh, use_hp=True),
-                         "fsdp2": _train(name, torch_fully_shard, mesh, use_hp=False),
-                         "pp_rank": mesh["pp"].get_local_rank()}
+    for name, (*_, hsdp) in SCHEDULES.items():
+        results[name] = {"hp": _train(name, hp.fully_shard, meshes[hsdp], use_hp=True),
+                         "fsdp2": _train(name, torch_fully_shard, meshes[hsdp], use_hp=False)}
     return results
