@@ -1,7 +1,8 @@
 """``fully_shard``: make a module (or a list of modules) one unit of sharded parameters.
 
 [Note: validate everything, then change anything]
-``fully_shard`` first checks every argument (modules of the process's framework, a joined
+``fully_shard`` first checks every argument (modules of the process's framework and none
+its own fully_shard sharded, a joined
 job where a launcher started one, policies and their dtypes, mesh and device, callables,
 thresholds) and computes and checks the whole plan (managed parameters, shard dims and
 meshes, ignored parameters, parameters already managed elsewhere); only then does it
@@ -79,9 +80,9 @@ def _refuse_native_units(platform, modules: list) -> None:
                          f"({type(sub).__name__}) is" if name else
                          f"a {type(root).__name__}, which is")
                 raise ValueError(
-                    f"fully_shard got {which} sharded by {api} already; one model's units must all be "
-                    f"hyper_parallel's: apply hp.fully_shard to the model before any other "
-                    f"sharding, in place of {api}")
+                    f"fully_shard got {which} sharded by {api} already; one model's units "
+                    f"must all be hyper_parallel's: apply hp.fully_shard to the model before "
+                    f"any other sharding, in place of {api}")
 
 
 def _mesh_info(mesh: DeviceMesh, replicate_dims: tuple, shard_dims: tuple) -> MeshInfo:
