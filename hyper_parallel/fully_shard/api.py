@@ -3,10 +3,10 @@
 [Note: validate everything, then change anything]
 ``fully_shard`` first checks every argument (modules of the process's framework, none of
 them sharded by the framework's own fully_shard, a joined job where a launcher started one,
-policies and their dtypes, mesh and device, callables, thresholds) and computes and checks the whole plan (managed parameters, shard dims and
-meshes, ignored parameters, parameters already managed elsewhere); only then does it
-replace parameters, swap the class and install hooks, so a bad call leaves the module
-untouched.
+policies and their dtypes, mesh and device, callables, thresholds) and computes and checks
+the whole plan (managed parameters, shard dims and meshes, ignored parameters, parameters
+already managed elsewhere); only then does it replace parameters, swap the class and
+install hooks, so a bad call leaves the module untouched.
 
 [Note: which parameters a unit manages]
 The parameters registered on the given modules and their submodules, minus those of
