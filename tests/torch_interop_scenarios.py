@@ -58,6 +58,7 @@ def run_all() -> dict:
             model(torch.ones(2, 8)).sum().backward()
     out["FSDPMemTracker"] = _attempt(memory_tracker)
     out["_set_unshard_async_op"] = _attempt(lambda: model._set_unshard_async_op(True))
+    out["_set_unshard_async_op not a bool"] = _attempt(lambda: model._set_unshard_async_op(1))
     out["slice of a unit"] = type(model[0:2]).__name__  # torch's FSDPModule.__new__
 
     # torch's distributed state-dict helpers: sharded and full, and loading back

@@ -23,9 +23,12 @@ Two callers go past the methods:
   callback that reduces what the microbatches accumulated, once per unit, waits for it and
   reshards (the core's ``reduce_accumulated``). It also makes torch's ``fully_shard`` on
   a unit stop at once with torch's own "already been applied" error.
-- ``FSDPModule._get_fsdp_state`` (FSDPMemTracker, ``_set_unshard_async_op``) wants FSDP2's
-  state objects, which a unit has none of: it raises a NotImplementedError naming the
-  caller's way out instead of an AttributeError deep inside torch.
+- ``FSDPModule._get_fsdp_state`` (FSDPMemTracker) wants FSDP2's state objects, which a
+  unit has none of: it raises a NotImplementedError naming the caller's way out instead of
+  an AttributeError deep inside torch. ``_set_unshard_async_op``, the one private FSDP2
+  switch training scripts call, is accepted instead: what it asks of FSDP2 (all-gather
+  buffers allocated on the current stream, not a side stream's) is how hyper_parallel
+  always gathers.
 
 The other way round, a module FSDP2 sharded is an instance of torch's ``FSDPModule`` but
 not of ``FSDP2Unit``: ``native_unit_api`` names FSDP2 for it, and ``hp.fully_shard``
@@ -51,6 +54,12 @@ class FSDP2Unit(TorchFSDPModule):
             f"pipeline schedules and code that uses FSDPModule's public methods work on it; "
             f"for communication counts use hp.track_comms(), for memory "
             f"torch.distributed._tools.MemTracker or the device's own memory statistics")
+
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted, nothing to change (see the note)."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"_set_unshard_async_op takes a bool, got {type(async_op).__name__}")
 
 
 class PipelineReduction:
