@@ -20,8 +20,10 @@ only): a unit is an instance of torch's ``FSDPModule`` (docs/api.md, "Pipelines"
   applied" error and changes nothing, code that reads FSDP2's internal state
   (``FSDPMemTracker``) gets a NotImplementedError naming the unit, FSDP2's
   ``_set_unshard_async_op`` is accepted, a slice of a sharded ``nn.Sequential`` is a plain one (as FSDP2's), torch's
-  distributed state-dict helpers save and load a unit's model; and ``hp.fully_shard`` on a
-  module FSDP2 sharded, or over one, is a ValueError naming it, model unchanged.
+  distributed state-dict helpers save and load a unit's model, and the end of a pipeline
+  step whose backwards bypassed the units (torch's zero-bubble schedules) is a
+  RuntimeError naming them; and ``hp.fully_shard`` on a module FSDP2 sharded, or over
+  one, is a ValueError naming it, model unchanged.
 """
 
 from __future__ import annotations
@@ -144,6 +146,16 @@ def test_torch_module_and_state_dict_code_works_on_units():
     assert r["slice of a unit"] == "Sequential"
     assert r["dcp full equals gather_full_state_dict"] and r["dcp sharded are DTensors"]
     assert r["fresh differs"] and r["dcp loaded equals saved"]
+
+
+@pytest.mark.timeout(600)
+def test_step_end_without_a_backward_through_the_units_is_refused():
+    """What torch's zero-bubble schedules (a backward split into input and weight parts)
+    come to: the stage asks for the reduction, and no backward ran through the units."""
+    error, message = _interop()["step end, no backward reached the units"]
+    assert error == "RuntimeError"
+    assert "never reached the parameters of <root> (Sequential), 0 (Sequential), " \
+           "1 (Sequential)" in message and "zero-bubble" in message
 
 
 @pytest.mark.timeout(600)

@@ -79,6 +79,14 @@ def run_all() -> dict:
         np.array_equal(a.full_tensor().numpy(), b.full_tensor().detach().numpy())
         for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
 
+    # the end of a pipeline step whose backwards never ran through the units (torch's
+    # zero-bubble schedules): refused before any collective
+    skipped = _hp_model()
+    skipped.set_requires_gradient_sync(False)
+    skipped(torch.ones(2, 8))
+    out["step end, no backward reached the units"] = _attempt(
+        lambda: torch_fully_shard.state(skipped)._root_post_backward_final_callback())
+
     theirs = _model()
     for block in list(theirs)[:2]:
         torch_fully_shard(block)

@@ -194,7 +194,24 @@ class IterationContext:
         unit and parameter group (in backward order), as a last microbatch's backward
         would, then end the step as its final callback does: drain (with the root's
         ``is_last_backward`` set) and reshard every unit. A unit whose sync is still off
-        keeps accumulating."""
+        keeps accumulating.
+
+        A unit with trainable parameters whose forward ran in the step but whose backward
+        never did is an error, raised before any collective (every rank of its groups runs
+        the same stage): its gradients took a way around the unit (torch's zero-bubble
+        schedules compute weight gradients from the parameters' own accumulators, which a
+        unit's gradients do not pass through), and reducing nothing would train it wrong."""
+        p = self.platform
+        missed = [state.name for state in self.forwards_run if state.unsharded_grads is None
+                  and any(p.param_requires_grad(fp.sharded_param) for fp in state.params)]
+        if missed:
+            raise RuntimeError(
+                f"the step's backwards never reached the parameters of {', '.join(missed)}, "
+                f"whose forward ran: no gradient to reduce. A pipeline schedule that splits "
+                f"each backward into input and weight parts (torch's zero-bubble schedules) "
+                f"computes weight gradients without running a unit's backward; use one that "
+                f"runs each backward whole (ScheduleGPipe, Schedule1F1B, "
+                f"ScheduleInterleaved1F1B)")
         for state in reversed(self.states):
             accumulated, state.unsharded_grads = state.unsharded_grads, None
             if accumulated is not None:
