@@ -17,7 +17,8 @@ only): a unit is an instance of torch's ``FSDPModule`` (docs/api.md, "Pipelines"
   reach FSDP2's, and one reduce-scatter per unit per step, losses and parameters bitwise;
 - the rest of torch's code that finds a unit (tests/torch_interop_scenarios.py, the shared
   2-rank launch): torch's ``fully_shard`` on a unit stops with torch's "already been
-  applied" error and changes nothing, code that reads FSDP2's internal state
+  applied" error and changes nothing, over a model of units it leaves them alone and the
+  model trains bitwise like one all FSDP2, code that reads FSDP2's internal state
   (``FSDPMemTracker``) gets a NotImplementedError naming the unit, FSDP2's
   ``_set_unshard_async_op`` is accepted, a slice of a sharded ``nn.Sequential`` is a plain one (as FSDP2's), torch's
   distributed state-dict helpers save and load a unit's model, and the end of a pipeline
@@ -146,6 +147,15 @@ def test_torch_module_and_state_dict_code_works_on_units():
     assert r["slice of a unit"] == "Sequential"
     assert r["dcp full equals gather_full_state_dict"] and r["dcp sharded are DTensors"]
     assert r["fresh differs"] and r["dcp loaded equals saved"]
+
+
+@pytest.mark.timeout(600)
+def test_torch_fully_shard_over_units_trains_like_fsdp2():
+    r = _interop()
+    losses = r["torch fully_shard over units: losses"]
+    assert losses["mixed"] == losses["fsdp2"]
+    assert r["torch fully_shard over units: params equal"]
+    assert r["torch fully_shard over units: blocks stay ours"] == [True, True]
 
 
 @pytest.mark.timeout(600)

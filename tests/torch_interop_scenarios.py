@@ -87,6 +87,8 @@ def run_all() -> dict:
     out["step end, no backward reached the units"] = _attempt(
         lambda: torch_fully_shard.state(skipped)._root_post_backward_final_callback())
 
+    out.update(_torch_fully_shard_over_units())
+
     theirs = _model()
     for block in list(theirs)[:2]:
         torch_fully_shard(block)
@@ -95,3 +97,35 @@ def run_all() -> dict:
     out["hp fully_shard over FSDP2 units"] = _attempt(lambda: hp.fully_shard(theirs))
     out["hp fully_shard on FSDP2 units: unchanged"] = _snapshot(theirs) == before
     return out
+
+
+def _torch_fully_shard_over_units() -> dict:
+    """torch's fully_shard on a model whose blocks are hyper_parallel's units, against the
+    same model all FSDP2: three SGD steps on each rank's own data."""
+    import torch
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mixed, theirs = _model(), _model()
+    for block in list(mixed)[:2]:
+        hp.fully_shard(block)
+    for block in list(theirs)[:2]:
+        torch_fully_shard(block)
+    torch_fully_shard(mixed)
+    torch_fully_shard(theirs)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (mixed, theirs)]
+    rng = np.random.default_rng(5 + hp.get_platform().rank())
+    losses = {"mixed": [], "fsdp2": []}
+    for _ in range(3):
+        x = torch.from_numpy(rng.standard_normal((4, 8)).astype(np.float32))
+        for name, model, opt in zip(losses, (mixed, theirs), opts):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(float(loss.detach()))
+    return {"torch fully_shard over units: losses": losses,
+            "torch fully_shard over units: params equal": all(
+                np.array_equal(a.full_tensor().detach().numpy(), b.full_tensor().detach().numpy())
+                for a, b in zip(mixed.parameters(), theirs.parameters())),
+            "torch fully_shard over units: blocks stay ours": [
+                isinstance(block, hp.FSDPModule) for block in list(mixed)[:2]]}

@@ -30,6 +30,15 @@ Two callers go past the methods:
   buffers allocated on the current stream, not a side stream's) is how hyper_parallel
   always gathers.
 
+[Note: torch's fully_shard over units]
+torch's ``fully_shard`` on a module that holds units manages the parameters of every
+submodule it finds composable with it, and finds a subtree composable unless the
+composable-API registry of its module names ``replicate``: that is how FSDP2 leaves a
+subtree to another API. A unit's registry names ``replicate`` for that reason alone, so
+FSDP2 leaves the unit's parameters to it (without it FSDP2 takes the unit's DTensor
+parameters for tensor-parallel ones and fails in its own mesh code). torch's
+``replicate`` on a unit then stops with torch's "already been applied" error.
+
 The other way round, a module FSDP2 sharded is an instance of torch's ``FSDPModule`` but
 not of ``FSDP2Unit``: ``native_unit_api`` names FSDP2 for it, and ``hp.fully_shard``
 refuses it (its DTensor parameters would otherwise read as tensor-parallel ones).
@@ -39,7 +48,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from torch.distributed._composable.contract import STATE_KEY
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -84,10 +93,12 @@ class PipelineReduction:
 
 
 def present_unit(module, reduce_accumulated: Callable[[], None]) -> None:
-    """Let ``torch_fully_shard.state(module)`` find a ``PipelineReduction``."""
+    """Let ``torch_fully_shard.state(module)`` find a ``PipelineReduction``, and torch's
+    ``fully_shard`` over the unit leave it alone (see the notes)."""
     states = module.__dict__.setdefault(STATE_KEY, {})
     # keyed by the function ``contract`` decorated, as ``fully_shard.state`` reads it
     states[torch_fully_shard.__wrapped__] = PipelineReduction(reduce_accumulated)
+    module.__dict__.setdefault(REGISTRY_KEY, {}).setdefault("replicate", RegistryItem())
 
 
 def native_unit_api(module) -> str | None:
