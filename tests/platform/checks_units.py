@@ -17,7 +17,7 @@ def check_unit_bases_and_present_unit(ctx):
            f"unit_bases must be a tuple of classes, got {bases!r}")
     model = ctx.side.model()
     probe = type("FSDPProbe", (hp.FSDPModule, type(model), *bases), {})
-    # FSDP2's FSDPModule.__new__ and torch's compile-package pickler read __mro__[2]
+    # FSDP2's FSDPModule.__new__ reads the original class at __mro__[2]
     _check(probe.__mro__[1:3] == (hp.FSDPModule, type(model)),
            f"with unit_bases {bases} a unit's class resolves {probe.__mro__[:4]}; hyper_parallel's "
            f"FSDPModule and the module's own class must come first")

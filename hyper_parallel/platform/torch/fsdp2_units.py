@@ -8,9 +8,10 @@ FSDPModule)`` and then drives them through the public methods (torch's pipeline 
 ``no_backward_sync``: ``set_requires_gradient_sync``). A unit's class therefore ends in
 ``FSDP2Unit``, a subclass of torch's ``FSDPModule``: ``FSDP<Class>`` is
 ``(hyper_parallel.FSDPModule, Class, FSDP2Unit)``, so hyper_parallel's methods come first,
-then the module's own class (which keeps torch's ``__mro__[2]`` reading as the original
-class, as torch's ``FSDPModule.__new__`` and the compile-package pickler assume), then
-torch's ``FSDPModule``, whose methods the two before shadow.
+then the module's own class (at ``__mro__[2]``, where torch's ``FSDPModule.__new__``
+reads the original class: ``type(unit)(...)``, a slice of a sharded ``nn.Sequential``,
+makes a plain module, as under FSDP2), then torch's ``FSDPModule``, whose methods the two
+before shadow.
 
 [Note: what torch reaches for behind the methods]
 Two callers go past the methods:
