@@ -36,6 +36,7 @@ from hyper_parallel.fully_shard.fsdp_module import (
     FSDPModule, _make_post_forward_group, _resolve_reshard_after_forward,
 )
 from hyper_parallel.fully_shard.state import STATE_ATTR, FSDPState
+from hyper_parallel.fully_shard.iteration import reduce_accumulated
 from hyper_parallel.distributed import require_joined_job
 from hyper_parallel.platform import MODULE_CLASSES, get_platform, module_framework
 from hyper_parallel.tensor_parallel.layout import tensor_parallel_layout
@@ -284,6 +285,6 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     for m in modules:
         object.__setattr__(m, STATE_ATTR, state)
         m.__class__ = _fsdp_class(type(m), platform.unit_bases())
-        platform.present_unit(m, state.reduce_accumulated)
+        platform.present_unit(m, functools.partial(reduce_accumulated, state))
         platform.register_forward_hooks(m, state.pre_forward, state.post_forward)
     return module

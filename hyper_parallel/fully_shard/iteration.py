@@ -236,3 +236,10 @@ class IterationContext:
             state.reset()  # also waits and drops an all-gather in flight
         self.platform.discard_aborted_autograd()
         logger.debug("iteration state reset: %d reductions in flight dropped", len(in_flight))
+
+
+def reduce_accumulated(state: FSDPState) -> None:
+    """``IterationContext.reduce_accumulated`` of ``state``'s root, for a driver that ends a
+    step outside any backward (torch's pipeline stages); before any forward, nothing."""
+    if state.iteration is not None:
+        state.iteration.reduce_accumulated()
