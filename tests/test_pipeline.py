@@ -8,8 +8,9 @@ only): a unit is an instance of torch's ``FSDPModule`` (docs/api.md, "Pipelines"
   losses, clipped norms and parameters bitwise FSDP2's; one reduce-scatter (HSDP: one
   all-reduce) per unit per step (``hp.track_comms``), as many reduce-scatters and
   all-reduces as FSDP2 issues (counted for both by one c10d dispatch counter, which also
-  agrees with ``hp.track_comms`` for ours), and the schedule's unshard/reshard actions
-  reaching the units as often as FSDP2's;
+  agrees with ``hp.track_comms`` for ours), as many all-gathers under the interleaved
+  schedule, and the schedule's unshard/reshard actions reaching the units as often as
+  FSDP2's;
 - Lightning Fabric 2.6.6's ``ModelParallelStrategy`` with ``hp.fully_shard`` in its
   ``parallelize_fn`` (tests/lightning_scenarios.py, the shared 2-rank launch; skipped
   where lightning-fabric is not installed: the ``lightning`` extra): under
@@ -82,6 +83,16 @@ def test_schedule_reduces_once_per_unit_per_step_as_fsdp2(name):
             assert counted.get("all_gather") == tracked.get("all_gather"), where
             for op in ("reduce_scatter", "all_reduce"):
                 assert counted.get(op, 0) == fsdp2.get(op, 0), f"{where}: {op}"
+
+
+@pytest.mark.timeout(600)
+def test_interleaved_schedule_all_gathers_as_often_as_fsdp2():
+    """The kept set (fully_shard/state.py, "one kept set"): a later microbatch's backward
+    copies its full parameters instead of gathering them (docs/api.md, "Pipelines", has
+    the other schedules' counts)."""
+    for rank, (ours, theirs) in enumerate(_schedule("interleaved_1f1b")):
+        assert [c["all_gather"] for c in ours["collectives"]] == \
+               [c["all_gather"] for c in theirs["collectives"]], f"rank {rank}"
 
 
 @pytest.mark.timeout(600)
