@@ -1,12 +1,12 @@
 """``fully_shard``: make a module (or a list of modules) one unit of sharded parameters.
 
 [Note: validate everything, then change anything]
-``fully_shard`` first checks every argument (modules of the process's framework, a joined
-job where a launcher started one, policies and their dtypes, mesh and device, callables,
-thresholds) and computes and checks the whole plan (managed parameters, shard dims and
-meshes, ignored parameters, parameters already managed elsewhere); only then does it
-replace parameters, swap the class and install hooks, so a bad call leaves the module
-untouched.
+``fully_shard`` first checks every argument (modules of the process's framework, none of
+them sharded by the framework's own fully_shard, a joined job where a launcher started one,
+policies and their dtypes, mesh and device, callables, thresholds) and computes and checks
+the whole plan (managed parameters, shard dims and meshes, ignored parameters, parameters
+already managed elsewhere); only then does it replace parameters, swap the class and
+install hooks, so a bad call leaves the module untouched.
 
 [Note: which parameters a unit manages]
 The parameters registered on the given modules and their submodules, minus those of
@@ -36,6 +36,7 @@ from hyper_parallel.fully_shard.fsdp_module import (
     FSDPModule, _make_post_forward_group, _resolve_reshard_after_forward,
 )
 from hyper_parallel.fully_shard.state import STATE_ATTR, FSDPState
+from hyper_parallel.fully_shard.iteration import reduce_accumulated
 from hyper_parallel.distributed import require_joined_job
 from hyper_parallel.platform import MODULE_CLASSES, get_platform, module_framework
 from hyper_parallel.tensor_parallel.layout import tensor_parallel_layout
@@ -44,8 +45,10 @@ _REPLACED_BY = "_hp_replaced_by"    # on an original parameter a unit replaced
 
 
 @functools.lru_cache(maxsize=None)
-def _fsdp_class(cls: type) -> type:
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+def _fsdp_class(cls: type, platform_bases: tuple) -> type:
+    """``FSDP<cls>``: our methods first, then the module's class, then the platform's
+    ``unit_bases`` (torch: FSDP2's own ``FSDPModule``, so torch's code recognises a unit)."""
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls, *platform_bases), {})
 
 
 def _module_list(module) -> list:
@@ -64,6 +67,22 @@ def _module_list(module) -> list:
         raise TypeError(f"fully_shard got modules of {' and '.join(frameworks)} in one list; a "
                         f"unit's modules are of one framework")
     return modules
+
+
+def _refuse_native_units(platform, modules: list) -> None:
+    """A module the framework's own fully_shard sharded (torch's FSDP2) cannot be, or be
+    inside, a unit of ours: its parameters are that API's shards."""
+    for root in modules:
+        for name, sub in platform.named_modules(root):
+            api = platform.native_unit_api(sub)
+            if api is not None:
+                which = (f"a {type(root).__name__} whose submodule {name!r} "
+                         f"({type(sub).__name__}) is" if name else
+                         f"a {type(root).__name__}, which is")
+                raise ValueError(
+                    f"fully_shard got {which} sharded by {api} already; one model's units "
+                    f"must all be hyper_parallel's: apply hp.fully_shard to the model before "
+                    f"any other sharding, in place of {api}")
 
 
 def _mesh_info(mesh: DeviceMesh, replicate_dims: tuple, shard_dims: tuple) -> MeshInfo:
@@ -183,6 +202,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     modules = _module_list(module)
     platform = get_platform(modules[0])
     require_joined_job("fully_shard", platform)
+    _refuse_native_units(platform, modules)
     for m in modules:
         if STATE_ATTR in m.__dict__:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "
@@ -264,6 +284,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward: bool | int | None =
     state = FSDPState(platform, unit_name, modules, groups, reshard_after_forward, mp_policy)
     for m in modules:
         object.__setattr__(m, STATE_ATTR, state)
-        m.__class__ = _fsdp_class(type(m))
+        m.__class__ = _fsdp_class(type(m), platform.unit_bases())
+        platform.present_unit(m, functools.partial(reduce_accumulated, state))
         platform.register_forward_hooks(m, state.pre_forward, state.post_forward)
     return module

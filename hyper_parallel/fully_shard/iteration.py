@@ -47,6 +47,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from hyper_parallel.fully_shard.gradients import reduce_gradients
+
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.gradients import UnitReduction
     from hyper_parallel.fully_shard.state import FSDPState
@@ -187,6 +189,35 @@ class IterationContext:
         for state in self.states:
             state.finish_backward()
 
+    def reduce_accumulated(self) -> None:
+        """Reduce what every unit accumulated with gradient sync off, one reduction per
+        unit and parameter group (in backward order), as a last microbatch's backward
+        would, then end the step as its final callback does: drain (with the root's
+        ``is_last_backward`` set) and reshard every unit. A unit whose sync is still off
+        keeps accumulating.
+
+        A unit with trainable parameters whose forward ran in the step but whose backward
+        never did is an error, raised before any collective (every rank of its groups runs
+        the same stage): its gradients took a way around the unit (torch's zero-bubble
+        schedules compute weight gradients from the parameters' own accumulators, which a
+        unit's gradients do not pass through), and reducing nothing would train it wrong."""
+        p = self.platform
+        missed = [state.name for state in self.forwards_run if state.unsharded_grads is None
+                  and any(p.param_requires_grad(fp.sharded_param) for fp in state.params)]
+        if missed:
+            raise RuntimeError(
+                f"the step's backwards never reached the parameters of {', '.join(missed)}, "
+                f"whose forward ran: no gradient to reduce. A pipeline schedule that splits "
+                f"each backward into input and weight parts (torch's zero-bubble schedules) "
+                f"computes weight gradients without running a unit's backward; use one that "
+                f"runs each backward whole (ScheduleGPipe, Schedule1F1B, "
+                f"ScheduleInterleaved1F1B)")
+        for state in reversed(self.states):
+            accumulated, state.unsharded_grads = state.unsharded_grads, None
+            if accumulated is not None:
+                reduce_gradients(state, accumulated)
+        self.finish_backward()
+
     def reset(self) -> None:
         """After an exception aborted a forward or backward (``reset_iter_state``): wait every
         collective in flight and drop what it carried (the aborted iteration's gradients,
@@ -205,3 +236,10 @@ class IterationContext:
             state.reset()  # also waits and drops an all-gather in flight
         self.platform.discard_aborted_autograd()
         logger.debug("iteration state reset: %d reductions in flight dropped", len(in_flight))
+
+
+def reduce_accumulated(state: FSDPState) -> None:
+    """``IterationContext.reduce_accumulated`` of ``state``'s root, for a driver that ends a
+    step outside any backward (torch's pipeline stages); before any forward, nothing."""
+    if state.iteration is not None:
+        state.iteration.reduce_accumulated()

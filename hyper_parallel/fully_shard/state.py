@@ -26,6 +26,14 @@ freed memory. Where a
 platform cannot release memory, the full parameters stay alive until the unit's backward
 and no second all-gather is issued.
 
+[Note: one kept set]
+Several forwards may run before their backwards (torch's pipeline schedules), each with
+its own full parameters, released after it. With ``reshard_after_backward=False`` the
+full parameters a backward re-gathered become the unit's kept set, and a later backward's
+released ones are copied from it, not gathered again: one all-gather per unit for all of
+a step's backwards, as FSDP2 keeps one set. Both were gathered from the same shards, as
+no optimizer step falls between a forward and its backward.
+
 [Note: roots]
 The first unit whose forward runs becomes the root: it creates the IterationContext shared
 by every unit in its module tree, starts each iteration, and its final callback reshards
@@ -286,10 +294,18 @@ class FSDPState:
         return [full for group in self.groups for full in group.wait_gather()]
 
     def _refill(self, full: FullParams) -> None:
-        logger.debug("%s: re-gather full parameters for backward", self.name)
-        with self.platform.no_grad():
-            for group, fulls, kept in self._released_per_group(full):
-                group.refill(fulls, kept)
+        kept, p = self._full, self.platform
+        with p.no_grad():
+            if kept is not None and kept is not full and kept.live and kept.spent \
+                    and kept.memory is not full.memory:  # see the note "one kept set"
+                logger.debug("%s: full parameters copied from the kept ones", self.name)
+                for tensor, source in zip(full.tensors, kept.tensors):
+                    p.restore_storage(tensor)
+                    p.copy_into(tensor, source)
+            else:
+                logger.debug("%s: re-gather full parameters for backward", self.name)
+                for group, fulls, shards in self._released_per_group(full):
+                    group.refill(fulls, shards)
         full.memory.post_forward = None
         full.memory.live = True
 
@@ -358,7 +374,18 @@ class FSDPState:
                 self.reshard() if full is self._full else self._release(full)
             elif full is self._full:
                 self._enter(UnitState.KEPT)
+            elif full.live and self._full is not None and not self._full.live:
+                self._keep(full)
         return reduce_gradients(self, full_grads)
+
+    def _keep(self, full: FullParams) -> None:
+        """``reshard_after_backward=False`` after the backward of an earlier forward than
+        the current one, whose memory is released: ``full`` becomes the unit's kept set
+        (see the note "one kept set")."""
+        self._full = full
+        for fsdp_param, tensor in zip(self.params, full.tensors):
+            fsdp_param.attach(tensor)
+        self._enter(UnitState.KEPT)
 
     def finish_backward(self) -> None:
         """Root's final callback, for every unit: reshard what backward left unsharded."""

@@ -257,6 +257,24 @@ class Platform(Collectives, TensorPrimitives):
         framework runs once a leaf's gradient is accumulated (torch: the parameter's
         post-accumulate-grad hooks)."""
 
+    def unit_bases(self) -> tuple:
+        """Classes a unit's class derives from after the module's own, so that the
+        framework's code written for its own fully sharded units recognises it (torch:
+        FSDP2's ``FSDPModule``, platform/torch/fsdp2_units.py). The default: none."""
+        return ()
+
+    def present_unit(self, module: Any, reduce_accumulated: Callable[[], None]) -> None:
+        """Called once for each module of a new unit: let the framework's code that drives
+        its own units find what it asks for; ``reduce_accumulated()`` reduces the gradients
+        accumulated with gradient sync off, waits for them and reshards (torch's pipeline
+        stages call it after the last microbatch). The default: nothing to present."""
+
+    def native_unit_api(self, module: Any) -> str | None:
+        """The framework's own API that made ``module`` a fully sharded unit of its own
+        (torch: "torch's fully_shard (FSDP2)"), which ``fully_shard`` refuses; None where
+        none did (a hyper_parallel unit included). The default: none."""
+        return None
+
     def updated_in_forward(self, module: Any) -> list:
         """Parameters that ``module``'s own forward overwrites in place (MindSpore
         BatchNorm's moving statistics). ``fully_shard`` leaves them whole on every rank, as

@@ -28,6 +28,7 @@ from hyper_parallel.platform.torch.tp_support import TorchTensorParallelSupport
 from hyper_parallel.platform.torch.tensor_parallel import (
     TP_SPEC, TorchTensorParallel, as_tensor_parallel)
 from hyper_parallel.platform.torch.eager_hooks import call_eagerly, eager
+from hyper_parallel.platform.torch.fsdp2_units import FSDP2Unit, native_unit_api, present_unit
 from hyper_parallel.platform.torch.released_memory import ReleasedMemory
 from hyper_parallel.platform.torch.unshard_function import run_differentiable
 
@@ -370,6 +371,15 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSuppor
             module.register_forward_pre_hook(eager(pre_hook), with_kwargs=True, prepend=True),
             module.register_forward_hook(eager(post_hook), with_kwargs=True),
         ]
+
+    def unit_bases(self) -> tuple:
+        return (FSDP2Unit,)
+
+    def present_unit(self, module, reduce_accumulated) -> None:
+        present_unit(module, reduce_accumulated)
+
+    def native_unit_api(self, module):
+        return native_unit_api(module)
 
     def register_grad_hook(self, tensor, fn) -> None:
         if not tensor.requires_grad:
