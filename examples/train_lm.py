@@ -100,6 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.seq > SIZES[args.size]["seq"]:
         parser.error(f"--seq {args.seq} is longer than size {args.size}'s rotary tables "
                      f"({SIZES[args.size]['seq']})")
+    if args.backend == "mindspore" and args.tp > 1 and args.export:
+        parser.error("--export with --tp on MindSpore: hp.export_full does not read "
+                     "hyper_parallel.tensor_parallel's layouts yet; --ckpt-at-end, then load "
+                     "the checkpoint into a model without --tp to export it")
     if args.backend == "mindspore" and args.dtype == "bf16":
         parser.error("--dtype bf16: MindSpore on CPU has no bfloat16 matmul; use --dtype fp16")
     return args

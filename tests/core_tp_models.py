@@ -103,9 +103,12 @@ def plan(names, kind: str, colwise_embedding: bool = True) -> dict:
     }
 
 
-def torch_model():
+def torch_model(recompute: bool = False):
+    """``recompute``: the attention and the MLP recomputed in backward
+    (``torch.utils.checkpoint``, non-reentrant)."""
     import torch
     from torch import nn
+    from torch.utils.checkpoint import checkpoint
 
     class Attention(nn.Module):
         def __init__(self):
@@ -138,10 +141,13 @@ def torch_model():
 
         def forward(self, ids):
             h = self.embed(ids)
-            h = h + self.attn(self.attn_norm(h))
-            h = h + self.ffn(self.ffn_norm(h))
+            h = h + self._block(self.attn, self.attn_norm(h))
+            h = h + self._block(self.ffn, self.ffn_norm(h))
             h = self.norm(h)
             return self.head(h.reshape(-1, h.shape[-1]))
+
+        def _block(self, block, x):
+            return checkpoint(block, x, use_reentrant=False) if recompute else block(x)
 
     model = LM()
     values = init_values()
@@ -161,7 +167,8 @@ def mindspore_name(name: str) -> str:
     return name.replace(".gamma", ".weight").replace(".beta", ".bias")
 
 
-def mindspore_model():
+def mindspore_model(recompute: bool = False):
+    """``recompute``: the attention and the MLP recomputed in backward (``ms.recompute``)."""
     import mindspore as ms
     from mindspore import mint, nn
 
@@ -197,10 +204,13 @@ def mindspore_model():
 
         def construct(self, ids):
             h = self.embed(ids)
-            h = h + self.attn(self.attn_norm(h))
-            h = h + self.ffn(self.ffn_norm(h))
+            h = h + self._block(self.attn, self.attn_norm(h))
+            h = h + self._block(self.ffn, self.ffn_norm(h))
             h = self.norm(h)
             return self.head(h.reshape(-1, h.shape[-1]))
+
+        def _block(self, block, x):
+            return ms.recompute(block, x) if recompute else block(x)
 
     model = LM()
     values = init_values()
