@@ -3,7 +3,9 @@
 
 The language model of tests/core_tp_models.py under torchtitan's sequence-parallel plan
 (``parallelize_module(model, mesh["tp"], plan)``), its attention and MLP recomputed in
-backward (torch: ``torch.utils.checkpoint``; MindSpore: ``ms.recompute``), then
+backward (torch: ``torch.utils.checkpoint``; MindSpore: ``ms.recompute``, which
+differentiates a recomputed cell by its tensor inputs only: the norms before the blocks
+hand them plain tensors, ``use_local_output=True``), then
 ``fully_shard(unit, mesh=mesh["replicate", "shard"])`` (HSDP) for the attention, the MLP
 and the root. Each AdamW step accumulates ``MICRO`` microbatches: the first with
 ``set_requires_gradient_sync(False)``, each loss divided by ``MICRO``: microbatch ``m`` of
@@ -103,9 +105,9 @@ def run_torch(shape: tuple) -> dict:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=NAMES)
     dp_mesh = mesh["replicate", "shard"]
     theirs = torch_tp.parallelize_module(torch_model(recompute=True), mesh["tp"],
-                                         plan(TorchNames, "sequence"))
+                                         plan(TorchNames, "sequence", local_norms=True))
     ours = core_tp.parallelize_module(torch_model(recompute=True), mesh["tp"],
-                                      plan(core_tp, "sequence"))
+                                      plan(core_tp, "sequence", local_norms=True))
     for shard, model in ((fully_shard, theirs), (hp.fully_shard, ours)):
         for unit in (model.attn, model.ffn):
             shard(unit, mesh=dp_mesh)
@@ -150,7 +152,7 @@ def run_mindspore(shape: tuple) -> dict:
     out = {"reference": trained(mindspore_model(), [[b] for b in _whole_batches(dp_size)],
                                 ops.cross_entropy, sharded=False)}
     model = hp.parallelize_module(mindspore_model(recompute=True), mesh["tp"],
-                                  plan(core_tp, "sequence"))
+                                  plan(core_tp, "sequence", local_norms=True))
     for unit in (model.attn, model.ffn, model):
         hp.fully_shard(unit, mesh=mesh["replicate", "shard"])
     out["parallel"] = trained(model, _micro_slices(dp_rank, dp_size, shape[2]), parallel_loss,

@@ -62,11 +62,13 @@ def targets_for(targets: np.ndarray, plan: str, tp: int) -> np.ndarray:
     return np.concatenate([part.reshape(-1) for part in np.split(targets, tp, axis=1)])
 
 
-def plan(names, kind: str, colwise_embedding: bool = True) -> dict:
+def plan(names, kind: str, colwise_embedding: bool = True, local_norms: bool = False) -> dict:
     """The plan ``kind`` with the styles and placements of ``names`` (a module: torch's
     ``torch.distributed.tensor.parallel`` + placements, or hyper_parallel.tensor_parallel).
     ``colwise_embedding=False``: the ``layouts`` plan keeps the embedding
-    vocabulary-parallel (MindSpore's ``nn.Embedding`` computes with its rows split only)."""
+    vocabulary-parallel (MindSpore's ``nn.Embedding`` computes with its rows split only).
+    ``local_norms=True``: the sequence plan's block norms hand plain tensors to the blocks
+    (``ms.recompute`` differentiates a recomputed cell by its framework-tensor inputs only)."""
     Shard, Replicate = names.Shard, names.Replicate
     col, row = names.ColwiseParallel, names.RowwiseParallel
     if kind == "replicated":
@@ -90,7 +92,7 @@ def plan(names, kind: str, colwise_embedding: bool = True) -> dict:
         }
     return {
         "embed": row(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "*_norm": names.SequenceParallel(),
+        "*_norm": names.SequenceParallel(use_local_output=local_norms),
         "attn": names.PrepareModuleInput(input_layouts=(Shard(1),),
                                          desired_input_layouts=(Replicate(),)),
         "attn.w[qkv]": col(), "attn.wo": row(output_layouts=Shard(1)),

