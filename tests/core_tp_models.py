@@ -224,19 +224,23 @@ def mindspore_model(recompute: bool = False):
 def bad_input_model(backend: str):
     """Children a plan can name wrongly: ``fc`` Linear(8, 8), ``odd`` Linear(8, 5) (5 does not
     split over 2), ``conv`` a convolution, ``act`` a layer without parameters, ``embed``
-    an Embedding(16, 8)."""
+    an Embedding(16, 8), ``head`` a Linear(8, 16) whose weight is ``embed``'s (tied)."""
     if backend == "torch":
         from torch import nn
 
         model = nn.Module()
         model.fc, model.odd, model.conv = nn.Linear(8, 8), nn.Linear(8, 5), nn.Conv1d(2, 2, 1)
         model.act, model.embed = nn.ReLU(), nn.Embedding(VOCAB, 8)
+        model.head = nn.Linear(8, VOCAB, bias=False)
+        model.head.weight = model.embed.weight
         return model
     from mindspore import nn
 
     model = nn.Cell()
     model.fc, model.odd, model.conv = nn.Dense(8, 8), nn.Dense(8, 5), nn.Conv1d(2, 2, 1)
     model.act, model.embed = nn.ReLU(), nn.Embedding(VOCAB, 8)
+    model.head = nn.Dense(8, VOCAB, has_bias=False)
+    model.head._params["weight"] = model.embed.embedding_table  # tied, as set_local_param
     return model
 
 
