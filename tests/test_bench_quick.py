@@ -100,3 +100,25 @@ def test_figures_are_computed_from_the_measured_rounds(quick_run):
                        for v in per_dim.values()), figs["bytes_vs_min"]
         # same weights, data and averaging: the implementations train alike
         assert figs["loss_rel_diff_vs_ref"]["hp"] < 1e-4
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallelism_is_measured_on_both_frameworks(quick_run):
+    import tensor_parallel
+
+    stdout, doc, _ = quick_run
+    result = doc["tensor_parallel"]
+    assert "error" not in result, result.get("error")
+    assert sorted(result["backends"]) == ["mindspore", "torch"]
+    assert "tp bytes/step measured / implied" in stdout
+    implied = tensor_parallel.implied_comm(result["size"], result["batch"], result["seq"])
+    for backend, figures in result["backends"].items():
+        # the collectives one step moves are the ones the plan implies, call for call
+        assert figures["tp_comm"] == implied, (backend, figures["tp_comm"], implied)
+        # the split layers' state halves at tp2; the replicated norms' does not
+        assert figures["tp2_vs_tp1_bytes"]["split"] == 0.5, backend
+        assert figures["tp2_vs_tp1_bytes"]["rest"] == 1.0, backend
+        step = figures["step_s"]
+        assert all(step[kind]["q1"] <= step[kind]["median"] <= step[kind]["q3"]
+                   for kind in ("fsdp4", "tp2"))
+        assert figures["tp2_vs_fsdp4"]["median"] > 0

@@ -14,9 +14,10 @@ placements, on MindSpore hyper_parallel.tensor_parallel's):
   vocabulary, for the loss (``loss_parallel``), which never gathers them.
 
 Every rank of a tensor-parallel group feeds the same batch. The head is untied from the
-embedding (Hugging Face Llama's default); the plan would split a tied weight once as the
-embedding's rows and once as the head's, two parameters where there was one, so a tied
-head is not offered.
+embedding (Hugging Face Llama's default). Both styles split a tied weight the same way
+(rows of the vocabulary), but each gives its module a parameter of its own: on MindSpore
+``parallelize_module`` refuses a tied weight (ValueError naming both modules); torch's
+would silently make two parameters of it. So the example offers no tied head.
 """
 
 from __future__ import annotations
