@@ -102,8 +102,9 @@ def report(result: dict) -> str:
     lines = [f"Tensor parallelism, example LM size {result['size']}, global batch "
              f"{result['batch']} x {result['seq']} bytes, 4 ranks, fp32, AdamW, "
              f"{result['rounds']} alternated rounds:", "",
-             "| framework | state/rank tp2 / tp1: split layers | the rest | step dp2 x tp2 / FSDP 4 "
-             "(median [q1, q3]) | FSDP 4 step s | dp2 x tp2 step s | tp bytes/step measured / implied |",
+             "| framework | state/rank tp2 / tp1: split layers | the rest | step dp2 x tp2 / "
+             "FSDP 4 (median [q1, q3]) | FSDP 4 step s | dp2 x tp2 step s | "
+             "tp bytes/step measured / implied |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     total_implied = sum(v[1] for v in implied.values())
     for backend, f in result["backends"].items():

@@ -61,11 +61,12 @@ class TorchModels:
         self.models, self.opts = {}, {}
         for kind in ("fsdp4", "tp2", "tp1", "core_tp2"):
             model = build(job["size"])
-            if kind in ("tp2", "core_tp2"):
-                parallelize = hp.parallelize_module if kind == "tp2" else tp_module.parallelize_module
-                plan = lm_plan(hp if kind == "tp2" else tp_module, attention_inputs=3)
-                parallelize(model, self.mesh["tp"].native if kind == "tp2" else self.mesh["tp"],
-                            plan)
+            if kind == "tp2":  # torch's own, which takes torch's DeviceMesh
+                hp.parallelize_module(model, self.mesh["tp"].native,
+                                      lm_plan(hp, attention_inputs=3))
+            elif kind == "core_tp2":  # hyper_parallel's, whose collectives comm_stats counts
+                tp_module.parallelize_module(model, self.mesh["tp"],
+                                             lm_plan(tp_module, attention_inputs=3))
             mesh = None if kind == "fsdp4" else self.mesh["shard"]
             for layer in model.model.layers:
                 hp.fully_shard(layer, mesh=mesh)
@@ -175,7 +176,8 @@ def main(job_path: str) -> None:
 
     models = (TorchModels if platform.name == "torch" else MindSporeModels)(job, tensor_parallel)
     corpus = ByteCorpus()
-    batches = [corpus.batch(k, job["batch"], job["seq"]) for k in range(job["warmup"] + job["rounds"])]
+    batches = [corpus.batch(k, job["batch"], job["seq"])
+               for k in range(job["warmup"] + job["rounds"])]
 
     def rows(kind, array):  # fsdp4: 4 data-parallel ranks; the others: 2, tp pairs alike
         return rank_rows(array, rank, 4) if kind == "fsdp4" else rank_rows(array, rank // 2, 2)

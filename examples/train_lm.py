@@ -9,9 +9,10 @@
 The model (examples/lm/: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, with
 Hugging Face Llama's parameter names) is written once per framework; every decoder layer
 and the root are fully_shard units; with ``--tp N`` the model is first split over N ranks
-with Megatron's tensor-parallel plan (examples/lm/tensor_parallel.py). It trains with AdamW on random windows of the bundled
-text (examples/data/), a progress line per step, a checkpoint every ``--ckpt-every`` steps
-in ``--out``, validation at each checkpoint and at the end, and the loss curve as a PNG.
+with Megatron's tensor-parallel plan (examples/lm/tensor_parallel.py). It trains with
+AdamW on random windows of the bundled text (examples/data/), a progress line per step, a
+checkpoint every ``--ckpt-every`` steps in ``--out``, validation at each checkpoint and at
+the end, and the loss curve as a PNG.
 
 A checkpoint is portable: ``--resume`` takes one written by either framework at any number
 of ranks and mesh, so a run started on torch continues on MindSpore (and back) on the
