@@ -8,14 +8,14 @@ Every run is the example's own command line (tests/test_train_lm.py's pattern: t
 hp-run's ``--timeout``), ``STEPS`` AdamW steps, one launch per layout:
 
 - the one-process references, torch and MindSpore (``--nproc 1``);
-- MindSpore at tp2 (2 ranks, fully_shard over a 1-rank data-parallel mesh), a checkpoint
+- MindSpore at tp2 (2 ranks, fully_shard over a 1-rank data-parallel mesh) and torch at
+  dp2 x tp2 (torch's own tensor parallelism under hp.fully_shard), each with a checkpoint
   after step K;
-- torch at dp2 x tp2 (torch's own tensor parallelism under hp.fully_shard): steps 1-K, a
-  checkpoint, and the rest resumed from it in a second launch;
 - under ``-m slow``: MindSpore at dp2 x tp2 (4 ranks; tests/test_core_tp_fully_shard.py
-  covers that composition in the default run) and MindSpore's tp2 run resumed from its
-  checkpoint (tests/test_core_tp_fully_shard.py round-trips MindSpore's tensor-parallel
-  checkpoints bitwise in the default run).
+  covers that composition in the default run), and each framework's run resumed from its
+  step-K checkpoint in the same layout (in the default run tests/test_core_tp_fully_shard.py
+  round-trips MindSpore's tensor-parallel checkpoints bitwise, tests/test_tensor_parallel.py
+  torch's).
 
 MindSpore's tensor-parallel losses must equal its one-process losses to 1e-5 relative;
 torch's tensor-parallel run must agree with MindSpore's to what the two frameworks'
@@ -58,12 +58,8 @@ def mindspore_tp2(root):
 
 @pytest.fixture(scope="module")
 def torch_dp2_tp2(root):
-    first = _train(root / "torch_dp2_tp2", "torch", "--nproc", "4", "--tp", "2",
-                   "--steps", str(K), "--ckpt-every", str(K))
-    resumed = _train(root / "torch_dp2_tp2_resumed", "torch", "--nproc", "4", "--tp", "2",
-                     "--steps", str(STEPS),
-                     "--resume", str(root / "torch_dp2_tp2" / f"step-{K:05d}"))
-    return first, resumed
+    return _train(root / "torch_dp2_tp2", "torch", "--nproc", "4", "--tp", "2",
+                  "--steps", str(STEPS), "--ckpt-every", str(K))
 
 
 def _agreement(references) -> float:
@@ -93,14 +89,18 @@ def test_mindspore_tp2_trains_as_one_process(references, mindspore_tp2, root):
 
 
 @pytest.mark.slow
-def test_mindspore_tp2_resumes_from_its_checkpoint(references, mindspore_tp2, root):
-    resumed = _train(root / "ms_tp2_resumed", "mindspore", "--nproc", "2", "--tp", "2",
-                     "--steps", str(STEPS), "--resume", str(root / "ms_tp2" / f"step-{K:05d}"))
-    _check_resumed(_train_prefix(mindspore_tp2), resumed)
-    _check_parity(resumed, references["mindspore"], "MindSpore tp2 resumed")
+@pytest.mark.parametrize("backend", ["mindspore", "torch"])
+def test_a_tensor_parallel_run_resumes_from_its_checkpoint(references, mindspore_tp2,
+                                                           torch_dp2_tp2, root, backend):
+    run, name, nproc = ((mindspore_tp2, "ms_tp2", "2") if backend == "mindspore"
+                        else (torch_dp2_tp2, "torch_dp2_tp2", "4"))
+    resumed = _train(root / f"{name}_resumed", backend, "--nproc", nproc, "--tp", "2",
+                     "--steps", str(STEPS), "--resume", str(root / name / f"step-{K:05d}"))
+    _check_resumed(_first_steps(run), resumed)
+    _check_parity(resumed, references[backend], f"{backend} {name} resumed")
 
 
-def _train_prefix(run):
+def _first_steps(run):
     """``run`` as its first K steps: the history its step-K checkpoint holds."""
     metrics, out = run
     return {**metrics, "history": metrics["history"][:K]}, out
@@ -114,13 +114,10 @@ def test_mindspore_dp2_tp2_trains_as_one_process(references, root):
     _check_parity(run, references["mindspore"], "MindSpore dp2 x tp2")
 
 
-def test_torch_tp_resumes_and_agrees_with_mindspore_tp(references, mindspore_tp2,
-                                                      torch_dp2_tp2):
-    first, resumed = torch_dp2_tp2
-    assert "FSDP 2 x TP 2" in first[1]
-    _check_resumed(first, resumed)
-    _check_parity(resumed, references["torch"], "torch dp2 x tp2")
-    torch_tp, mindspore_tp = _losses(resumed), _losses(mindspore_tp2)
+def test_torch_tp_agrees_with_mindspore_tp(references, mindspore_tp2, torch_dp2_tp2):
+    assert "FSDP 2 x TP 2" in torch_dp2_tp2[1]
+    _check_parity(torch_dp2_tp2, references["torch"], "torch dp2 x tp2")
+    torch_tp, mindspore_tp = _losses(torch_dp2_tp2), _losses(mindspore_tp2)
     tolerance = 2 * _agreement(references)
     diff = _rel(torch_tp, mindspore_tp)
     print(f"torch TP vs MindSpore TP: {diff:.2e}; one-process references: "
