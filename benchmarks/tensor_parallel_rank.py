@@ -22,6 +22,7 @@ are not counted by it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -79,7 +80,7 @@ class TorchModels:
         torch, model = self.torch, self.models[kind]
         context = {"tp2": hp.loss_parallel, "core_tp2": self.tp_module.loss_parallel}.get(kind)
         cross_entropy = self.tp_module.cross_entropy if kind == "core_tp2" else self.F.cross_entropy
-        with (context() if context else _nothing()):
+        with (context() if context else contextlib.nullcontext()):
             logits = model(torch.from_numpy(ids))
             loss = cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(targets).reshape(-1))
             loss.backward()
@@ -124,7 +125,6 @@ class MindSporeModels:
             self.models[kind], self.opts[kind] = model, AdamW(params, lr=1e-4)
             self.grad_fns[kind] = ms.value_and_grad(self._loss_fn(model, kind == "tp2"),
                                                     None, params)
-        self.models["core_tp2"] = self.models["tp2"]
 
     def _loss_fn(self, model, parallel: bool):
         ms, tp = self.ms, self.tp_module
@@ -138,7 +138,7 @@ class MindSporeModels:
         return loss
 
     def step(self, kind, ids, targets) -> float:
-        kind = "tp2" if kind == "core_tp2" else kind
+        kind = "tp2" if kind == "core_tp2" else kind  # its tensor parallelism is the core's
         ms = self.ms
         loss, grads = self.grad_fns[kind](ms.Tensor(ids.astype(np.int32)),
                                           ms.Tensor(targets.astype(np.int32)))
@@ -157,14 +157,6 @@ class MindSporeModels:
             row[1] += grad.nbytes
             row[2] += sum(b.nbytes for b in buffers)
         return out
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(job_path: str) -> None:
