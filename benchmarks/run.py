@@ -12,7 +12,8 @@ table and the JSON, the run goes on, and the exit code is 1. At the end: the hea
 ``--full`` runs the full grid instead of the headline one (written as ``full.json`` /
 ``full.png``); ``--quick`` is the smoke run the test suite executes: tiny models, 1 + 2
 rounds, one launch per workload and framework, written as ``quick.*``. It tests that the
-pipeline runs, not speed.
+pipeline runs, not speed. After the grid: the step memory (not in ``--quick``) and tensor
+parallelism against FSDP (tensor_parallel.py; the tiny model in ``--quick``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import configs  # noqa: E402
 import launch_ranks  # noqa: E402
 import report  # noqa: E402
 import step_memory  # noqa: E402
+import tensor_parallel  # noqa: E402
 
 RANK_SCRIPTS = {"torch": "rank_torch.py", "mindspore": "rank_mindspore.py"}
 
@@ -74,6 +76,8 @@ def _parse_args(argv):
     parser.add_argument("--no-step-memory", dest="step_memory", action="store_false",
                         help="skip the per-block step memory measurement (step_memory.py; "
                              "never in --quick)")
+    parser.add_argument("--no-tensor-parallel", dest="tensor_parallel", action="store_false",
+                        help="skip tensor parallelism against FSDP (tensor_parallel.py)")
     parser.add_argument("--list", action="store_true", help="print the selected configurations and exit")
     return parser.parse_args(argv)
 
@@ -143,6 +147,21 @@ def _run_step_memory(args) -> dict:
         return {"error": str(exc)}
 
 
+def _run_tensor_parallel(args) -> dict:
+    """The example LM at dp2 x tp2 against FSDP over 4 ranks, on each selected framework
+    (tensor_parallel.py): size small, 6 rounds; tiny and 2 rounds in --quick."""
+    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
+    shape = dict(size="tiny", batch=4, seq=32, warmup=0, rounds=2) if args.quick else \
+        dict(size="small", batch=8, seq=128, warmup=1, rounds=args.rounds or 6)
+    print(f"tensor parallelism: example LM {shape['size']}, dp2 x tp2 against FSDP 4, "
+          f"{', '.join(backends)}", flush=True)
+    try:
+        return tensor_parallel.measure(backends, timeout_s=1800, **shape)
+    except launch_ranks.LaunchFailure as exc:
+        print(f"tensor parallelism: FAILED: {str(exc).splitlines()[0]}", flush=True)
+        return {"error": str(exc)}
+
+
 def _run_config(index: int, total: int, cfg, t_run: float, bind_cores: bool,
                 ms_pipeline: str) -> dict:
     """One launch: every implementation of ``cfg`` in the same processes; its row."""
@@ -205,6 +224,9 @@ def main(argv=None) -> int:
     if args.step_memory and not args.quick:
         doc["step_memory"] = _run_step_memory(args)
         doc["wall_s"] = time.monotonic() - t_run
+    if args.tensor_parallel:
+        doc["tensor_parallel"] = _run_tensor_parallel(args)
+        doc["wall_s"] = time.monotonic() - t_run
     doc["library"]["changed_during_run"] = (doc["library"]["start"]["sources_sha256"]
                                             != doc["library"]["end"]["sources_sha256"])
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
@@ -214,6 +236,9 @@ def main(argv=None) -> int:
     if "step_memory" in doc:
         print()
         print(doc["step_memory"].get("error") or step_memory.report(doc["step_memory"]))
+    if "tensor_parallel" in doc:
+        print()
+        print(doc["tensor_parallel"].get("error") or tensor_parallel.report(doc["tensor_parallel"]))
     print()
     print(f"wrote {json_path}")
     print(report.write_png(doc, png_path))
@@ -221,7 +246,8 @@ def main(argv=None) -> int:
         print("WARNING: hyper_parallel's sources changed during the run; launches measured "
               "different versions of the library (see 'library' in the JSON)")
     print(f"total wall time {doc['wall_s']:.0f} s")
-    failed = any("error" in row for row in rows) or "error" in doc.get("step_memory", {})
+    failed = any("error" in row for row in rows) or any(
+        "error" in doc.get(part, {}) for part in ("step_memory", "tensor_parallel"))
     return 1 if failed else 0
 
 

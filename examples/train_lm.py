@@ -3,13 +3,16 @@
     python examples/train_lm.py --nproc 2                        # torch, 2 CPU ranks, ~13M params
     python examples/train_lm.py --backend mindspore --nproc 2
     python examples/train_lm.py --nproc 4 --mesh 2x2 --dtype bf16  # HSDP, bf16 parameters
+    python examples/train_lm.py --nproc 4 --tp 2                  # FSDP over 2 x tensor parallel 2
     python examples/train_lm.py --size 124m --nproc 8            # GPT-2-small sized
 
 The model (examples/lm/: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, with
 Hugging Face Llama's parameter names) is written once per framework; every decoder layer
-and the root are fully_shard units. It trains with AdamW on random windows of the bundled
-text (examples/data/), a progress line per step, a checkpoint every ``--ckpt-every`` steps
-in ``--out``, validation at each checkpoint and at the end, and the loss curve as a PNG.
+and the root are fully_shard units; with ``--tp N`` the model is first split over N ranks
+with Megatron's tensor-parallel plan (examples/lm/tensor_parallel.py). It trains with
+AdamW on random windows of the bundled text (examples/data/), a progress line per step, a
+checkpoint every ``--ckpt-every`` steps in ``--out``, validation at each checkpoint and at
+the end, and the loss curve as a PNG.
 
 A checkpoint is portable: ``--resume`` takes one written by either framework at any number
 of ranks and mesh, so a run started on torch continues on MindSpore (and back) on the
@@ -50,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mesh", metavar="RxS",
                         help="HSDP: R replicas of S-way sharding, R*S = --nproc (default: "
                              "FSDP over all ranks)")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel degree: each layer split over N ranks, FSDP "
+                             "(or --mesh's HSDP) over the nproc / N groups (default 1: none)")
     parser.add_argument("--size", choices=sorted(SIZES), default="small",
                         help="model size (default small, ~13M parameters)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
@@ -84,27 +90,61 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.seq = args.seq or SIZES[args.size]["seq"]
     args.mesh_shape = _mesh_shape(parser, args)
-    if args.batch % args.nproc:
-        parser.error(f"--batch {args.batch} must divide over --nproc {args.nproc}: every rank "
-                     f"takes an equal share of each global batch")
+    # the seeded values are loaded through state dicts, which do not split tensor-parallel
+    # parameters yet: a tensor-parallel model is built whole and then split
+    args.eager_init = args.eager_init or args.tp > 1
+    data_parallel = args.nproc // args.tp
+    if args.batch % data_parallel:
+        parser.error(f"--batch {args.batch} must divide over the {data_parallel} data-parallel "
+                     f"ranks (--nproc {args.nproc} / --tp {args.tp}): each takes an equal share "
+                     f"of each global batch")
     if args.seq > SIZES[args.size]["seq"]:
         parser.error(f"--seq {args.seq} is longer than size {args.size}'s rotary tables "
                      f"({SIZES[args.size]['seq']})")
+    if args.backend == "mindspore" and args.tp > 1 and args.export:
+        parser.error("--export with --tp on MindSpore: hp.export_full does not read "
+                     "hyper_parallel.tensor_parallel's layouts yet; --ckpt-at-end, then load "
+                     "the checkpoint into a model without --tp to export it")
     if args.backend == "mindspore" and args.dtype == "bf16":
         parser.error("--dtype bf16: MindSpore on CPU has no bfloat16 matmul; use --dtype fp16")
     return args
 
 
 def _mesh_shape(parser, args):
+    """fully_shard's mesh shape: None (FSDP over all ranks), (R, S) for HSDP; with
+    ``--tp N`` the tensor-parallel dim N is appended."""
+    if args.tp < 1 or args.nproc % args.tp:
+        parser.error(f"--tp {args.tp} must divide --nproc {args.nproc}")
+    if args.tp > 1:
+        from examples.lm.tensor_parallel import check_degree
+
+        problem = check_degree(args.size, args.tp, args.seq)
+        if problem:
+            parser.error(problem)
     if args.mesh is None:
-        return None
+        return None if args.tp == 1 else (args.nproc // args.tp, args.tp)
     try:
         replicas, shards = (int(n) for n in args.mesh.lower().split("x"))
     except ValueError:
         parser.error(f"--mesh {args.mesh!r}: expected RxS, e.g. 2x2")
-    if replicas * shards != args.nproc:
-        parser.error(f"--mesh {args.mesh} has {replicas * shards} ranks but --nproc is {args.nproc}")
-    return replicas, shards
+    if replicas * shards * args.tp != args.nproc:
+        parser.error(f"--mesh {args.mesh} x --tp {args.tp} has {replicas * shards * args.tp} "
+                     f"ranks but --nproc is {args.nproc}")
+    return (replicas, shards) if args.tp == 1 else (replicas, shards, args.tp)
+
+
+def _meshes(hp, platform, args) -> tuple:
+    """(fully_shard's mesh, the tensor-parallel mesh): None for FSDP over all ranks and for
+    no tensor parallelism; the tensor-parallel dim is the last, so its ranks are adjacent."""
+    if args.mesh_shape is None:
+        return None, None
+    names = ("replicate", "shard") if args.mesh else ("shard",)
+    if args.tp > 1:
+        names += ("tp",)
+    mesh = hp.init_device_mesh(platform.device_type(), args.mesh_shape, mesh_dim_names=names)
+    if args.tp == 1:
+        return mesh, None
+    return mesh[names[:-1]], mesh["tp"]
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -121,12 +161,13 @@ def rank_main(args: argparse.Namespace) -> None:
         from examples.lm.trainer_torch import Trainer
     else:
         from examples.lm.trainer_mindspore import Trainer
-    mesh = None if args.mesh_shape is None else hp.init_device_mesh(
-        platform.device_type(), args.mesh_shape, mesh_dim_names=("replicate", "shard"))
+    mesh, tp_mesh = _meshes(hp, platform, args)
     mp_policy = hp.MixedPrecisionPolicy(param_dtype=DTYPES[args.dtype],
                                         reduce_dtype=DTYPES[args.dtype] and "float32")
     trainer = Trainer(args.size, mesh, mp_policy, not args.eager_init, args.lr,
-                      args.weight_decay, args.clip)
+                      args.weight_decay, args.clip, tp_mesh)
+    # a tensor-parallel group's ranks take the same rows: those of their data-parallel rank
+    data_rank, data_world = rank // args.tp, world // args.tp
     corpus = ByteCorpus()
     history, validation = [], []
     if args.resume:
@@ -143,7 +184,8 @@ def rank_main(args: argparse.Namespace) -> None:
     for step in range(start, args.steps):
         ids, targets = corpus.batch(step, args.batch, args.seq, args.seed)
         tick = time.perf_counter()
-        loss, grad_norm = trainer.step(rank_rows(ids, rank, world), rank_rows(targets, rank, world))
+        loss, grad_norm = trainer.step(rank_rows(ids, data_rank, data_world),
+                                       rank_rows(targets, data_rank, data_world))
         (loss,) = trainer.mean_over_ranks([loss])
         seconds = time.perf_counter() - tick
         record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "backend": platform.name,
@@ -153,10 +195,10 @@ def rank_main(args: argparse.Namespace) -> None:
         say(progress_line(record, args.steps), flush=True)
         last = step + 1 == args.steps
         if (args.ckpt_every and (step + 1) % args.ckpt_every == 0) or (last and args.ckpt_at_end):
-            _validate(args, trainer, corpus, rank, world, validation, step + 1, say)
+            _validate(args, trainer, corpus, data_rank, data_world, validation, step + 1, say)
             _checkpoint(args, hp, trainer, history, validation, step + 1, rank, say)
         elif last:
-            _validate(args, trainer, corpus, rank, world, validation, step + 1, say)
+            _validate(args, trainer, corpus, data_rank, data_world, validation, step + 1, say)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "metrics.json"), "w") as file:
@@ -172,7 +214,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def _layout(args) -> str:
-    return f"HSDP {args.mesh}" if args.mesh_shape else f"FSDP {args.nproc}"
+    data = f"HSDP {args.mesh}" if args.mesh else f"FSDP {args.nproc // args.tp}"
+    return data if args.tp == 1 else f"{data} x TP {args.tp}"
 
 
 def _saved_args(args) -> dict:

@@ -62,11 +62,13 @@ def targets_for(targets: np.ndarray, plan: str, tp: int) -> np.ndarray:
     return np.concatenate([part.reshape(-1) for part in np.split(targets, tp, axis=1)])
 
 
-def plan(names, kind: str, colwise_embedding: bool = True) -> dict:
+def plan(names, kind: str, colwise_embedding: bool = True, local_norms: bool = False) -> dict:
     """The plan ``kind`` with the styles and placements of ``names`` (a module: torch's
     ``torch.distributed.tensor.parallel`` + placements, or hyper_parallel.tensor_parallel).
     ``colwise_embedding=False``: the ``layouts`` plan keeps the embedding
-    vocabulary-parallel (MindSpore's ``nn.Embedding`` computes with its rows split only)."""
+    vocabulary-parallel (MindSpore's ``nn.Embedding`` computes with its rows split only).
+    ``local_norms=True``: the sequence plan's block norms hand plain tensors to the blocks
+    (``ms.recompute`` differentiates a recomputed cell by its framework-tensor inputs only)."""
     Shard, Replicate = names.Shard, names.Replicate
     col, row = names.ColwiseParallel, names.RowwiseParallel
     if kind == "replicated":
@@ -90,7 +92,7 @@ def plan(names, kind: str, colwise_embedding: bool = True) -> dict:
         }
     return {
         "embed": row(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "*_norm": names.SequenceParallel(),
+        "*_norm": names.SequenceParallel(use_local_output=local_norms),
         "attn": names.PrepareModuleInput(input_layouts=(Shard(1),),
                                          desired_input_layouts=(Replicate(),)),
         "attn.w[qkv]": col(), "attn.wo": row(output_layouts=Shard(1)),
@@ -103,9 +105,12 @@ def plan(names, kind: str, colwise_embedding: bool = True) -> dict:
     }
 
 
-def torch_model():
+def torch_model(recompute: bool = False):
+    """``recompute``: the attention and the MLP recomputed in backward
+    (``torch.utils.checkpoint``, non-reentrant)."""
     import torch
     from torch import nn
+    from torch.utils.checkpoint import checkpoint
 
     class Attention(nn.Module):
         def __init__(self):
@@ -138,10 +143,13 @@ def torch_model():
 
         def forward(self, ids):
             h = self.embed(ids)
-            h = h + self.attn(self.attn_norm(h))
-            h = h + self.ffn(self.ffn_norm(h))
+            h = h + self._block(self.attn, self.attn_norm(h))
+            h = h + self._block(self.ffn, self.ffn_norm(h))
             h = self.norm(h)
             return self.head(h.reshape(-1, h.shape[-1]))
+
+        def _block(self, block, x):
+            return checkpoint(block, x, use_reentrant=False) if recompute else block(x)
 
     model = LM()
     values = init_values()
@@ -161,10 +169,11 @@ def mindspore_name(name: str) -> str:
     return name.replace(".gamma", ".weight").replace(".beta", ".bias")
 
 
-def mindspore_model(with_values: bool = True):
+def mindspore_model(with_values: bool = True, recompute: bool = False):
     """The MindSpore model; ``with_values=False`` keeps the layers' own initializers (built
     under ``no_init_parameters()``, its parameters stay deferred). Its LayerNorms take
-    torch's epsilon, so the two frameworks' models compute the same function."""
+    torch's epsilon, so the two frameworks' models compute the same function.
+    ``recompute``: the attention and the MLP recomputed in backward (``ms.recompute``)."""
     import mindspore as ms
     from mindspore import mint, nn
 
@@ -200,10 +209,13 @@ def mindspore_model(with_values: bool = True):
 
         def construct(self, ids):
             h = self.embed(ids)
-            h = h + self.attn(self.attn_norm(h))
-            h = h + self.ffn(self.ffn_norm(h))
+            h = h + self._block(self.attn, self.attn_norm(h))
+            h = h + self._block(self.ffn, self.ffn_norm(h))
             h = self.norm(h)
             return self.head(h.reshape(-1, h.shape[-1]))
+
+        def _block(self, block, x):
+            return ms.recompute(block, x) if recompute else block(x)
 
     model = LM()
     if with_values:
@@ -216,19 +228,23 @@ def mindspore_model(with_values: bool = True):
 def bad_input_model(backend: str):
     """Children a plan can name wrongly: ``fc`` Linear(8, 8), ``odd`` Linear(8, 5) (5 does not
     split over 2), ``conv`` a convolution, ``act`` a layer without parameters, ``embed``
-    an Embedding(16, 8)."""
+    an Embedding(16, 8), ``head`` a Linear(8, 16) whose weight is ``embed``'s (tied)."""
     if backend == "torch":
         from torch import nn
 
         model = nn.Module()
         model.fc, model.odd, model.conv = nn.Linear(8, 8), nn.Linear(8, 5), nn.Conv1d(2, 2, 1)
         model.act, model.embed = nn.ReLU(), nn.Embedding(VOCAB, 8)
+        model.head = nn.Linear(8, VOCAB, bias=False)
+        model.head.weight = model.embed.weight
         return model
     from mindspore import nn
 
     model = nn.Cell()
     model.fc, model.odd, model.conv = nn.Dense(8, 8), nn.Dense(8, 5), nn.Conv1d(2, 2, 1)
     model.act, model.embed = nn.ReLU(), nn.Embedding(VOCAB, 8)
+    model.head = nn.Dense(8, VOCAB, has_bias=False)
+    model.head._params["weight"] = model.embed.embedding_table  # tied, as set_local_param
     return model
 
 

@@ -1,7 +1,8 @@
 """`benchmarks/run.py --quick` runs end to end on both backends, and its report holds together.
 
 The quick grid is the benchmark's smallest configurations (tiny MLP and decoder on torch,
-tiny MLP on MindSpore, 1 + 2 alternated rounds): it tests that every launch, phase, figure,
+tiny MLP on MindSpore, 1 + 2 alternated rounds; tensor parallelism against FSDP on the tiny
+language model, 4 ranks, both frameworks, 2 rounds): it tests that every launch, phase, figure,
 table and file is produced, and that every figure is computed from the measured rounds,
 not that anything is fast."""
 
@@ -32,7 +33,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--out", str(out)]
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout, json.loads((out / "quick.json").read_text()), out
 
@@ -42,7 +43,7 @@ def _spread_of(values):
     return {"median": median, "q1": q1, "q3": q3}
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(270)
 def test_every_configuration_and_phase_is_reported(quick_run):
     stdout, doc, out = quick_run
     expected = configs.build_grid("quick")
@@ -59,7 +60,7 @@ def test_every_configuration_and_phase_is_reported(quick_run):
     assert (out / "quick.png").exists() or "PNG skipped" in stdout
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(270)
 def test_figures_are_computed_from_the_measured_rounds(quick_run):
     _, doc, _ = quick_run
     for cfg, row in zip(configs.build_grid("quick"), doc["configurations"]):
@@ -100,3 +101,25 @@ def test_figures_are_computed_from_the_measured_rounds(quick_run):
                        for v in per_dim.values()), figs["bytes_vs_min"]
         # same weights, data and averaging: the implementations train alike
         assert figs["loss_rel_diff_vs_ref"]["hp"] < 1e-4
+
+
+@pytest.mark.timeout(270)
+def test_tensor_parallelism_is_measured_on_both_frameworks(quick_run):
+    import tensor_parallel
+
+    stdout, doc, _ = quick_run
+    result = doc["tensor_parallel"]
+    assert "error" not in result, result.get("error")
+    assert sorted(result["backends"]) == ["mindspore", "torch"]
+    assert "tp bytes/step measured / implied" in stdout
+    implied = tensor_parallel.implied_comm(result["size"], result["batch"], result["seq"])
+    for backend, figures in result["backends"].items():
+        # the collectives one step moves are the ones the plan implies, call for call
+        assert figures["tp_comm"] == implied, (backend, figures["tp_comm"], implied)
+        # the split layers' state halves at tp2; the replicated norms' does not
+        assert figures["tp2_vs_tp1_bytes"]["split"] == 0.5, backend
+        assert figures["tp2_vs_tp1_bytes"]["rest"] == 1.0, backend
+        step = figures["step_s"]
+        assert all(step[kind]["q1"] <= step[kind]["median"] <= step[kind]["q3"]
+                   for kind in ("fsdp4", "tp2"))
+        assert figures["tp2_vs_fsdp4"]["median"] > 0

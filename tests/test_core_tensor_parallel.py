@@ -230,6 +230,10 @@ BAD_PLANS = {
     "one_module_two_styles": (lambda tp: {"fc": tp.ColwiseParallel(), "f*": tp.RowwiseParallel()},
                               ValueError, "is named by plan keys 'fc' and 'f*'"),
     "mesh_not_1d": (lambda tp: {"fc": tp.ColwiseParallel()}, ValueError, "takes a 1-D mesh"),
+    "tied_weight": (lambda tp: {"fc": tp.ColwiseParallel(),
+                                "embed": tp.RowwiseParallel(input_layouts=tp.Replicate()),
+                                "head": tp.ColwiseParallel()},
+                    ValueError, "a parameter shared by ["),
     # MindSpore's nn.Embedding reshapes its output by the embedding size it stored
     "embedding_dim_split_mindspore": (
         lambda tp: {"fc": tp.ColwiseParallel(), "embed": tp.ColwiseParallel()},

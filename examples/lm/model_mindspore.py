@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.common.initializer import initializer
 
 from examples.lm.config import EPS, SIZES, VOCAB, initial, rope_tables
@@ -25,12 +25,13 @@ class RMSNorm(nn.Cell):
         return self.weight * x32.astype(x.dtype)
 
 
-class Embedding(nn.Cell):
-    """``weight`` named as torch's (MindSpore's own nn.Embedding says ``embedding_table``)."""
+class Embedding(mint.nn.Embedding):
+    """mint's Embedding (``weight`` named as torch's, and a layer tensor parallelism splits
+    by its vocabulary), looking rows up with ``ops.gather``: mint's own lookup has no CPU
+    kernel."""
 
     def __init__(self, vocab: int, dim: int):
-        super().__init__()
-        self.weight = Parameter(initializer("zeros", (vocab, dim), ms.float32), name="weight")
+        super().__init__(vocab, dim, _weight=initializer("zeros", (vocab, dim), ms.float32))
 
     def construct(self, ids):
         return ops.gather(self.weight, ids, 0)
@@ -48,7 +49,7 @@ def _rotate(x, cos, sin):
 class Attention(nn.Cell):
     def __init__(self, hidden: int, heads: int, kv_heads: int):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.head_dim = hidden // heads
         self.q_proj = _linear(hidden, heads * self.head_dim)
         self.k_proj = _linear(hidden, kv_heads * self.head_dim)
         self.v_proj = _linear(hidden, kv_heads * self.head_dim)
@@ -56,11 +57,12 @@ class Attention(nn.Cell):
 
     def construct(self, x, cos, sin, mask):
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.heads, self.head_dim).swapaxes(1, 2)
-        k = self.k_proj(x).reshape(b, t, self.kv_heads, self.head_dim).swapaxes(1, 2)
-        v = self.v_proj(x).reshape(b, t, self.kv_heads, self.head_dim).swapaxes(1, 2)
+        # -1 heads: under tensor parallelism a rank computes its own heads only
+        q = self.q_proj(x).reshape(b, t, -1, self.head_dim).swapaxes(1, 2)
+        k = self.k_proj(x).reshape(b, t, -1, self.head_dim).swapaxes(1, 2)
+        v = self.v_proj(x).reshape(b, t, -1, self.head_dim).swapaxes(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        repeat = self.heads // self.kv_heads
+        repeat = q.shape[1] // k.shape[1]
         k, v = ops.repeat_interleave(k, repeat, 1), ops.repeat_interleave(v, repeat, 1)
         scores = ops.matmul(q, k.swapaxes(-1, -2)) / float(np.sqrt(self.head_dim))
         weights = ops.softmax(scores.astype(ms.float32) + mask, -1).astype(q.dtype)

@@ -30,7 +30,7 @@ def _rotate(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.head_dim = hidden // heads
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
@@ -38,11 +38,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism a rank computes its own heads only
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        repeat = self.heads // self.kv_heads
+        repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -1,5 +1,6 @@
 """The MindSpore side of examples/train_lm.py: build (eagerly or under
-``no_init_parameters``), shard each decoder layer and the root, and run one AdamW step."""
+``no_init_parameters``), split it over the tensor-parallel ranks (hyper_parallel's own
+tensor parallelism), shard each decoder layer and the root, and run one AdamW step."""
 
 from __future__ import annotations
 
@@ -14,30 +15,39 @@ import hyper_parallel as hp
 from examples.lm.config import VOCAB, set_initial_values
 from examples.lm.model_mindspore import LlamaLM, build
 from examples.lm.progress import peak_resident_mb
+from examples.lm.tensor_parallel import lm_plan
+from hyper_parallel import tensor_parallel
 
 
 class Trainer:
     def __init__(self, size: str, mesh, mp_policy, deferred: bool, lr: float,
-                 weight_decay: float, clip: float):
+                 weight_decay: float, clip: float, tp_mesh=None):
+        """``mesh``: fully_shard's (None: all ranks); ``tp_mesh``: the tensor-parallel
+        ranks (None: no tensor parallelism), which needs the model built eagerly."""
         ms.set_context(mode=ms.PYNATIVE_MODE)
         if deferred:
             with no_init_parameters():  # parameters hold initializers, no values
                 model = LlamaLM(size)
         else:
             model = build(size, hp.get_platform())
+        if tp_mesh is not None:
+            hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=4))
         for layer in model.model.layers:
             hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # materialises the shards
         if deferred:
             set_initial_values(model)
-        self.model, self.clip = model, clip
+        self.model, self.clip, self.tensor_parallel = model, clip, tp_mesh is not None
         self.params = list(model.trainable_params())
         self.optimizer = AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.grad_fn = ms.value_and_grad(self._loss, None, self.params)
 
     def _loss(self, ids, targets):
         logits = self.model(ids).astype(ms.float32)
-        return ops.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        if not self.tensor_parallel:
+            return ops.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        with hp.loss_parallel():  # logits split on the vocabulary, never gathered
+            return tensor_parallel.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
     def step(self, ids: np.ndarray, targets: np.ndarray) -> tuple:
         """One optimizer step on this rank's rows; (local loss, global gradient norm)."""

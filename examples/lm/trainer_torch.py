@@ -1,21 +1,28 @@
-"""The torch side of examples/train_lm.py: build (eagerly or on the meta device), shard
-each decoder layer and the root, and run one AdamW step."""
+"""The torch side of examples/train_lm.py: build (eagerly or on the meta device), split it
+over the tensor-parallel ranks (torch's own tensor parallelism, by hyper_parallel's public
+names), shard each decoder layer and the root, and run one AdamW step."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import hyper_parallel as hp
 from examples.lm.config import VOCAB, set_initial_values
 from examples.lm.model_torch import LlamaLM, build
 from examples.lm.progress import peak_resident_mb
+from examples.lm.tensor_parallel import lm_plan
 
 
 class Trainer:
     def __init__(self, size: str, mesh, mp_policy, deferred: bool, lr: float,
-                 weight_decay: float, clip: float):
+                 weight_decay: float, clip: float, tp_mesh=None):
+        """``mesh``: fully_shard's (None: all ranks); ``tp_mesh``: the tensor-parallel
+        ranks (None: no tensor parallelism), which needs the model built eagerly."""
         torch.manual_seed(0)
         self.device = torch.device(hp.get_platform().device_type())
         if deferred:
@@ -23,6 +30,8 @@ class Trainer:
                 model = LlamaLM(size)
         else:
             model = build(size).to(self.device)
+        if tp_mesh is not None:  # torch's parallelize_module takes torch's DeviceMesh
+            hp.parallelize_module(model, tp_mesh.native, lm_plan(hp, attention_inputs=3))
         for layer in model.model.layers:
             hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
@@ -30,8 +39,16 @@ class Trainer:
             model.to_empty(device=self.device)  # allocates each rank's shards only
             model.model.init_rope()
             set_initial_values(model)
-        self.model, self.clip = model, clip
+        self.model, self.clip, self.tensor_parallel = model, clip, tp_mesh is not None
+        # torch's clipping reads the placements of DTensor gradients (over the data- and
+        # tensor-parallel dims); hp's reads fully_shard's and the core tensor parallelism's
+        self._clip = torch.nn.utils.clip_grad_norm_ if tp_mesh is not None else hp.clip_grad_norm_
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+    def _loss_context(self):
+        """torch's loss parallelism (forward and backward inside) over logits split on the
+        vocabulary, which are never gathered."""
+        return hp.loss_parallel() if self.tensor_parallel else contextlib.nullcontext()
 
     def _loss(self, ids: np.ndarray, targets: np.ndarray):
         logits = self.model(torch.from_numpy(ids).to(self.device))
@@ -40,16 +57,17 @@ class Trainer:
 
     def step(self, ids: np.ndarray, targets: np.ndarray) -> tuple:
         """One optimizer step on this rank's rows; (local loss, global gradient norm)."""
-        loss = self._loss(ids, targets)
-        loss.backward()
-        norm = hp.clip_grad_norm_(self.model.parameters(), self.clip)
+        with self._loss_context():
+            loss = self._loss(ids, targets)
+            loss.backward()
+        norm = self._clip(self.model.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad()
-        return loss.item(), float(norm)
+        return _value(loss), _value(norm)
 
     def evaluate(self, ids: np.ndarray, targets: np.ndarray) -> float:
-        with torch.no_grad():
-            return self._loss(ids, targets).item()
+        with torch.no_grad(), self._loss_context():
+            return _value(self._loss(ids, targets))
 
     def mean_over_ranks(self, values: list) -> list:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -61,3 +79,9 @@ class Trainer:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated() / 2**20
         return peak_resident_mb()
+
+
+def _value(tensor) -> float:
+    """A scalar's value, also of a replicated DTensor (loss parallelism's loss)."""
+    tensor = tensor.detach()
+    return float(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)

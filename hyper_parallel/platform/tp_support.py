@@ -19,8 +19,8 @@ import abc
 from dataclasses import dataclass
 from typing import Any
 
-#: on a module: ``{attr_name: what its instance attribute was}`` while ``read_in_forward``
-#: shadows it (``_NOTHING``: none)
+#: on a module: ``{attr_name: (what its instance attribute was, the tensor read instead)}``
+#: while ``read_in_forward`` shadows it (``_NOTHING``: no instance attribute)
 _SHADOWED = "_hp_read_in_forward"
 _NOTHING = object()
 
@@ -64,15 +64,18 @@ class TensorParallelSupport(abc.ABC):
         stays what ``parameters()`` yields, and what the module read before (a full
         parameter fully_shard attached) is read again after. An instance attribute shadows
         a registered parameter in both frameworks' attribute lookup."""
+        self.end_read_in_forward(module, attr_name)
         saved = module.__dict__.setdefault(_SHADOWED, {})
-        if attr_name not in saved:
-            saved[attr_name] = module.__dict__.get(attr_name, _NOTHING)
+        saved[attr_name] = (module.__dict__.get(attr_name, _NOTHING), tensor)
         object.__setattr__(module, attr_name, tensor)
 
     def end_read_in_forward(self, module: Any, attr_name: str) -> None:
-        """Undo ``read_in_forward`` (ending twice is harmless)."""
-        before = module.__dict__.get(_SHADOWED, {}).pop(attr_name, None)
-        if before is None:
+        """Undo ``read_in_forward``; ending twice is harmless, and so is a read left
+        behind by a forward cut short (torch's non-reentrant checkpoint stops recomputing
+        once it has what backward needs, before the module's post-hooks): if something
+        else replaced the attribute since (fully_shard resharding), that stays."""
+        before, tensor = module.__dict__.get(_SHADOWED, {}).pop(attr_name, (None, None))
+        if before is None or module.__dict__.get(attr_name, _NOTHING) is not tensor:
             return
         if before is _NOTHING:
             module.__dict__.pop(attr_name, None)

@@ -7,6 +7,12 @@ itself; a key may match several submodules, each gets the style. Where torch war
 skips a key matching no submodule, this raises: a plan that silently parallelizes less
 than written trains something else than intended.
 
+[Note: tied weights]
+A column-wise or row-wise style replaces its module's parameters by new ones holding the
+blocks, so a parameter two modules share (a head tied to the embedding) would become two
+parameters, trained apart: refused, naming both places (torch's own parallelize_module
+replaces each module's parameter the same way, and does not check).
+
 [Note: validate everything, then change anything]
 Every key is resolved and every (module, style) pair checked (``ParallelStyle.check``)
 before the first style applies, so a bad plan raises with the module untouched. A module
@@ -23,6 +29,7 @@ from typing import Any
 from hyper_parallel.fully_shard.mesh import as_device_mesh
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel.layout import tensor_parallel_layout
+from hyper_parallel.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
 from hyper_parallel.tensor_parallel.style import ParallelStyle
 
 
@@ -76,6 +83,23 @@ def _refuse_sharded(platform: Any, module: Any) -> None:
                              f"fully_shard (as torch requires)")
 
 
+def _refuse_tied(platform: Any, module: Any, pairs: list) -> None:
+    places = {}
+    for name, sub in platform.named_modules(module):
+        for attr, param in platform.direct_params(sub):
+            places.setdefault(id(param), []).append(f"{name}.{attr}" if name else attr)
+    for name, sub, style in pairs:
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        for attr, param in platform.direct_params(sub):
+            if len(places[id(param)]) > 1:
+                raise ValueError(
+                    f"parallelize_module: {type(style).__name__} on {name or 'the module'} "
+                    f"would split {attr!r}, a parameter shared by {places[id(param)]} (tied "
+                    f"weights); the style gives its module a parameter of its own, so they "
+                    f"would stop being one: untie them, or leave the module out of the plan")
+
+
 def parallelize_module(module: Any, device_mesh: Any = None,
                        parallelize_plan: ParallelStyle | dict | None = None, *,
                        src_data_rank: int | None = 0) -> Any:
@@ -111,6 +135,7 @@ def parallelize_module(module: Any, device_mesh: Any = None,
                 raise ValueError(f"parallelize_module: {name or 'the module'}.{attr} is "
                                  f"tensor-parallel already; parallelize a module once")
         style.check(sub, mesh)
+    _refuse_tied(platform, module, pairs)
     for _, sub, style in pairs:
         style.src_data_rank = src_data_rank
         style.apply(sub, mesh)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.platform import get_platform
-from hyper_parallel.tensor_parallel.placement import Placement
+from hyper_parallel.tensor_parallel.placement import Placement, Shard, normalized
 
 #: the attribute of a parameter that holds its ``ParamLayout``
 LAYOUT_ATTR = "hp_tensor_parallel"
@@ -84,6 +84,32 @@ class LayoutTensor:
             dim = self.placement.dim % len(shape)
             shape[dim] *= self.device_mesh.size()
         return tuple(shape)
+
+    def reshape(self, *shape) -> LayoutTensor:
+        """The whole tensor reshaped to ``shape`` (the whole shape, one dim may be -1), as
+        ``DTensor.reshape`` for the moves that need no collective: any reshape of a
+        replicated tensor, and of one split on its last dim that keeps that dim (flattening
+        the leading dims of logits for the loss). Anything else is a NotImplementedError."""
+        p = get_platform()
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) \
+            else tuple(shape)
+        placement, whole = self.placement, self.shape
+        if placement.is_replicate():
+            return LayoutTensor(p.reshape(self.local_tensor, shape), placement, self.device_mesh)
+        if normalized(placement, len(whole)) != Shard(len(whole) - 1) or not shape or \
+                shape[-1] != whole[-1]:
+            raise NotImplementedError(
+                f"LayoutTensor.reshape of a tensor {placement} of shape {whole} to {shape}: "
+                f"only reshapes that keep the split last dim are supported (they need no "
+                f"collective); move it to Replicate() first")
+        local = shape[:-1] + (p.shape(self.local_tensor)[-1],)
+        return LayoutTensor(p.reshape(self.local_tensor, local), Shard(len(shape) - 1),
+                            self.device_mesh)
+
+    def astype(self, dtype: Any) -> LayoutTensor:
+        """The same layout in ``dtype`` (a framework dtype), e.g. float32 logits for the loss."""
+        return LayoutTensor(get_platform().cast(self.local_tensor, dtype), self.placement,
+                            self.device_mesh)
 
     def to_local(self) -> Any:
         """This rank's values as a plain tensor (its gradient then counts as whole)."""

@@ -47,7 +47,9 @@ class ParallelStyle:
 
 def param_in_forward(module: Any, attr: str) -> Any:
     """``module.<attr>`` as the module's forward reads it now: the registered parameter,
-    or the full block ``fully_shard`` attached while its unit is unsharded."""
+    or the full block ``fully_shard`` attached while its unit is unsharded; never what an
+    earlier forward cut short (a recomputation stopped early) left it reading."""
+    get_platform().end_read_in_forward(module, attr)
     return getattr(module, attr)
 
 

@@ -85,6 +85,17 @@ def check_read_in_forward_end_read_in_forward(ctx):
     p.end_read_in_forward(model.fc1, "bias")
     p.end_read_in_forward(model.fc1, "bias")
     _check(model.fc1.bias is full, "module.bias does not read the attached full tensor again")
+    # a forward cut short (a recomputation stopped early) leaves its read: the next read
+    # replaces it and ends where the module read before it
+    p.read_in_forward(model.fc1, "bias", shadow)
+    p.read_in_forward(model.fc1, "bias", _f32(ctx, np.zeros(3)))
+    p.end_read_in_forward(model.fc1, "bias")
+    _check(model.fc1.bias is full, "a read left behind is not ended by the next one")
+    # ... and what replaced the read since (fully_shard resharding) stays
+    p.read_in_forward(model.fc1, "bias", shadow)
+    p.attach_tensor(model.fc1, "bias", full)
+    p.end_read_in_forward(model.fc1, "bias")
+    _check(model.fc1.bias is full, "ending a read replaced since undid the replacement")
 
 
 @local_check
