@@ -90,9 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.seq = args.seq or SIZES[args.size]["seq"]
     args.mesh_shape = _mesh_shape(parser, args)
-    # the seeded values are loaded through state dicts, which do not split tensor-parallel
-    # parameters yet: a tensor-parallel model is built whole and then split
-    args.eager_init = args.eager_init or args.tp > 1
+    # the seeded values are loaded through hyper_parallel's state dicts, which take the
+    # core's tensor-parallel blocks (MindSpore) but not torch's DTensors: a torch
+    # tensor-parallel model is built whole and then split
+    args.eager_init = args.eager_init or (args.tp > 1 and args.backend == "torch")
     data_parallel = args.nproc // args.tp
     if args.batch % data_parallel:
         parser.error(f"--batch {args.batch} must divide over the {data_parallel} data-parallel "
@@ -101,10 +102,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.seq > SIZES[args.size]["seq"]:
         parser.error(f"--seq {args.seq} is longer than size {args.size}'s rotary tables "
                      f"({SIZES[args.size]['seq']})")
-    if args.backend == "mindspore" and args.tp > 1 and args.export:
-        parser.error("--export with --tp on MindSpore: hp.export_full does not read "
-                     "hyper_parallel.tensor_parallel's layouts yet; --ckpt-at-end, then load "
-                     "the checkpoint into a model without --tp to export it")
     if args.backend == "mindspore" and args.dtype == "bf16":
         parser.error("--dtype bf16: MindSpore on CPU has no bfloat16 matmul; use --dtype fp16")
     return args
