@@ -312,8 +312,10 @@ class FSDPState:
                 full.memory.post_forward = [
                     None if size is None else PostForwardShards(group, fulls, size)
                     for group, fulls, size in zip(self.groups, full.per_group, sizes)]
-            for tensor in full.tensors:
-                self.platform.release_storage(tensor)
+            for group, fulls in zip(self.groups, full.per_group):
+                for fsdp_param, tensor in zip(group.params, fulls):
+                    for memory in group.memory_of(fsdp_param, tensor):
+                        self.platform.release_storage(memory)
             full.memory.live = False
 
     # ---------------------------------------------------------------- backward

@@ -99,6 +99,16 @@ class TensorPrimitives(abc.ABC):
         so that a new autograd node can output it."""
         return tensor.reshape(tuple(tensor.shape))
 
+    def as_bytes(self, tensor: Any) -> Any:
+        """A contiguous ``tensor``'s memory as a 1-D uint8 tensor (a view where views exist),
+        whatever its dtype: how a gather codec's tensors of any dtype share one collective."""
+        return self.reshape(tensor, (-1,)).view(self.dtype("uint8"))
+
+    def from_bytes(self, data: Any, dtype: Any, shape: Sequence[int]) -> Any:
+        """1-D uint8 ``data`` (starting at a multiple of ``dtype``'s size) read as a tensor
+        of ``dtype`` and ``shape``: the reverse of ``as_bytes``."""
+        return self.reshape(data.view(dtype), shape)
+
     def clone(self, tensor: Any) -> Any:
         """A new tensor with the same values and its own memory."""
         return tensor + 0
