@@ -39,6 +39,7 @@ from hyper_parallel.launch import CAN_BIND_CORES  # noqa: E402
 import analysis  # noqa: E402
 import configs  # noqa: E402
 import launch_ranks  # noqa: E402
+import low_precision  # noqa: E402
 import report  # noqa: E402
 import step_memory  # noqa: E402
 
@@ -73,6 +74,9 @@ def _parse_args(argv):
                              "(MindSpore's own default; see benchmarks/README.md)")
     parser.add_argument("--no-step-memory", dest="step_memory", action="store_false",
                         help="skip the per-block step memory measurement (step_memory.py; "
+                             "never in --quick)")
+    parser.add_argument("--no-low-precision", dest="low_precision", action="store_false",
+                        help="skip the low-precision all-gather measurement (low_precision.py; "
                              "never in --quick)")
     parser.add_argument("--list", action="store_true", help="print the selected configurations and exit")
     return parser.parse_args(argv)
@@ -205,6 +209,11 @@ def main(argv=None) -> int:
     if args.step_memory and not args.quick:
         doc["step_memory"] = _run_step_memory(args)
         doc["wall_s"] = time.monotonic() - t_run
+    if args.low_precision and not args.quick:
+        backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
+        print(f"low-precision all-gather: {', '.join(backends)}, alternated rounds", flush=True)
+        doc["low_precision"] = low_precision.measure(backends, bind_cores=args.bind_cores)
+        doc["wall_s"] = time.monotonic() - t_run
     doc["library"]["changed_during_run"] = (doc["library"]["start"]["sources_sha256"]
                                             != doc["library"]["end"]["sources_sha256"])
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
@@ -214,6 +223,9 @@ def main(argv=None) -> int:
     if "step_memory" in doc:
         print()
         print(doc["step_memory"].get("error") or step_memory.report(doc["step_memory"]))
+    if "low_precision" in doc:
+        print()
+        print(low_precision.report(doc["low_precision"]))
     print()
     print(f"wrote {json_path}")
     print(report.write_png(doc, png_path))
@@ -221,7 +233,8 @@ def main(argv=None) -> int:
         print("WARNING: hyper_parallel's sources changed during the run; launches measured "
               "different versions of the library (see 'library' in the JSON)")
     print(f"total wall time {doc['wall_s']:.0f} s")
-    failed = any("error" in row for row in rows) or "error" in doc.get("step_memory", {})
+    failed = any("error" in row for row in rows) or "error" in doc.get("step_memory", {}) or \
+        any("error" in lp for lp in doc.get("low_precision", {}).values())
     return 1 if failed else 0
 
 

@@ -317,3 +317,42 @@ def check_base_defaults(ctx):
     _check(Platform.mesh_from_native(p, object()) is None, "Platform.mesh_from_native")
     _check(Platform.is_deferred(p, t) is False and Platform.starts_with(p, t, t) is False,
            "Platform.is_deferred / Platform.starts_with of a plain tensor")
+
+
+@local_check
+def check_bytes_round_trip(ctx):
+    """as_bytes / from_bytes: any dtype's memory as uint8 and back, also from an offset of a
+    larger byte buffer (how a gather codec's tensors share one collective)."""
+    p = ctx.p
+    values = np.array([[0.5, -1.25, 3.0], [1024.0, -0.0625, 7.0]], np.float32)  # exact in bf16
+    for name, size in (("float32", 4), ("bfloat16", 2), ("int32", 4), ("int8", 1)):
+        t = p.cast(p.from_numpy(values), p.dtype(name))
+        raw = p.as_bytes(t)
+        _check(p.dtype_of(raw) == p.dtype("uint8") and p.shape(raw) == (6 * size,),
+               f"as_bytes of a (2, 3) {name} tensor: {p.dtype_of(raw)} {p.shape(raw)}")
+        buffer = p.cat([p.zeros((8,), p.dtype("uint8")), raw], 0)
+        back = p.from_bytes(p.narrow(buffer, 0, 8, 6 * size), p.dtype(name), (2, 3))
+        _check(p.dtype_of(back) == p.dtype(name) and p.shape(back) == (2, 3),
+               f"from_bytes to {name}: {p.dtype_of(back)} {p.shape(back)}")
+        _same(_values(ctx, p.cast(back, p.dtype("float32"))),
+              _values(ctx, p.cast(t, p.dtype("float32"))), f"{name} through bytes")
+
+
+@local_check
+def check_gather_codec_of(ctx):
+    """A plain tensor asks for no gather codec; on torch, a type with FSDP2's all-gather
+    hooks gets one (the hooks are called only at a gather, fully_shard/codec_leg.py)."""
+    from hyper_parallel.fully_shard.gather_codec import GatherCodec
+
+    p = ctx.p
+    _check(p.gather_codec_of(p.zeros((2, 2), p.dtype("float32"))) is None,
+           "gather_codec_of(a plain tensor) must be None")
+
+    class Hooked:
+        fsdp_pre_all_gather = fsdp_post_all_gather = None
+
+    codec = p.gather_codec_of(Hooked())
+    if p.name == "torch":
+        _check(isinstance(codec, GatherCodec), f"torch: a type with FSDP2's hooks gave {codec!r}")
+    else:
+        _check(codec is None, f"{p.name} has no tensor-subclass hooks, gave {codec!r}")

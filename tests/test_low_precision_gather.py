@@ -1,0 +1,124 @@
+"""Parameters all-gathered in a lower precision than they are kept in
+(fully_shard/gather_codec.py): FSDP2's all-gather extension on torch, driven by torchao's
+float8 and int8 training, and ``hp.CastGather`` on both frameworks.
+
+One shared launch per backend at 2 ranks runs the scenarios (tests/lowprec_scenarios.py).
+Bytes are checked against the count made from the parameters' shapes: what each codec
+sends per element (float8 and int8: 1 byte, plus int8's float32 row scales; bfloat16: 2),
+float32's 4 for the rest, twice a step for a block (forward, re-gather before backward),
+once for the root.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from tests import shared_launch
+from tests.lowprec_scenarios import expected_gather_bytes
+from tests.tolerance import assert_close
+
+BACKENDS = ["torch", "mindspore"]
+TORCH_ONLY = ("torchao_float8", "torchao_float8_precompute", "torchao_float8_bf16",
+              "torchao_int8", "bad_hooks")
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+
+
+def _names(backend: str) -> list:
+    if backend != "torch":
+        return ["cast"]
+    return ["cast", *(TORCH_ONLY if HAS_TORCHAO else ("bad_hooks",))]
+
+
+shared_launch.register(__name__, "lowprec_2", 2, "tests.lowprec_scenarios:run_all",
+                       lambda backend: (_names(backend),), timeout_s=400)
+
+
+def _results(backend: str, name: str) -> list:
+    return [r[name] for r in shared_launch.results("lowprec_2", backend)]
+
+
+needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (the "
+                                   "'test' extra: pip install torchao==0.18.0 --no-deps)")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cast_gather_halves_the_bytes_and_trains_within_bfloat16(backend):
+    """``set_gather_codec(model, CastGather("bfloat16"))``: the matrices travel in bfloat16
+    (2 bytes an element, the vectors stay float32), and the losses stay within bfloat16's
+    rounding of the full-precision run's."""
+    for r in _results(backend, "cast"):
+        sizes = r["sizes"]
+        assert r["ref_bytes"] == expected_gather_bytes(sizes, lambda n, numel, rows: 4 * numel)
+        assert r["bytes"] == expected_gather_bytes(
+            sizes, lambda n, numel, rows: (2 if rows is not None else 4) * numel)
+        assert_close(r["losses"], r["ref_losses"], 2e-3)  # bfloat16 weights: ~3 digits
+        assert r["losses"] != r["ref_losses"], "the codec changed nothing: was it applied?"
+
+
+def _float8_bytes(r):
+    coded = set(r["coded"])
+    return expected_gather_bytes(r["sizes"], lambda n, numel, rows: numel if n in coded
+                                 else 4 * numel)
+
+
+@needs_torchao
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["torchao_float8", "torchao_float8_precompute"])
+def test_torchao_float8_all_gather_matches_fsdp2(case):
+    """torchao float8 training (tensorwise dynamic scaling, FSDP2 float8 all-gather on, with
+    and without precomputed scales): the weights go over the wire in float8 (a quarter of
+    float32's bytes; the scale is computed from an all-reduced amax, not gathered), and
+    losses and parameters equal FSDP2's bit for bit (its float8 all-gather off: gloo refuses
+    it; the scales are global, so the math is the same)."""
+    for r in _results("torch", case):
+        assert len(r["coded"]) == 7, r["coded"]  # six block linears and the head
+        assert r["bytes"] == _float8_bytes(r)
+        np.testing.assert_array_equal(r["losses"], r["their_losses"])
+        assert r["param_diff"] == 0.0
+
+
+@needs_torchao
+@pytest.mark.timeout(600)
+def test_torchao_float8_with_bfloat16_params():
+    """The same with ``param_dtype=bfloat16``: torchao's hook casts the float32 shard to
+    float8 itself (FSDP2 with float8 all-gather off casts to bfloat16 first), so the run
+    agrees with FSDP2's to bfloat16's precision; the bytes are float8's and, for the rest,
+    bfloat16's."""
+    for r in _results("torch", "torchao_float8_bf16"):
+        coded = set(r["coded"])
+        assert r["bytes"] == expected_gather_bytes(
+            r["sizes"], lambda n, numel, rows: numel if n in coded else 2 * numel)
+        assert_close(r["losses"], r["their_losses"], 2e-3)
+        assert r["param_diff"] < 0.1
+
+
+@needs_torchao
+@pytest.mark.timeout(600)
+def test_torchao_int8_quantized_training_matches_fsdp2():
+    """torchao int8 quantized training on the blocks' linears: int8 weights and their
+    float32 row scales on the wire, losses and parameters equal to FSDP2's."""
+    for r in _results("torch", "torchao_int8"):
+        coded = set(r["coded"])
+        assert len(coded) == 6, coded
+        assert r["bytes"] == expected_gather_bytes(
+            r["sizes"], lambda n, numel, rows: numel + 4 * rows if n in coded else 4 * numel)
+        np.testing.assert_array_equal(r["losses"], r["their_losses"])
+        assert r["param_diff"] == 0.0
+
+
+@pytest.mark.timeout(600)
+def test_bad_hooks_are_named_at_the_first_all_gather():
+    """A subclass with only ``fsdp_pre_all_gather``, one whose pre-hook returns tensors
+    without the shard's rows, one whose post-hook returns the wrong shape: each a named
+    error at the first forward."""
+    for errors in _results("torch", "bad_hooks"):
+        assert errors["OnlyPre"].startswith("TypeError") and \
+            "defines fsdp_pre_all_gather but not fsdp_post_all_gather" in errors["OnlyPre"]
+        assert "'0.weight'" in errors["WrongInputRows"] and \
+            "padded rows (4) as dim 0" in errors["WrongInputRows"]
+        assert "decoded a full parameter of shape (8, 3)" in errors["WrongFullShape"] and \
+            "(8, 8)" in errors["WrongFullShape"]
