@@ -13,7 +13,8 @@ with the count made from the parameters' shapes (``expected_gather_bytes``).
   FSDP2 float8 all-gather on; with and without ``precompute_float8_dynamic_scale_for_fsdp``;
   float32 and bfloat16 parameters) and int8 quantized training, against torch FSDP2 on the
   same model (float8 all-gather off there: gloo refuses FSDP2's float8 all-gather, and
-  with global scales the math is the same).
+  with global scales the math is the same); ``hsdp_torchao_*`` the same on a (replicate 2,
+  shard 2) mesh of 4 ranks.
 - ``bad_hooks``, torch: a subclass with one hook only, and hooks returning wrong shapes.
 """
 
@@ -115,14 +116,16 @@ def _torchao_model(kit, recipe: str, all_gather: bool):
     return model
 
 
-def _their_fully_shard(model, bf16: bool):
+def _their_fully_shard(model, bf16: bool, hsdp: bool):
     import torch
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, mesh=mesh)
+    fully_shard(model, mp_policy=policy, mesh=mesh)
 
 
 def _params_of(model) -> dict:
@@ -140,16 +143,20 @@ def _params_of(model) -> dict:
     return out
 
 
-def _torchao(recipe: str, precompute: bool = False, bf16: bool = False) -> dict:
+def _torchao(recipe: str, precompute: bool = False, bf16: bool = False,
+             hsdp: bool = False) -> dict:
+    """``hsdp``: on a (replicate 2, shard 2) mesh of 4 ranks."""
     import torch
 
     kit, rank, world = get_kit(), hp.get_platform().rank(), hp.get_platform().world_size()
     ours = _torchao_model(kit, recipe, all_gather=True)
     sizes = _param_sizes(ours)
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else hp.MixedPrecisionPolicy()
-    _shard(ours, mp_policy=policy)
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) \
+        if hsdp else None
+    _shard(ours, mp_policy=policy, mesh=mesh)
     theirs = _torchao_model(kit, recipe, all_gather=recipe == "int8")
-    _their_fully_shard(theirs, bf16)
+    _their_fully_shard(theirs, bf16, hsdp)
     out = {}
     for label, model in (("ours", ours), ("theirs", theirs)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # int8: no decay op
@@ -193,6 +200,18 @@ def torchao_float8_bf16() -> dict:
 
 def torchao_int8() -> dict:
     return _torchao("int8")
+
+
+def hsdp_torchao_float8() -> dict:
+    return _torchao("float8", hsdp=True)
+
+
+def hsdp_torchao_float8_bf16() -> dict:
+    return _torchao("float8", bf16=True, hsdp=True)
+
+
+def hsdp_torchao_int8() -> dict:
+    return _torchao("int8", hsdp=True)
 
 
 # ------------------------------------------------------------------------ torch: bad hooks
@@ -270,7 +289,9 @@ def bad_hooks() -> dict:
 SCENARIOS = {"cast": cast, "torchao_float8": torchao_float8,
              "torchao_float8_precompute": torchao_float8_precompute,
              "torchao_float8_bf16": torchao_float8_bf16, "torchao_int8": torchao_int8,
-             "bad_hooks": bad_hooks}
+             "bad_hooks": bad_hooks, "hsdp_torchao_float8": hsdp_torchao_float8,
+             "hsdp_torchao_float8_bf16": hsdp_torchao_float8_bf16,
+             "hsdp_torchao_int8": hsdp_torchao_int8}
 
 
 def run_all(names: list) -> dict:

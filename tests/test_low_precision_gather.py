@@ -2,7 +2,9 @@
 (fully_shard/gather_codec.py): FSDP2's all-gather extension on torch, driven by torchao's
 float8 and int8 training, and ``hp.CastGather`` on both frameworks.
 
-One shared launch per backend at 2 ranks runs the scenarios (tests/lowprec_scenarios.py).
+The scenarios (tests/lowprec_scenarios.py) run in the shared launch of each backend at 2
+ranks, and torch's at 4 (HSDP 2 x 2; marked slow: the 2-rank cases cover the codec path,
+these add the replicate dim and the shard dim's own mesh for float8's amax).
 Bytes are checked against the count made from the parameters' shapes: what each codec
 sends per element (float8 and int8: 1 byte, plus int8's float32 row scales; bfloat16: 2),
 float32's 4 for the rest, twice a step for a block (forward, re-gather before backward),
@@ -32,12 +34,18 @@ def _names(backend: str) -> list:
     return ["cast", *(TORCH_ONLY if HAS_TORCHAO else ("bad_hooks",))]
 
 
+HSDP = ("hsdp_torchao_float8", "hsdp_torchao_float8_bf16", "hsdp_torchao_int8")
+
 shared_launch.register(__name__, "lowprec_2", 2, "tests.lowprec_scenarios:run_all",
                        lambda backend: (_names(backend),), timeout_s=400)
+shared_launch.register(__name__, "lowprec_4", 4, "tests.lowprec_scenarios:run_all",
+                       lambda backend: (list(HSDP) if HAS_TORCHAO else [],),
+                       backends=("torch",), timeout_s=400, slow=True)
 
 
 def _results(backend: str, name: str) -> list:
-    return [r[name] for r in shared_launch.results("lowprec_2", backend)]
+    key = "lowprec_4" if name.startswith("hsdp_") else "lowprec_2"
+    return [r[name] for r in shared_launch.results(key, backend)]
 
 
 needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (the "
@@ -67,13 +75,15 @@ def _float8_bytes(r):
 
 @needs_torchao
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", ["torchao_float8", "torchao_float8_precompute"])
+@pytest.mark.parametrize("case", ["torchao_float8", "torchao_float8_precompute",
+                                  pytest.param("hsdp_torchao_float8", marks=pytest.mark.slow)])
 def test_torchao_float8_all_gather_matches_fsdp2(case):
     """torchao float8 training (tensorwise dynamic scaling, FSDP2 float8 all-gather on, with
     and without precomputed scales): the weights go over the wire in float8 (a quarter of
     float32's bytes; the scale is computed from an all-reduced amax, not gathered), and
     losses and parameters equal FSDP2's bit for bit (its float8 all-gather off: gloo refuses
-    it; the scales are global, so the math is the same)."""
+    it; the scales are global, so the math is the same). At 2 ranks and HSDP 2 x 2 (the
+    amax is all-reduced over the shard dim's mesh)."""
     for r in _results("torch", case):
         assert len(r["coded"]) == 7, r["coded"]  # six block linears and the head
         assert r["bytes"] == _float8_bytes(r)
@@ -83,12 +93,14 @@ def test_torchao_float8_all_gather_matches_fsdp2(case):
 
 @needs_torchao
 @pytest.mark.timeout(600)
-def test_torchao_float8_with_bfloat16_params():
+@pytest.mark.parametrize("case", ["torchao_float8_bf16",
+                                  pytest.param("hsdp_torchao_float8_bf16", marks=pytest.mark.slow)])
+def test_torchao_float8_with_bfloat16_params(case):
     """The same with ``param_dtype=bfloat16``: torchao's hook casts the float32 shard to
     float8 itself (FSDP2 with float8 all-gather off casts to bfloat16 first), so the run
     agrees with FSDP2's to bfloat16's precision; the bytes are float8's and, for the rest,
     bfloat16's."""
-    for r in _results("torch", "torchao_float8_bf16"):
+    for r in _results("torch", case):
         coded = set(r["coded"])
         assert r["bytes"] == expected_gather_bytes(
             r["sizes"], lambda n, numel, rows: numel if n in coded else 2 * numel)
@@ -98,10 +110,12 @@ def test_torchao_float8_with_bfloat16_params():
 
 @needs_torchao
 @pytest.mark.timeout(600)
-def test_torchao_int8_quantized_training_matches_fsdp2():
+@pytest.mark.parametrize("case", ["torchao_int8",
+                                  pytest.param("hsdp_torchao_int8", marks=pytest.mark.slow)])
+def test_torchao_int8_quantized_training_matches_fsdp2(case):
     """torchao int8 quantized training on the blocks' linears: int8 weights and their
     float32 row scales on the wire, losses and parameters equal to FSDP2's."""
-    for r in _results("torch", "torchao_int8"):
+    for r in _results("torch", case):
         coded = set(r["coded"])
         assert len(coded) == 6, coded
         assert r["bytes"] == expected_gather_bytes(

@@ -73,6 +73,11 @@ class GatherCodec(abc.ABC):
         reshards, restored before ``decode(out=full)``."""
         return [full]
 
+    def aliased(self, full: Any, alias: Any) -> None:
+        """The unit made ``alias``, a new tensor over ``full``'s memory (a kept unit's next
+        autograd node, ``set_reshard_after_backward(False)``), which it will release and
+        rebuild like ``full``. A codec that keeps state per full parameter copies it."""
+
 
 class CastGather(GatherCodec):
     """Gather in a lower-precision floating dtype (``"bfloat16"``, ``"float16"``): half of

@@ -104,6 +104,10 @@ class SubclassHooks(GatherCodec):
         post(tuple(kept), hook_metadata, dtype, out=out)
         return None
 
+    def aliased(self, full, alias):
+        _, outputs, inner = self._entry(full)
+        self._kept[id(alias)] = (weakref.ref(alias), outputs, inner)
+
     def storage_of(self, full):
         return self._entry(full)[2]
 
