@@ -19,9 +19,10 @@ dtypes, so a dtype the collective lacks, such as float8 on gloo, travels too), a
 collective counters report those bytes.
 
 The contract, checked at the first all-gather (``codec_leg.py``): every tensor ``encode``
-returns has the shard's padded rows (``chunk_rows``) as dim 0, so each rank's part is the
-same size and the gathered rows of rank r follow rank r-1's; ``decode`` returns a tensor of
-the parameter's full shape. A re-gather into released memory (the re-gather before
+returns has the shard's padded rows (``chunk_rows``) as dim 0, or the shard's own rows, to
+which the core appends zero rows, so each rank's part is the same size and the gathered
+rows of rank r follow rank r-1's; ``decode`` returns a tensor of the parameter's full shape
+(or with every rank's padded rows: the core drops the trailing padding). A re-gather into released memory (the re-gather before
 backward, with ``out``) writes into the full parameter the first ``decode`` made, which
 autograd may hold: ``decode(..., out=full)`` must rebuild it in place, in the memory that
 ``storage_of(full)`` names, which the unit releases when it reshards.
@@ -96,9 +97,10 @@ class CastGather(GatherCodec):
     def decode(self, outputs, metadata, dtype, context, out=None):
         p = context.platform
         full = p.cast(outputs[0], dtype)
-        if out is None:
+        if out is None:  # the core drops the padding rows of uneven shards
             return full if full is not outputs[0] else p.clone(full)
-        p.copy_into(out, full)
+        rows = p.shape(out)[0]
+        p.copy_into(out, full if p.shape(full)[0] == rows else p.narrow(full, 0, 0, rows))
         return None
 
     def __repr__(self) -> str:
