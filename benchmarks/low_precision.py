@@ -22,8 +22,8 @@ if str(HERE) not in sys.path:
 
 from launch_ranks import LaunchFailure, launch  # noqa: E402
 
-JOB = {"vocab": 256, "dim": 256, "hidden": 1024, "blocks": 4, "seq": 32, "batch": 8,
-       "steps": 3, "warmup": 1, "rounds": 5}
+JOB = {"vocab": 256, "dim": 128, "hidden": 512, "blocks": 4, "seq": 16, "batch": 4,
+       "steps": 2, "warmup": 1, "rounds": 5}
 
 
 def measure(backends: list, rounds: int = 5, bind_cores: bool = False,
