@@ -99,7 +99,37 @@ def cast() -> dict:
         opt = kit.optimizer(kit.params(model), lr=1e-2, kind="adamw")
         runs["on" if codec else "off"] = _train(kit, model, opt, rank, world, ODD_VOCAB)
     return {"losses": runs["on"][0], "ref_losses": runs["off"][0],
-            "bytes": runs["on"][1], "ref_bytes": runs["off"][1], "sizes": sizes}
+            "bytes": runs["on"][1], "ref_bytes": runs["off"][1], "sizes": sizes,
+            "bad_input": _bad_codec_input(kit, model)}
+
+
+def _bad_codec_input(kit, sharded) -> dict:
+    """``set_gather_codec`` and ``CastGather`` refusing bad input: ``{case: (error type,
+    message, whether any parameter was marked)}``; ``sharded`` is a model after fully_shard."""
+    from hyper_parallel.fully_shard.gather_codec import GATHER_CODEC_ATTR
+
+    p = hp.get_platform()
+    fresh = _model(kit)
+
+    def marked(model):
+        return any(hasattr(param, GATHER_CODEC_ATTR) for _, sub in p.named_modules(model)
+                   for _, param in p.direct_params(sub))
+
+    cases = {"after fully_shard": lambda: hp.set_gather_codec(sharded, hp.CastGather()),
+             "not a codec": lambda: hp.set_gather_codec(fresh, "bfloat16"),
+             "not a module": lambda: hp.set_gather_codec([fresh], hp.CastGather()),
+             "bad predicate": lambda: hp.set_gather_codec(fresh, hp.CastGather(), predicate=3),
+             "bad dtype": lambda: hp.CastGather("int8")}
+    out = {}
+    for case, call in cases.items():
+        before = marked(sharded)
+        try:
+            call()
+            out[case] = (None, "", False)
+        except (TypeError, ValueError) as error:
+            out[case] = (type(error).__name__, str(error),
+                         marked(fresh) or marked(sharded) != before)
+    return out
 
 
 # ------------------------------------------------------------------------ torch: torchao

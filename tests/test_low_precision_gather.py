@@ -67,6 +67,24 @@ def test_cast_gather_halves_the_bytes_and_trains_within_bfloat16(backend):
         assert r["losses"] != r["ref_losses"], "the codec changed nothing: was it applied?"
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_set_gather_codec_refuses_bad_input_and_changes_nothing(backend):
+    """After fully_shard, a codec that is not a GatherCodec, a list instead of a module, a
+    predicate that is not callable, a CastGather dtype that is not a float of 16 bits: each
+    a named error, and no parameter marked."""
+    expected = {"after fully_shard": ("ValueError", "call set_gather_codec before fully_shard"),
+                "not a codec": ("TypeError", "must be a hyper_parallel GatherCodec"),
+                "not a module": ("TypeError", "set_gather_codec takes a module"),
+                "bad predicate": ("TypeError", "predicate must be a function"),
+                "bad dtype": ("ValueError", "'bfloat16' or 'float16', got 'int8'")}
+    for r in _results(backend, "cast"):
+        for case, (kind, words) in expected.items():
+            error, message, changed = r["bad_input"][case]
+            assert error == kind and words in message, (case, error, message)
+            assert not changed, f"{case}: a parameter was marked"
+
+
 def _float8_bytes(r):
     coded = set(r["coded"])
     return expected_gather_bytes(r["sizes"], lambda n, numel, rows: numel if n in coded

@@ -62,10 +62,13 @@ class SubclassHooks(GatherCodec):
     def encode(self, shard, context):
         missing = [name for name in (PRE, POST) if not hasattr(shard, name)]
         if missing:
+            has = [name for name in (PRE, POST) if name not in missing]
+            what = f"defines {has[0]} but not {missing[0]}" if has else \
+                f"no longer defines {PRE} or {POST} (replaced by a {type(shard).__name__})"
             raise TypeError(
-                f"parameter {context.fqn!r}: its local tensor ({self.type_name}) defines "
-                f"{PRE if missing[0] == POST else POST} but not {missing[0]}; FSDP2's all-gather "
-                f"extension needs both (define both, or neither to gather it as a plain tensor)")
+                f"parameter {context.fqn!r}: its local tensor ({self.type_name}) {what}; "
+                f"FSDP2's all-gather extension needs both (define both, or neither to gather "
+                f"it as a plain tensor)")
         hook = getattr(shard, PRE)
         count = len(inspect.signature(hook).parameters)
         mesh = _shard_mesh(context)
