@@ -8,7 +8,8 @@ Every scenario measures the all-gather bytes of its last step, which the test co
 with the count made from the parameters' shapes (``expected_gather_bytes``).
 
 - ``cast``, both frameworks: ``hp.set_gather_codec(model, hp.CastGather("bfloat16"))``
-  against the same run without it (a vocabulary of 61: uneven shards, padded on the wire).
+  and ``hp.Int8RowGather()`` against the same run without a codec (a vocabulary of 61:
+  uneven shards, padded on the wire).
 - ``torchao_*``, torch: torchao 0.18's float8 training (tensorwise dynamic scaling, with
   FSDP2 float8 all-gather on; with and without ``precompute_float8_dynamic_scale_for_fsdp``;
   float32 and bfloat16 parameters) and int8 quantized training, against torch FSDP2 on the
@@ -90,16 +91,18 @@ def expected_gather_bytes(sizes: dict, wire_bytes) -> int:
 def cast() -> dict:
     kit, rank, world = get_kit(), hp.get_platform().rank(), hp.get_platform().world_size()
     runs = {}
-    for codec in (None, hp.CastGather("bfloat16")):
+    for label, codec in (("off", None), ("bfloat16", hp.CastGather("bfloat16")),
+                         ("int8", hp.Int8RowGather())):
         model = _model(kit, ODD_VOCAB)
         sizes = _param_sizes(model)
         if codec is not None:
             hp.set_gather_codec(model, codec)
         _shard(model)
         opt = kit.optimizer(kit.params(model), lr=1e-2, kind="adamw")
-        runs["on" if codec else "off"] = _train(kit, model, opt, rank, world, ODD_VOCAB)
-    return {"losses": runs["on"][0], "ref_losses": runs["off"][0],
-            "bytes": runs["on"][1], "ref_bytes": runs["off"][1], "sizes": sizes,
+        runs[label] = _train(kit, model, opt, rank, world, ODD_VOCAB)
+    return {"losses": runs["bfloat16"][0], "ref_losses": runs["off"][0],
+            "int8_losses": runs["int8"][0], "int8_bytes": runs["int8"][1],
+            "bytes": runs["bfloat16"][1], "ref_bytes": runs["off"][1], "sizes": sizes,
             "bad_input": _bad_codec_input(kit, model)}
 
 

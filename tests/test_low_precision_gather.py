@@ -6,9 +6,9 @@ The scenarios (tests/lowprec_scenarios.py) run in the shared launch of each back
 ranks, and torch's at 4 (HSDP 2 x 2; marked slow: the 2-rank cases cover the codec path,
 these add the replicate dim and the shard dim's own mesh for float8's amax).
 Bytes are checked against the count made from the parameters' shapes: what each codec
-sends per element (float8 and int8: 1 byte, plus int8's float32 row scales; bfloat16: 2),
-float32's 4 for the rest, twice a step for a block (forward, re-gather before backward),
-once for the root.
+sends per element (float8 and int8: 1 byte, plus int8's float32 row scales; bfloat16: 2;
+each rank's part of a codec tensor padded to 8 bytes), float32's 4 for the rest, twice a
+step for a block (forward, re-gather before backward), once for the root.
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ shared_launch.register(__name__, "lowprec_4", 4, "tests.lowprec_scenarios:run_al
                        backends=("torch",), timeout_s=400, slow=True)
 
 
+def _wire(per_rank_bytes: int, shard_size: int = 2) -> int:
+    """A codec tensor's all-gather bytes: each rank's part padded to 8 bytes
+    (fully_shard/codec_leg.py)."""
+    return shard_size * -(-per_rank_bytes // 8) * 8
+
+
 def _results(backend: str, name: str) -> list:
     key = "lowprec_4" if name.startswith("hsdp_") else "lowprec_2"
     return [r[name] for r in shared_launch.results(key, backend)]
@@ -62,7 +68,7 @@ def test_cast_gather_halves_the_bytes_and_trains_within_bfloat16(backend):
         sizes = r["sizes"]
         assert r["ref_bytes"] == expected_gather_bytes(sizes, lambda n, numel, rows: 4 * numel)
         assert r["bytes"] == expected_gather_bytes(
-            sizes, lambda n, numel, rows: (2 if rows is not None else 4) * numel)
+            sizes, lambda n, numel, rows: _wire(numel) if rows is not None else 4 * numel)
         assert_close(r["losses"], r["ref_losses"], 2e-3)  # bfloat16 weights: ~3 digits
         assert r["losses"] != r["ref_losses"], "the codec changed nothing: was it applied?"
 
@@ -85,10 +91,25 @@ def test_set_gather_codec_refuses_bad_input_and_changes_nothing(backend):
             assert not changed, f"{case}: a parameter was marked"
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_row_gather_sends_a_quarter_and_trains_within_its_rounding(backend):
+    """``hp.Int8RowGather()``: the matrices travel as int8 with one float32 scale per row
+    (padded rows included), the vectors as float32; the losses stay within int8 rounding
+    (half a step of 1/127 of each row's largest weight) of the full-precision run's."""
+    for r in _results(backend, "cast"):
+        assert r["int8_bytes"] == expected_gather_bytes(
+            r["sizes"], lambda n, numel, rows: _wire(numel // 2) + _wire(4 * rows // 2)
+            if rows is not None else 4 * numel)
+        assert r["int8_bytes"] < 0.3 * r["ref_bytes"]
+        assert_close(r["int8_losses"], r["ref_losses"], 5e-3)
+        assert r["int8_losses"] != r["ref_losses"], "the codec changed nothing: was it applied?"
+
+
 def _float8_bytes(r):
     coded = set(r["coded"])
-    return expected_gather_bytes(r["sizes"], lambda n, numel, rows: numel if n in coded
-                                 else 4 * numel)
+    return expected_gather_bytes(r["sizes"], lambda n, numel, rows: _wire(numel // 2)
+                                 if n in coded else 4 * numel)
 
 
 @needs_torchao
@@ -121,7 +142,7 @@ def test_torchao_float8_with_bfloat16_params(case):
     for r in _results("torch", case):
         coded = set(r["coded"])
         assert r["bytes"] == expected_gather_bytes(
-            r["sizes"], lambda n, numel, rows: numel if n in coded else 2 * numel)
+            r["sizes"], lambda n, numel, rows: _wire(numel // 2) if n in coded else 2 * numel)
         assert_close(r["losses"], r["their_losses"], 2e-3)
         assert r["param_diff"] < 0.1
 
@@ -137,7 +158,8 @@ def test_torchao_int8_quantized_training_matches_fsdp2(case):
         coded = set(r["coded"])
         assert len(coded) == 6, coded
         assert r["bytes"] == expected_gather_bytes(
-            r["sizes"], lambda n, numel, rows: numel + 4 * rows if n in coded else 4 * numel)
+            r["sizes"], lambda n, numel, rows: _wire(numel // 2) + _wire(4 * rows // 2)
+            if n in coded else 4 * numel)
         np.testing.assert_array_equal(r["losses"], r["their_losses"])
         assert r["param_diff"] == 0.0
 

@@ -356,3 +356,25 @@ def check_gather_codec_of(ctx):
         _check(isinstance(codec, GatherCodec), f"torch: a type with FSDP2's hooks gave {codec!r}")
     else:
         _check(codec is None, f"{p.name} has no tensor-subclass hooks, gave {codec!r}")
+
+
+@local_check
+def check_int8_rows(ctx):
+    """int8_rows / from_int8_rows: int8 values and one float32 scale per dim-0 row, back to
+    within half a step (max |row| / 254) of each row; a row of zeros stays zeros."""
+    p = ctx.p
+    values = np.array([[[0.5, -1.25], [3.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]],
+                       [[-100.0, 7.0], [0.25, 1.0]]], np.float32)
+    t = p.from_numpy(values)
+    q, scales = p.int8_rows(t)
+    _check(p.dtype_of(q) == p.dtype("int8") and p.shape(q) == (3, 2, 2),
+           f"int8_rows values: {p.dtype_of(q)} {p.shape(q)}")
+    _check(p.dtype_of(scales) == p.dtype("float32") and p.shape(scales) == (3,),
+           f"int8_rows scales: {p.dtype_of(scales)} {p.shape(scales)}")
+    back = _values(ctx, p.from_int8_rows(q, scales, p.dtype("float32")))
+    bound = np.abs(values).reshape(3, -1).max(1) / 254 + 1e-6
+    error = np.abs(back - values).reshape(3, -1).max(1)
+    _check(bool(np.all(error <= bound)), f"int8 round trip errors {error} above {bound}")
+    _check(bool(np.all(back[1] == 0.0)), "a row of zeros did not come back as zeros")
+    _check(p.dtype_of(p.from_int8_rows(q, scales, p.dtype("bfloat16"))) == p.dtype("bfloat16"),
+           "from_int8_rows ignores its dtype")
