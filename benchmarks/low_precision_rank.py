@@ -5,7 +5,7 @@ attention and an MLP, final norm, head) with every block and the root a unit, tr
 AdamW. Variants, built side by side and stepped in alternated rounds (``rounds`` rounds of
 ``steps`` steps each, one variant after the other, so a slow stretch of the shared machine
 slows all alike): ``hp`` (full precision), ``hp_bf16_gather`` (``hp.CastGather
-("bfloat16")`` on the matrices); on torch with torchao installed ``hp_float8`` and
+("bfloat16")`` on the matrices), ``hp_int8_gather`` (``hp.Int8RowGather()``); on torch with torchao installed ``hp_float8`` and
 ``fsdp2_float8`` (torchao float8 training, float8 all-gather on for hp, off for FSDP2:
 gloo refuses FSDP2's), and ``fsdp2``. Per variant and round: the median step time and the
 all-gather bytes of one step.
@@ -39,6 +39,8 @@ def _build(kit, job, variant):
             enable_fsdp_float8_all_gather=variant == "hp_float8"))
     if variant == "hp_bf16_gather":
         hp.set_gather_codec(model, hp.CastGather("bfloat16"))
+    if variant == "hp_int8_gather":
+        hp.set_gather_codec(model, hp.Int8RowGather())
     if variant.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
     else:
@@ -60,7 +62,7 @@ def main() -> None:
     platform = hp.get_platform()
     rank = platform.rank()
     kit = get_kit()
-    variants = ["hp", "hp_bf16_gather"]
+    variants = ["hp", "hp_bf16_gather", "hp_int8_gather"]
     if backend == "torch":
         variants.append("fsdp2")
         if importlib.util.find_spec("torchao") is not None:
