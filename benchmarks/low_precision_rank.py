@@ -5,9 +5,9 @@ attention and an MLP, final norm, head) with every block and the root a unit, tr
 AdamW. Variants, built side by side and stepped in alternated rounds (``rounds`` rounds of
 ``steps`` steps each, one variant after the other, so a slow stretch of the shared machine
 slows all alike): ``hp`` (full precision), ``hp_bf16_gather`` (``hp.CastGather
-("bfloat16")`` on the matrices), ``hp_int8_gather`` (``hp.Int8RowGather()``); on torch with torchao installed ``hp_float8`` and
-``fsdp2_float8`` (torchao float8 training, float8 all-gather on for hp, off for FSDP2:
-gloo refuses FSDP2's), and ``fsdp2``. Per variant and round: the median step time and the
+("bfloat16")`` on the matrices), ``hp_int8_gather`` (``hp.Int8RowGather()``); on torch
+``fsdp2``, and with torchao installed ``hp_float8`` and ``fsdp2_float8`` (torchao float8
+training, float8 all-gather on for hp, off for FSDP2: gloo refuses FSDP2's). Per variant and round: the median step time and the
 all-gather bytes of one step.
 """
 

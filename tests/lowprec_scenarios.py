@@ -34,8 +34,8 @@ SEED = 11
 
 def _batches(world: int, vocab: int = VOCAB):
     rng = np.random.default_rng(SEED)
-    return [(rng.integers(0, vocab, (BATCH * world, SEQ)), rng.integers(0, vocab, (BATCH * world, SEQ)))
-            for _ in range(STEPS)]
+    shape = (BATCH * world, SEQ)
+    return [(rng.integers(0, vocab, shape), rng.integers(0, vocab, shape)) for _ in range(STEPS)]
 
 
 def _model(kit, vocab: int = VOCAB):
@@ -187,7 +187,7 @@ def _torchao(recipe: str, precompute: bool = False, bf16: bool = False,
     kit, rank, world = get_kit(), hp.get_platform().rank(), hp.get_platform().world_size()
     ours = _torchao_model(kit, recipe, all_gather=True)
     sizes = _param_sizes(ours)
-    policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else hp.MixedPrecisionPolicy()
+    policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) \
         if hsdp else None
     _shard(ours, mp_policy=policy, mesh=mesh)

@@ -22,10 +22,11 @@ The contract, checked at the first all-gather (``codec_leg.py``): every tensor `
 returns has the shard's padded rows (``chunk_rows``) as dim 0, or the shard's own rows, to
 which the core appends zero rows, so each rank's part is the same size and the gathered
 rows of rank r follow rank r-1's; ``decode`` returns a tensor of the parameter's full shape
-(or with every rank's padded rows: the core drops the trailing padding). A re-gather into released memory (the re-gather before
-backward, with ``out``) writes into the full parameter the first ``decode`` made, which
-autograd may hold: ``decode(..., out=full)`` must rebuild it in place, in the memory that
-``storage_of(full)`` names, which the unit releases when it reshards.
+(or with every rank's padded rows: the core drops the trailing padding). A re-gather into
+released memory (the re-gather before backward, with ``out``) writes into the full
+parameter the first ``decode`` made, which autograd may hold: ``decode(..., out=full)``
+must rebuild it in place, in the memory that ``storage_of(full)`` names, which the unit
+releases when it reshards.
 """
 
 from __future__ import annotations
