@@ -40,6 +40,7 @@ from hyper_parallel.launch import CAN_BIND_CORES  # noqa: E402
 import analysis  # noqa: E402
 import configs  # noqa: E402
 import launch_ranks  # noqa: E402
+import low_precision  # noqa: E402
 import report  # noqa: E402
 import step_memory  # noqa: E402
 import tensor_parallel  # noqa: E402
@@ -78,6 +79,9 @@ def _parse_args(argv):
                              "never in --quick)")
     parser.add_argument("--no-tensor-parallel", dest="tensor_parallel", action="store_false",
                         help="skip tensor parallelism against FSDP (tensor_parallel.py)")
+    parser.add_argument("--no-low-precision", dest="low_precision", action="store_false",
+                        help="skip the low-precision all-gather measurement (low_precision.py; "
+                             "never in --quick)")
     parser.add_argument("--list", action="store_true", help="print the selected configurations and exit")
     return parser.parse_args(argv)
 
@@ -226,6 +230,10 @@ def main(argv=None) -> int:
         doc["wall_s"] = time.monotonic() - t_run
     if args.tensor_parallel:
         doc["tensor_parallel"] = _run_tensor_parallel(args)
+    if args.low_precision and not args.quick:
+        backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
+        print(f"low-precision all-gather: {', '.join(backends)}, alternated rounds", flush=True)
+        doc["low_precision"] = low_precision.measure(backends, bind_cores=args.bind_cores)
         doc["wall_s"] = time.monotonic() - t_run
     doc["library"]["changed_during_run"] = (doc["library"]["start"]["sources_sha256"]
                                             != doc["library"]["end"]["sources_sha256"])
@@ -239,6 +247,9 @@ def main(argv=None) -> int:
     if "tensor_parallel" in doc:
         print()
         print(doc["tensor_parallel"].get("error") or tensor_parallel.report(doc["tensor_parallel"]))
+    if "low_precision" in doc:
+        print()
+        print(low_precision.report(doc["low_precision"]))
     print()
     print(f"wrote {json_path}")
     print(report.write_png(doc, png_path))
@@ -247,7 +258,8 @@ def main(argv=None) -> int:
               "different versions of the library (see 'library' in the JSON)")
     print(f"total wall time {doc['wall_s']:.0f} s")
     failed = any("error" in row for row in rows) or any(
-        "error" in doc.get(part, {}) for part in ("step_memory", "tensor_parallel"))
+        "error" in doc.get(part, {}) for part in ("step_memory", "tensor_parallel")) or \
+        any("error" in lp for lp in doc.get("low_precision", {}).values())
     return 1 if failed else 0
 
 

@@ -19,6 +19,9 @@ from hyper_parallel.fully_shard import (
     OffloadPolicy, ShardPlacementResult, UnshardHandle, fully_shard, init_device_mesh,
     register_fsdp_forward_method, share_comm_ctx,
 )
+from hyper_parallel.fully_shard import (
+    CastGather, GatherCodec, GatherContext, Int8RowGather, set_gather_codec,
+)
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel.public_names import TORCH_HOMES, public_name
 
@@ -32,6 +35,7 @@ __all__ = [
     "get_full_state_dict", "get_platform", "get_state_dict", "init_device_mesh",
     "init_distributed", "load_checkpoint", "register_fsdp_forward_method", "save_checkpoint",
     "set_state_dict", "share_comm_ctx", "torch_nn_names", "track_comms", "UnshardHandle",
+    "CastGather", "GatherCodec", "GatherContext", "Int8RowGather", "set_gather_codec",
     *TORCH_HOMES,
 ]
 

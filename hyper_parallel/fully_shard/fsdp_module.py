@@ -254,9 +254,11 @@ _CUSTOM_COMM = (
     "{name}: hyper_parallel's collectives lay out their buffers their own way (a parameter "
     "of its own collective is gathered into and reduced from its own tensors, the rest "
     "fused; ranks' parts are passed without being joined), which FSDP2's {kind} protocol "
-    "(allocate, then call on one flat buffer) does not describe. For lower-precision "
-    "communication use MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...); to change "
-    "reduced gradients, set_all_reduce_hook")
+    "(allocate, then call on one flat buffer) does not describe. To all-gather in a lower "
+    "precision, give parameters a gather codec (hp.set_gather_codec, or on torch a tensor "
+    "subclass with FSDP2's fsdp_pre_all_gather/fsdp_post_all_gather); for lower-precision "
+    "reductions use MixedPrecisionPolicy(reduce_dtype=...); to change reduced gradients, "
+    "set_all_reduce_hook")
 
 
 def share_comm_ctx(modules: list) -> None:

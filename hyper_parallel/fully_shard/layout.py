@@ -20,6 +20,9 @@ flat gradient buffer and one all-reduce bucket (``ReplicateBucket``, gradients.p
   parameter buys three full-size copies fewer per step (FSDP2 always fuses and always
   copies). With a shard group of one rank there is no
   collective, and the full tensors are private copies (they must never alias the shards).
+- The codec leg: parameters with a gather codec (gather_codec.py) are all-gathered
+  together as their codecs' bytes (codec_leg.py) and decoded; their gradients are laid out
+  and reduced as the fused leg's.
 - The small leg: unsharded (below ``shard_threshold_bytes``) parameters skip the gather and
   reduce-scatter: each rank holds them whole and their gradients form one bucket
   all-reduced over the whole data-parallel group, one all-reduce per unit.
@@ -80,10 +83,11 @@ class Leg:
     """Parameters that share a collective and a flat gradient buffer, with their offsets."""
 
     def __init__(self, params: list, bucket: ReplicateBucket, sharded: bool, junctions: bool,
-                 reads_views: bool = True):
+                 reads_views: bool = True, codec: bool = False):
         self.params = params
         self.bucket = bucket
         self.sharded = sharded  # gathered and reduce-scattered over the shard group
+        self.codec = codec  # gathered as their gather codecs' bytes (codec_leg.py)
         self.offsets = []  # in the reduce-scatter's and the bucket's flat buffers
         total = 0
         for fsdp_param in params:
@@ -138,19 +142,23 @@ class LayoutStrategy:
 
     def legs(self, platform: Platform, params: list, mesh_info: MeshInfo,
              compute_dtype: Callable[[FSDPParam], Any]) -> list:
-        """The unit's legs: the fused one, then one per parameter alone, then the small one."""
+        """The unit's legs: the fused one, one per parameter alone, the codec leg, the small
+        one."""
         info, limit = mesh_info, self.own_collective_bytes
         views = platform.capabilities.kernels_read_views
 
         def bucket():
             return ReplicateBucket(platform, info.replicate_group, info.replicate_size, "replicate")
 
-        sharded = [fp for fp in params if fp.is_sharded]
+        coded = [fp for fp in params if fp.gather_codec is not None]
+        sharded = [fp for fp in params if fp.is_sharded and fp.gather_codec is None]
         alone = [fp for fp in sharded if limit is not None and
                  fp.padded_numel * platform.element_size(compute_dtype(fp)) >= limit]
         fused = [fp for fp in sharded if all(fp is not a for a in alone)]
         legs = [Leg(fused, bucket(), True, self.junctions, views)] if fused else []
         legs += [Leg([fp], bucket(), True, self.junctions, views) for fp in alone]
+        if coded:
+            legs.append(Leg(coded, bucket(), True, False, views, codec=True))
         small = [fp for fp in params if not fp.is_sharded]
         if small:
             legs.append(Leg(small, ReplicateBucket(platform, info.data_parallel_group,

@@ -21,6 +21,7 @@ import math
 import weakref
 from typing import Any
 
+from hyper_parallel.fully_shard.gather_codec import GATHER_CODEC_ATTR
 from hyper_parallel.fully_shard.mesh import MeshInfo
 from hyper_parallel.platform import Platform
 from hyper_parallel.tensor_parallel.layout import LAYOUT_ATTR, record_layout, tensor_parallel_layout
@@ -97,6 +98,12 @@ class FSDPParam:
                 orig_param, local, mesh_info.mesh.native, mesh_info.shard_mesh_dim,
                 shard_dim if is_sharded else None, self.full_shape, backing=self.padded_shard)
         setattr(self.sharded_param, FSDP_PARAM_ATTR, weakref.ref(self))
+        #: what is gathered for it and how the full parameter is rebuilt (gather_codec.py):
+        #: set on the parameter before fully_shard, or asked for by its local tensor's type;
+        #: an unsharded parameter is never gathered
+        codec = getattr(orig_param, GATHER_CODEC_ATTR, None) or platform.gather_codec_of(
+            platform.local_tensor(self.sharded_param))
+        self.gather_codec = codec if is_sharded else None
         #: the core's tensor parallelism split ``param``: its full parameter is this rank's
         #: tensor-parallel block, and the shard keeps the block's layout for later readers
         self.tensor_parallel_layout = tensor_parallel_layout(orig_param)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hyper_parallel.fully_shard.codec_leg import decode_full, decode_into, issue_codec_gather
+from hyper_parallel.fully_shard.gather_codec import GatherContext
 from hyper_parallel.fully_shard.layout import Leg, LayoutStrategy
 from hyper_parallel.fully_shard.mesh import MeshInfo
 from hyper_parallel.fully_shard.param import FSDPParam
@@ -30,6 +32,7 @@ class LegGather:
     into: Any = None  # the released full tensor the gather writes into, or None
     pieces: list | None = None
     whole: Any = None
+    encoded: list | None = None  # a codec leg's encodings (codec_leg.Encoded), params order
 
 
 class FSDPParamGroup:
@@ -84,8 +87,22 @@ class FSDPParamGroup:
                 self._pending_gather = [LegGather(leg, post_forward.issue_gather(i, async_op))
                                         for i, leg in enumerate(self.sharded_legs)]
                 return
-            self._pending_gather = [self._issue_leg_gather(leg, async_op, into)
+            self._pending_gather = [self._issue_codec_gather(leg, async_op) if leg.codec else
+                                    self._issue_leg_gather(leg, async_op, into)
                                     for leg in self.sharded_legs]
+
+    def codec_context(self, fsdp_param: FSDPParam) -> GatherContext:
+        return GatherContext(self.platform, fsdp_param.fqn, tuple(fsdp_param.full_shape),
+                             fsdp_param.slots[0][0], self.mesh_info, self.param_dtype,
+                             self.reduce_dtype)
+
+    def _issue_codec_gather(self, leg: Leg, async_op: bool) -> LegGather:
+        """The codec leg's gather (codec_leg.py); never into released memory: a re-gather
+        is decoded into its full parameters (``refill``)."""
+        handle, encoded = issue_codec_gather(
+            self.platform, leg.params, [self.codec_context(fp) for fp in leg.params],
+            self.mesh_info.shard_group, self.mesh_info.shard_size, async_op)
+        return LegGather(leg, handle, encoded=encoded)
 
     def _issue_leg_gather(self, leg: Leg, async_op: bool, into: dict) -> LegGather:
         """The leg's gather: its handle's result is the leg's ``Gathered`` (no collective
@@ -129,7 +146,10 @@ class FSDPParamGroup:
         fulls = {}
         for gather in self._finish_gather():
             leg, whole = gather.leg, gather.whole
-            for fp in leg.params:
+            for encoded in gather.encoded or ():
+                fulls[id(encoded.fsdp_param)] = decode_full(
+                    p, encoded, gather.pieces, self.compute_dtype(encoded.fsdp_param))
+            for fp in () if leg.codec else leg.params:
                 offsets = leg.gather_offsets_of(fp)
                 # read in place where it is one contiguous stretch of ``whole`` (see the
                 # note "gather layout"; with one rank, every parameter), else concatenated
@@ -146,18 +166,30 @@ class FSDPParamGroup:
         nothing more, the others are copied from the gathered pieces, one rank's rows at
         a time."""
         p = self.platform
-        sources = {}
+        sources, decoded = {}, {}
         for gather in self._finish_gather(released=fulls, post_forward=post_forward):
             leg = gather.leg
-            for fp in leg.params:
+            for encoded in gather.encoded or ():
+                decoded[id(encoded.fsdp_param)] = (encoded, gather.pieces)
+            for fp in () if leg.codec else leg.params:
                 if gather.into is None or fp is not leg.in_place:
                     sources[id(fp)] = (gather.pieces, leg.gather_offsets_of(fp))
         for fp, full in zip(self.params, fulls):
-            p.restore_storage(full)
-            if id(fp) in sources:
+            for tensor in self.memory_of(fp, full):
+                p.restore_storage(tensor)
+            if id(fp) in decoded:
+                decode_into(p, *decoded[id(fp)], self.compute_dtype(fp), full)
+            elif id(fp) in sources:
                 fp.refill_from_gathered(full, *sources[id(fp)])
             elif not fp.is_sharded:
                 p.copy_into(full, p.cast(p.local_tensor(fp.sharded_param), self.compute_dtype(fp)))
+
+    @staticmethod
+    def memory_of(fsdp_param: FSDPParam, full: Any) -> list:
+        """The tensors whose memory holds ``full``, ``fsdp_param``'s full parameter: itself,
+        or what its gather codec names (a tensor subclass holds its values in others)."""
+        codec = fsdp_param.gather_codec
+        return [full] if codec is None else list(codec.storage_of(full))
 
     def _finish_gather(self, released: list | None = None,
                        post_forward: PostForwardShards | None = None) -> list[LegGather]:

@@ -40,6 +40,12 @@ class PostForwardShards:
     parameters, and their all-gather over the post-forward group."""
 
     def __init__(self, group: FSDPParamGroup, fulls: list, size: int):
+        coded = [fp.fqn for leg in group.sharded_legs if leg.codec for fp in leg.params]
+        if coded:
+            raise NotImplementedError(
+                f"reshard_after_forward={size} keeps part of the full parameters, which a "
+                f"gather codec's parameters ({', '.join(coded)}) do not have in gathered form "
+                f"(as FSDP2's all-gather extensions); use reshard_after_forward=True or False")
         p = self.platform = group.platform
         info = group.mesh_info
         self.size = size

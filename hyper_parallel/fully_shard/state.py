@@ -223,13 +223,23 @@ class FSDPState:
             if not full.live:
                 self._refill(full)
             kept = full.tensors
-            full = self._new_full(lambda _: [self.platform.alias(t) for t in kept], full.memory)
+            full = self._new_full(lambda _: self._aliases(kept), full.memory)
         elif not full.live:
             self._refill(full)
         self._full = full
         for fsdp_param, tensor in zip(self.params, full.tensors):
             fsdp_param.attach(tensor)
         self._enter(UnitState.UNSHARDED)
+
+    def _aliases(self, fulls: list) -> list:
+        """New tensor objects over ``fulls``' memory, for a new node; a gather codec learns
+        which of its full parameters each one aliases (it releases and rebuilds them)."""
+        aliases = []
+        for fsdp_param, tensor in zip(self.params, fulls):
+            aliases.append(self.platform.alias(tensor))
+            if fsdp_param.gather_codec is not None:
+                fsdp_param.gather_codec.aliased(tensor, aliases[-1])
+        return aliases
 
     def per_group(self, values: list) -> list:
         """``values`` (one per parameter, ``params`` order) cut into one list per group."""
@@ -328,8 +338,10 @@ class FSDPState:
                 full.memory.post_forward = [
                     None if size is None else PostForwardShards(group, fulls, size)
                     for group, fulls, size in zip(self.groups, full.per_group, sizes)]
-            for tensor in full.tensors:
-                self.platform.release_storage(tensor)
+            for group, fulls in zip(self.groups, full.per_group):
+                for fsdp_param, tensor in zip(group.params, fulls):
+                    for memory in group.memory_of(fsdp_param, tensor):
+                        self.platform.release_storage(memory)
             full.memory.live = False
 
     # ---------------------------------------------------------------- backward

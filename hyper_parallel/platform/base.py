@@ -334,6 +334,12 @@ class Platform(Collectives, TensorPrimitives):
         may hold it); False where the framework cannot (the default)."""
         return False
 
+    def gather_codec_of(self, local: Any) -> Any:
+        """The ``GatherCodec`` (fully_shard/gather_codec.py) a framework's own tensor type
+        asks for, read from a sharded parameter's local tensor (torch: a subclass with
+        FSDP2's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``); None for a plain one."""
+        return None
+
     # ------------------------------------------------------------------ tensor parallelism
     def param_local_values(self, param: Any) -> Any:
         """The values fully_shard shards for ``param``: the parameter itself, or, where

@@ -11,6 +11,7 @@ spelling covers (``zeros``, ``cat``, ``copy_into``, numpy in and out) are abstra
 from __future__ import annotations
 
 import abc
+import math
 from typing import Any, Sequence
 
 #: bytes per element, by dtype name (``dtype_names``' keys)
@@ -98,6 +99,34 @@ class TensorPrimitives(abc.ABC):
         """The same values under a new tensor object (the same memory where views exist),
         so that a new autograd node can output it."""
         return tensor.reshape(tuple(tensor.shape))
+
+    def as_bytes(self, tensor: Any) -> Any:
+        """A contiguous ``tensor``'s memory as a 1-D uint8 tensor (a view where views exist),
+        whatever its dtype: how a gather codec's tensors of any dtype share one collective."""
+        return self.reshape(tensor, (-1,)).view(self.dtype("uint8"))
+
+    def from_bytes(self, data: Any, dtype: Any, shape: Sequence[int]) -> Any:
+        """1-D uint8 ``data`` (starting at a multiple of ``dtype``'s size) read as a tensor
+        of ``dtype`` and ``shape``: the reverse of ``as_bytes``."""
+        return self.reshape(data.view(dtype), shape)
+
+    def int8_rows(self, tensor: Any) -> tuple:
+        """``(values, scales)``: each dim-0 row of ``tensor`` scaled by its largest magnitude
+        over 127 and rounded to int8 (``values``, ``tensor``'s shape), and the float32
+        scales, one per row (``from_int8_rows`` multiplies them back)."""
+        shape = self.shape(tensor)
+        rows = self.reshape(self.cast(tensor, self.dtype("float32")),
+                            (shape[0], math.prod(shape[1:])))
+        scales = rows.abs().amax(1, True).clamp(min=1e-12) / 127.0
+        values = self.cast((rows / scales).round().clamp(-127, 127), self.dtype("int8"))
+        return self.reshape(values, shape), self.reshape(scales, (shape[0],))
+
+    def from_int8_rows(self, values: Any, scales: Any, dtype: Any) -> Any:
+        """``int8_rows``' reverse: ``values`` times their row's scale, in ``dtype``."""
+        shape = self.shape(values)
+        rows = self.reshape(self.cast(values, self.dtype("float32")),
+                            (shape[0], math.prod(shape[1:])))
+        return self.cast(self.reshape(rows * self.reshape(scales, (shape[0], 1)), shape), dtype)
 
     def clone(self, tensor: Any) -> Any:
         """A new tensor with the same values and its own memory."""

@@ -317,3 +317,64 @@ def check_base_defaults(ctx):
     _check(Platform.mesh_from_native(p, object()) is None, "Platform.mesh_from_native")
     _check(Platform.is_deferred(p, t) is False and Platform.starts_with(p, t, t) is False,
            "Platform.is_deferred / Platform.starts_with of a plain tensor")
+
+
+@local_check
+def check_bytes_round_trip(ctx):
+    """as_bytes / from_bytes: any dtype's memory as uint8 and back, also from an offset of a
+    larger byte buffer (how a gather codec's tensors share one collective)."""
+    p = ctx.p
+    values = np.array([[0.5, -1.25, 3.0], [1024.0, -0.0625, 7.0]], np.float32)  # exact in bf16
+    for name, size in (("float32", 4), ("bfloat16", 2), ("int32", 4), ("int8", 1)):
+        t = p.cast(p.from_numpy(values), p.dtype(name))
+        raw = p.as_bytes(t)
+        _check(p.dtype_of(raw) == p.dtype("uint8") and p.shape(raw) == (6 * size,),
+               f"as_bytes of a (2, 3) {name} tensor: {p.dtype_of(raw)} {p.shape(raw)}")
+        buffer = p.cat([p.zeros((8,), p.dtype("uint8")), raw], 0)
+        back = p.from_bytes(p.narrow(buffer, 0, 8, 6 * size), p.dtype(name), (2, 3))
+        _check(p.dtype_of(back) == p.dtype(name) and p.shape(back) == (2, 3),
+               f"from_bytes to {name}: {p.dtype_of(back)} {p.shape(back)}")
+        _same(_values(ctx, p.cast(back, p.dtype("float32"))),
+              _values(ctx, p.cast(t, p.dtype("float32"))), f"{name} through bytes")
+
+
+@local_check
+def check_gather_codec_of(ctx):
+    """A plain tensor asks for no gather codec; on torch, a type with FSDP2's all-gather
+    hooks gets one (the hooks are called only at a gather, fully_shard/codec_leg.py)."""
+    from hyper_parallel.fully_shard.gather_codec import GatherCodec
+
+    p = ctx.p
+    _check(p.gather_codec_of(p.zeros((2, 2), p.dtype("float32"))) is None,
+           "gather_codec_of(a plain tensor) must be None")
+
+    class Hooked:
+        fsdp_pre_all_gather = fsdp_post_all_gather = None
+
+    codec = p.gather_codec_of(Hooked())
+    if p.name == "torch":
+        _check(isinstance(codec, GatherCodec), f"torch: a type with FSDP2's hooks gave {codec!r}")
+    else:
+        _check(codec is None, f"{p.name} has no tensor-subclass hooks, gave {codec!r}")
+
+
+@local_check
+def check_int8_rows(ctx):
+    """int8_rows / from_int8_rows: int8 values and one float32 scale per dim-0 row, back to
+    within half a step (max |row| / 254) of each row; a row of zeros stays zeros."""
+    p = ctx.p
+    values = np.array([[[0.5, -1.25], [3.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]],
+                       [[-100.0, 7.0], [0.25, 1.0]]], np.float32)
+    t = p.from_numpy(values)
+    q, scales = p.int8_rows(t)
+    _check(p.dtype_of(q) == p.dtype("int8") and p.shape(q) == (3, 2, 2),
+           f"int8_rows values: {p.dtype_of(q)} {p.shape(q)}")
+    _check(p.dtype_of(scales) == p.dtype("float32") and p.shape(scales) == (3,),
+           f"int8_rows scales: {p.dtype_of(scales)} {p.shape(scales)}")
+    back = _values(ctx, p.from_int8_rows(q, scales, p.dtype("float32")))
+    bound = np.abs(values).reshape(3, -1).max(1) / 254 + 1e-6
+    error = np.abs(back - values).reshape(3, -1).max(1)
+    _check(bool(np.all(error <= bound)), f"int8 round trip errors {error} above {bound}")
+    _check(bool(np.all(back[1] == 0.0)), "a row of zeros did not come back as zeros")
+    _check(p.dtype_of(p.from_int8_rows(q, scales, p.dtype("bfloat16"))) == p.dtype("bfloat16"),
+           "from_int8_rows ignores its dtype")

@@ -54,6 +54,7 @@ SUPPORTED_MINOR = "2.10"
 _DTYPES = {
     "float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16,
     "float64": ms.float64, "int32": ms.int32, "int64": ms.int64,
+    "int8": ms.int8, "uint8": ms.uint8,
 }
 # what mccl's flat all-gather (ops.AllGather) accepts on CPU; the list all_gather takes more
 _FLAT_GATHER_DTYPES = (ms.float32, ms.float16, ms.int32)

@@ -27,6 +27,7 @@ from hyper_parallel.platform.torch.storage_release import TorchStorageRelease
 from hyper_parallel.platform.torch.tp_support import TorchTensorParallelSupport
 from hyper_parallel.platform.torch.tensor_parallel import (
     TP_SPEC, TorchTensorParallel, as_tensor_parallel)
+from hyper_parallel.platform.torch.gather_hooks import hooks_codec
 from hyper_parallel.platform.torch.eager_hooks import call_eagerly, eager
 from hyper_parallel.platform.torch.fsdp2_units import FSDP2Unit, native_unit_api, present_unit
 from hyper_parallel.platform.torch.released_memory import ReleasedMemory
@@ -40,6 +41,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (
 _DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
+    "int8": torch.int8, "uint8": torch.uint8,
 }
 
 _all_gather_flat = dist.all_gather_single
@@ -320,6 +322,9 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSuppor
         if tp is not None:
             setattr(param, TP_SPEC, tp)
         return param
+
+    def gather_codec_of(self, local):
+        return hooks_codec(local)
 
     def local_tensor(self, param):
         return param.to_local()
