@@ -12,8 +12,9 @@ table and the JSON, the run goes on, and the exit code is 1. At the end: the hea
 ``--full`` runs the full grid instead of the headline one (written as ``full.json`` /
 ``full.png``); ``--quick`` is the smoke run the test suite executes: tiny models, 1 + 2
 rounds, one launch per workload and framework, written as ``quick.*``. It tests that the
-pipeline runs, not speed. After the grid: the step memory (not in ``--quick``) and tensor
-parallelism against FSDP (tensor_parallel.py; the tiny model in ``--quick``).
+pipeline runs, not speed. After the grid: the step memory (not in ``--quick``), tensor
+parallelism against FSDP (tensor_parallel.py; the tiny model in ``--quick``) and the
+low-precision all-gather (low_precision.py; not in ``--quick``).
 """
 
 from __future__ import annotations
