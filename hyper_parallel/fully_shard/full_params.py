@@ -13,7 +13,7 @@ never the unit's current one, and reduces the gradients either way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.post_forward import PostForwardShards
@@ -41,3 +41,23 @@ class FullParams:
     @property
     def live(self) -> bool:
         return self.memory.live
+
+
+def aliases(platform: Any, params: list, fulls: list) -> list:
+    """New tensor objects over ``fulls``' memory (one per FSDPParam of ``params``), for a
+    kept unit's new node; a gather codec learns which of its full parameters each one
+    aliases (it releases and rebuilds them)."""
+    out = []
+    for fsdp_param, tensor in zip(params, fulls):
+        out.append(platform.alias(tensor))
+        if fsdp_param.gather_codec is not None:
+            fsdp_param.gather_codec.aliased(tensor, out[-1])
+    return out
+
+
+def copy_from_kept(platform: Any, full: FullParams, kept: FullParams) -> None:
+    """Restore ``full``'s released memory with the kept set's values, no all-gather
+    (state.py, the note "one kept set")."""
+    for tensor, source in zip(full.tensors, kept.tensors):
+        platform.restore_storage(tensor)
+        platform.copy_into(tensor, source)

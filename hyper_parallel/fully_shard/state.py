@@ -27,12 +27,11 @@ platform cannot release memory, the full parameters stay alive until the unit's 
 and no second all-gather is issued.
 
 [Note: one kept set]
-Several forwards may run before their backwards (torch's pipeline schedules), each with
-its own full parameters, released after it. With ``reshard_after_backward=False`` the
-full parameters a backward re-gathered become the unit's kept set, and a later backward's
-released ones are copied from it, not gathered again: one all-gather per unit for all of
-a step's backwards, as FSDP2 keeps one set. Both were gathered from the same shards, as
-no optimizer step falls between a forward and its backward.
+Several forwards may run before their backwards (torch's pipeline schedules), each with its
+own full parameters, released after it. With ``reshard_after_backward=False`` those a
+backward re-gathered become the unit's kept set, and later backwards' released ones are
+copied from it (full_params.py), as FSDP2 keeps one set: the same shards made both, no
+optimizer step falls between a forward and its backward.
 
 [Note: roots]
 The first unit whose forward runs becomes the root: it creates the IterationContext shared
@@ -48,7 +47,7 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from hyper_parallel.fully_shard.full_params import FullParams, Memory
+from hyper_parallel.fully_shard.full_params import FullParams, Memory, aliases, copy_from_kept
 from hyper_parallel.fully_shard.iteration import IterationContext
 from hyper_parallel.fully_shard.post_forward import PostForwardShards, post_forward_size
 from hyper_parallel.fully_shard.pytree import cast_floating, tensors_in
@@ -223,23 +222,14 @@ class FSDPState:
             if not full.live:
                 self._refill(full)
             kept = full.tensors
-            full = self._new_full(lambda _: self._aliases(kept), full.memory)
+            full = self._new_full(lambda _: aliases(self.platform, self.params, kept),
+                                  full.memory)
         elif not full.live:
             self._refill(full)
         self._full = full
         for fsdp_param, tensor in zip(self.params, full.tensors):
             fsdp_param.attach(tensor)
         self._enter(UnitState.UNSHARDED)
-
-    def _aliases(self, fulls: list) -> list:
-        """New tensor objects over ``fulls``' memory, for a new node; a gather codec learns
-        which of its full parameters each one aliases (it releases and rebuilds them)."""
-        aliases = []
-        for fsdp_param, tensor in zip(self.params, fulls):
-            aliases.append(self.platform.alias(tensor))
-            if fsdp_param.gather_codec is not None:
-                fsdp_param.gather_codec.aliased(tensor, aliases[-1])
-        return aliases
 
     def per_group(self, values: list) -> list:
         """``values`` (one per parameter, ``params`` order) cut into one list per group."""
@@ -309,9 +299,7 @@ class FSDPState:
             if kept is not None and kept is not full and kept.live and kept.spent \
                     and kept.memory is not full.memory:  # see the note "one kept set"
                 logger.debug("%s: full parameters copied from the kept ones", self.name)
-                for tensor, source in zip(full.tensors, kept.tensors):
-                    p.restore_storage(tensor)
-                    p.copy_into(tensor, source)
+                copy_from_kept(p, full, kept)
             else:
                 logger.debug("%s: re-gather full parameters for backward", self.name)
                 for group, fulls, shards in self._released_per_group(full):

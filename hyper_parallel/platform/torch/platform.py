@@ -55,8 +55,6 @@ _REDUCE_OPS = {
 
 # on a module with sharded parameters: {attribute name: its sharded parameter}
 _SHARDED_PARAMS = "_hp_sharded_params"
-# on a unit's module: {attribute: (full tensor, its tensor-parallel DTensor)} (as_tensor_parallel)
-_TENSOR_PARALLEL_VIEWS = "_hp_tensor_parallel_views"
 
 
 def _register_sharded(module) -> None:
@@ -294,8 +292,7 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSuppor
         # As FSDP2: while the unit is unsharded, parameters() and named_parameters() yield
         # the full tensors; module.<attr_name> reads them from there.
         module._parameters[attr_name] = as_tensor_parallel(
-            module.__dict__.get(_SHARDED_PARAMS, {}).get(attr_name), tensor,
-            module.__dict__.setdefault(_TENSOR_PARALLEL_VIEWS, {}), attr_name)
+            module, attr_name, module.__dict__.get(_SHARDED_PARAMS, {}).get(attr_name), tensor)
 
     def detach_tensor(self, module, attr_name) -> None:
         module._parameters[attr_name] = module.__dict__[_SHARDED_PARAMS][attr_name]

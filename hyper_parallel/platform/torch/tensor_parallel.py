@@ -20,6 +20,8 @@ from torch.distributed.tensor.placement_types import Partial
 # on a sharded parameter made from a tensor-parallel DTensor: (its tensor-parallel mesh,
 # placements, global shape, global stride), to present the full tensors as such DTensors
 TP_SPEC = "_hp_tp_spec"
+# on a unit's module: {attribute: (full tensor, its tensor-parallel DTensor)}
+TP_VIEWS = "_hp_tensor_parallel_views"
 
 
 def _strided_shard(dim: int, split_factor: int):
@@ -31,26 +33,29 @@ def _strided_shard(dim: int, split_factor: int):
 
 
 
-def as_tensor_parallel(sharded_param, tensor, views: dict, key: str):
-    """``tensor`` (this rank's tensor-parallel part of ``sharded_param``'s full values) as
-    the tensor-parallel DTensor the layers compute with (its gradient comes back to
-    ``tensor`` as a local tensor); ``tensor`` itself for any other parameter.
+def as_tensor_parallel(module, attr_name: str, sharded_param, tensor):
+    """``tensor`` (this rank's tensor-parallel part of ``sharded_param``'s full values, to
+    be ``module.<attr_name>``) as the tensor-parallel DTensor the layers compute with (its
+    gradient comes back to ``tensor`` as a local tensor); ``tensor`` itself for any other
+    parameter.
 
-    The DTensor made for a full tensor is kept in ``views[key]`` and given again when the
-    same full tensor is attached again: a unit resharded after forward is gathered again
-    for backward into the same full tensors, in a hook that runs without grad mode, and
-    activation checkpointing's recomputation must compute with the forward's DTensor
-    (which requires grad, so the recomputation saves what the forward saved)."""
+    The DTensor made for a full tensor is kept on the module (``TP_VIEWS``) and given
+    again when the same full tensor is attached again: a unit resharded after forward is
+    gathered again for backward into the same full tensors, in a hook that runs without
+    grad mode, and activation checkpointing's recomputation must compute with the
+    forward's DTensor (which requires grad, so the recomputation saves what the forward
+    saved)."""
     tp = getattr(sharded_param, TP_SPEC, None)
     if tp is None:
         return tensor
-    made = views.get(key)
+    views = module.__dict__.setdefault(TP_VIEWS, {})
+    made = views.get(attr_name)
     if made is not None and made[0] is tensor:
         return made[1]
     mesh, placements, shape, stride = tp
     view = DTensor.from_local(tensor, mesh, placements, run_check=False, shape=shape,
                               stride=stride)
-    views[key] = (tensor, view)
+    views[attr_name] = (tensor, view)
     return view
 
 
