@@ -9,7 +9,8 @@ line of results.
 - ``torch_only``: the script imported torch. HP_BACKEND=mindspore with a torch model is
   refused; unset, ``init_distributed()`` picks torch (MindSpore is not imported by it), the
   model trains a step, and a Cell made after importing MindSpore is refused.
-- ``leave_twice_<backend>``: a single process joins, leaves, leaves again (nothing to do),
+- ``leave_twice_<backend>``: a single process shards a model before joining any group
+  (MindSpore: a world of one; torch: refused, its meshes need a group), joins, leaves, leaves again (nothing to do),
   is then not joined, and joins again: torch can; MindSpore 2.10 cannot (its collectives
   fail after a rejoin), so the join is refused with an error saying so.
 """
@@ -104,10 +105,12 @@ def torch_only() -> dict:
 def leave_twice(backend: str) -> dict:
     os.environ["HP_BACKEND"] = backend
     platform = hp.get_platform()
+    model = _torch_model() if backend == "torch" else _cell()
+    result = {"before_join": _refused(backend, model, lambda: hp.fully_shard(model))}
     hp.init_distributed()
     hp.destroy_distributed()
     hp.destroy_distributed()
-    result = {"joined_after_leaving": platform.is_initialized()}
+    result["joined_after_leaving"] = platform.is_initialized()
     try:
         hp.init_distributed()
         result["rejoin"] = {"type": None, "world_size": platform.world_size()}

@@ -190,8 +190,17 @@ def test_model_framework_decides_where_hp_backend_is_unset_and_mismatches_are_na
 def test_leaving_twice_is_harmless_and_a_rejoin_works_or_is_refused(backend):
     """``destroy_distributed`` twice does nothing the second time (MindSpore's own teardown
     crashed in its barrier) and the process is not joined after it; joining again works on
-    torch and is refused on MindSpore, whose collectives fail after a rejoin."""
+    torch and is refused on MindSpore, whose collectives fail after a rejoin. Before any
+    join, ``fully_shard`` works on MindSpore (a world of one) and on torch, whose meshes
+    need a process group, is refused naming ``hp.init_distributed()``."""
     result = _fresh_process(f"leave_twice_{backend}")
+    before_join = result["before_join"]
+    if backend == "torch":
+        assert before_join["type"] == "RuntimeError" and before_join["untouched"]
+        assert "needs a process group and this process has joined none; call " \
+               "hp.init_distributed() first" in before_join["message"]
+    else:
+        assert before_join["type"] is None
     assert result["joined_after_leaving"] is False
     if backend == "torch":
         assert result["rejoin"] == {"type": None, "world_size": 1}

@@ -15,8 +15,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh, init_device_mesh
+from torch.distributed.fsdp._fully_shard._fsdp_common import (
+    ShardPlacementResult as _FSDP2ShardPlacementResult)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hyper_parallel.platform.base import MeshDescription, PlacementDescription, Platform
@@ -35,9 +36,6 @@ from hyper_parallel.platform.torch.unshard_function import run_differentiable
 
 MIN_TORCH = (2, 13)  # the oldest release the suite runs on (make torch-compat)
 
-from torch.distributed.fsdp._fully_shard._fsdp_common import (
-    ShardPlacementResult as _FSDP2ShardPlacementResult)
-
 _DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -53,8 +51,7 @@ _REDUCE_OPS = {
 }
 
 
-# on a module with sharded parameters: {attribute name: its sharded parameter}
-_SHARDED_PARAMS = "_hp_sharded_params"
+_SHARDED_PARAMS = "_hp_sharded_params"  # on a module: {attribute name: its sharded parameter}
 
 
 def _register_sharded(module) -> None:
@@ -91,8 +88,8 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSuppor
         _check_version()
         super().__init__()
         self._last_barrier = None  # see barrier
-        # CUDA's caching allocator already keeps freed blocks; CPU's malloc does not. The
-        # pool moves memory with a private storage method: a torch without it frees.
+        # CUDA's caching allocator keeps freed blocks, CPU's malloc does not; the pool moves
+        # memory with a private storage method (a torch without it frees).
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self._released = ReleasedMemory() if device == "cpu" and hasattr(
             torch.UntypedStorage, "_swap_data_ptr_") else None
@@ -124,6 +121,10 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSuppor
         dist.destroy_process_group()
 
     def new_mesh_groups(self, device_type, mesh_shape, dim_names):
+        if not dist.is_initialized() and "RANK" not in os.environ:  # env:// would fail on it
+            raise RuntimeError("a device mesh on torch needs a process group and this process has "
+                               "joined none; call hp.init_distributed() first (a process no "
+                               "launcher started joins a one-rank group)")
         native = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(dim_names))
         return self.mesh_from_native(native).groups, native
 
