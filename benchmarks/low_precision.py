@@ -38,13 +38,14 @@ def measure(backends: list, rounds: int = 5, bind_cores: bool = False,
         except LaunchFailure as exc:
             out[backend] = {"error": str(exc)}
             continue
-        figures = ranks[0]  # the slowest rank's time counts: a step ends when every rank's does
-        base = [max(r["hp"]["step_s"][i] for r in ranks) for i in range(rounds)]
+        variants = [r["variants"] for r in ranks]
+        # the slowest rank's time counts: a step ends when every rank's does
+        base = [max(r["hp"]["step_s"][i] for r in variants) for i in range(rounds)]
         rows = {}
-        for variant in figures:
-            times = [max(r[variant]["step_s"][i] for r in ranks) for i in range(rounds)]
+        for variant, figures in variants[0].items():
+            times = [max(r[variant]["step_s"][i] for r in variants) for i in range(rounds)]
             ratios = [t / b for t, b in zip(times, base)]
-            rows[variant] = {"gather_bytes": figures[variant]["gather_bytes"][-1],
+            rows[variant] = {"gather_bytes": figures["gather_bytes"][-1],
                              "step_ms": 1e3 * statistics.median(times),
                              "time_vs_hp": (statistics.median(ratios), min(ratios), max(ratios))}
         out[backend] = rows

@@ -14,7 +14,6 @@ all-gather bytes of one step.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import hyper_parallel as hp  # noqa: E402
+from benchmarks.measure import rank_main  # noqa: E402
 from tests.kit import get_kit  # noqa: E402
 
 
@@ -51,8 +51,7 @@ def _build(kit, job, variant):
     return model, kit.optimizer(kit.params(model), lr=1e-3, kind="adamw")
 
 
-def main() -> None:
-    job = json.loads(Path(sys.argv[1]).read_text())
+def run(job: dict, rank: int, world: int) -> dict:
     backend = os.environ["HP_BACKEND"]
     if backend == "torch":
         import torch
@@ -60,7 +59,6 @@ def main() -> None:
         torch.set_num_threads(1)
     hp.init_distributed()
     platform = hp.get_platform()
-    rank = platform.rank()
     kit = get_kit()
     variants = ["hp", "hp_bf16_gather", "hp_int8_gather"]
     if backend == "torch":
@@ -88,8 +86,9 @@ def main() -> None:
             if round_index >= job["warmup"]:
                 figures[variant]["step_s"].append(statistics.median(times))
                 figures[variant]["gather_bytes"].append(stats.nbytes("all_gather"))
-    Path(sys.argv[1]).with_name(f"result.{rank}.json").write_text(json.dumps(figures))
+    hp.destroy_distributed()
+    return {"variants": figures}
 
 
 if __name__ == "__main__":
-    main()
+    rank_main(run)

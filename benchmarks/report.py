@@ -147,6 +147,13 @@ def write_json(doc: dict, path: Path) -> None:
     partial.replace(path)
 
 
+def publish(doc: dict, table: str, path: Path) -> None:
+    """A standalone benchmark's ending: its table on the console, its JSON at ``path``."""
+    print(f"\n{table}")
+    write_json(doc, path)
+    print(f"\nwritten: {path}")
+
+
 def write_png(doc: dict, path: Path) -> str:
     """Bars of median step time (with the IQR as error bars) and peak memory per
     configuration and phase; returns a note for the console (written, or why not)."""

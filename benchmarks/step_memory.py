@@ -23,17 +23,20 @@ unit reshards), and the median step time (steps after the first).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+for _path in (HERE, HERE.parent):  # report.py reads the example's sizes
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from launch_ranks import launch  # noqa: E402
+from report import publish  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = HERE / "results"
 
 
 def _slope(xs: list, ys: list) -> float:
@@ -114,11 +117,7 @@ def main() -> None:
     backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
     result = measure(backends, args.blocks, args.dim, args.batch, args.steps, args.world,
                      args.timeout, args.ms_pipeline)
-    print()
-    print(report(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"\nwritten: {args.out}")
+    publish(result, report(result), args.out)
 
 
 if __name__ == "__main__":

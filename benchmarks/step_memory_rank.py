@@ -14,15 +14,13 @@ parameters at the end of each forward (every unit's, as the root's forward ends)
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.measure import _reset_peak, _status_mb, trimmed_resident_mb  # noqa: E402
+from benchmarks.measure import _reset_peak, _status_mb, rank_main, trimmed_resident_mb  # noqa: E402
 import hyper_parallel as hp  # noqa: E402
 
 
@@ -90,8 +88,7 @@ def _mindspore_step(job: dict):
     return model, step
 
 
-def main(job_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
+def run(job: dict, rank: int, world: int) -> dict:
     hp.init_distributed()
     platform = hp.get_platform()
     model, step = (_torch_step if job["backend"] == "torch" else _mindspore_step)(job)
@@ -111,15 +108,10 @@ def main(job_path: str) -> None:
         losses.append(step())
         times.append(time.perf_counter() - start)
     peak = _status_mb("VmHWM")
-    result = {"rank": platform.rank(), "before_mb": before, "peak_mb": peak,
-              "step_added_mb": peak - before, "step_s": times, "losses": losses,
-              "held_after_forward": held}
-    out = Path(job_path).parent / f"result.{platform.rank()}.json"
-    out.with_suffix(".tmp").write_text(json.dumps(result))
-    out.with_suffix(".tmp").rename(out)
     hp.destroy_distributed()
-    os._exit(0)
+    return {"before_mb": before, "peak_mb": peak, "step_added_mb": peak - before,
+            "step_s": times, "losses": losses, "held_after_forward": held}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    rank_main(run)

@@ -22,7 +22,6 @@ processes:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ for _path in (HERE, HERE.parent):
 
 from examples.lm.config import SIZES  # noqa: E402
 from launch_ranks import launch  # noqa: E402
+from report import publish  # noqa: E402
 
 RESULTS = HERE / "results"
 
@@ -139,11 +139,7 @@ def main() -> None:
     backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
     result = measure(backends, args.size, args.batch, args.seq, args.warmup, args.rounds,
                      args.timeout)
-    print()
-    print(report(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"\nwritten: {args.out}")
+    publish(result, report(result), args.out)
 
 
 if __name__ == "__main__":

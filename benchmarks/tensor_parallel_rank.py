@@ -23,8 +23,6 @@ are not counted by it).
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import hyper_parallel as hp  # noqa: E402
+from benchmarks.measure import rank_main  # noqa: E402
 from examples.lm.config import VOCAB  # noqa: E402
 from examples.lm.data import ByteCorpus, rank_rows  # noqa: E402
 from examples.lm.tensor_parallel import lm_plan  # noqa: E402
@@ -159,11 +158,9 @@ class MindSporeModels:
         return out
 
 
-def main(job_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
+def run(job: dict, rank: int, world: int) -> dict:
     hp.init_distributed()
     platform = hp.get_platform()
-    rank = platform.rank()
     from hyper_parallel import tensor_parallel
 
     models = (TorchModels if platform.name == "torch" else MindSporeModels)(job, tensor_parallel)
@@ -174,7 +171,7 @@ def main(job_path: str) -> None:
     def rows(kind, array):  # fsdp4: 4 data-parallel ranks; the others: 2, tp pairs alike
         return rank_rows(array, rank, 4) if kind == "fsdp4" else rank_rows(array, rank // 2, 2)
 
-    result = {"rank": rank, "rounds_s": {"fsdp4": [], "tp2": []}, "losses": {}}
+    result = {"rounds_s": {"fsdp4": [], "tp2": []}, "losses": {}}
     order = ["fsdp4", "tp2"]
     for k, (ids, targets) in enumerate(batches):
         for kind in order:
@@ -193,12 +190,9 @@ def main(job_path: str) -> None:
     window = hp.comm_stats().snapshot().minus(before)
     result["tp_comm"] = {f"{op}:{dim}": [rec.calls, rec.nbytes]
                          for (op, _wire, dim), rec in window.records.items() if dim == "tp"}
-    out = Path(job_path).parent / f"result.{rank}.json"
-    out.with_suffix(".tmp").write_text(json.dumps(result))
-    out.with_suffix(".tmp").rename(out)
     hp.destroy_distributed()
-    os._exit(0)
+    return result
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    rank_main(run)
