@@ -10,6 +10,7 @@ reset_scenarios.py) and returns plain Python values.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import numpy as np
@@ -221,6 +222,8 @@ def run_forward_method(kit) -> dict:
     out.update(losses=losses, ref_losses=ref_losses, param_diff=_param_diff(kit, model, ref))
     ours_last = _generate(kit, model, x0)
     out["generate_last"] = _max_diff(ours_last, _generate(kit, ref, x0))
+    out["deepcopy"] = _attempt(lambda: copy.deepcopy(model))[:2]
+    out["generate_after_deepcopy"] = _max_diff(_generate(kit, model, x0), ours_last)
     # not a unit: a no-op; a unit without the method: ValueError
     plain = _build_gen(kit)
     hp.register_fsdp_forward_method(plain, "generate")

@@ -147,6 +147,19 @@ def test_register_forward_method_on_a_plain_module_or_missing_method(backend):
                             "FSDPGenStack has no method 'sample' to register as a forward method")
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deepcopy_of_a_unit_is_refused_and_the_unit_still_computes(backend):
+    """As FSDP2 refuses it; before, torch failed inside the module's constructor and
+    MindSpore made a copy that failed at its first forward."""
+    for r in _part(backend, "forward_method"):
+        error_type, message = r["deepcopy"]
+        assert error_type == "TypeError", message
+        assert message.startswith("FSDPGenStack is a fully_shard unit and cannot be deep-copied; "
+                                  "copy the model before fully_shard"), message
+        assert r["generate_after_deepcopy"] == 0.0
+
+
 # ---------------------------------------------------------------------------- reshard_after_forward
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("value, error_type, message", [

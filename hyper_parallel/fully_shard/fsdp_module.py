@@ -50,6 +50,14 @@ class FSDPModule:
             state.platform.refresh_converted_param(fsdp_param.sharded_param)
         return result
 
+    def __deepcopy__(self, memo):
+        """Refused, as FSDP2 refuses it: a copy's shards would share this unit's state and
+        process groups, and neither framework's copy gives a unit that computes."""
+        raise TypeError(
+            f"{type(self).__name__} is a fully_shard unit and cannot be deep-copied; copy the "
+            f"model before fully_shard, or build a new model and load hp.get_full_state_dict"
+            f"(model) (or a checkpoint) into it")
+
     def set_reshard_after_forward(self, reshard_after_forward: bool | int | None,
                                   recurse: bool = True) -> None:
         """Free full parameters after forward (re-gather for backward) or keep them. Takes
