@@ -22,7 +22,10 @@ the model, through ``apply_fsdp_to_decoder``), ``init_weights``, the chunked los
   the gradient divide factor to 1.0, which FSDP2 turns into a PREMUL_SUM that gloo lacks
   (hyper_parallel's collectives always sum, and scale apart).
 
-hyper_parallel stands in through ``in_place_of_fsdp2``: the names torchtitan looks up.
+hyper_parallel stands in through ``in_place_of_fsdp2``: the ``fully_shard`` torchtitan
+calls. Nothing else is rebound: hyper_parallel's units are instances of torch's
+``FSDPModule``, so torchtitan's ``isinstance`` checks (its gradient divide factor of 1.0,
+``ChunkedLossWrapper``'s gathered ``lm_head`` across the chunks) find them as they are.
 Its ``MixedPrecisionPolicy`` is torch's own object, which ``hp.fully_shard`` accepts.
 """
 
@@ -87,15 +90,11 @@ def import_torchtitan():
 
 @contextlib.contextmanager
 def in_place_of_fsdp2():
-    """hyper_parallel's ``fully_shard`` and ``FSDPModule`` where torchtitan looks up FSDP2's:
-    the names ``torchtitan.distributed.fsdp`` imported, and the ``FSDPModule``
-    ``ChunkedLossWrapper`` imports from torch at each call (its isinstance check chooses the
-    path that keeps ``lm_head`` gathered across the chunks)."""
-    import torch.distributed._composable.fsdp as torch_fsdp
+    """hyper_parallel's ``fully_shard`` where torchtitan looks up FSDP2's: the name
+    ``torchtitan.distributed.fsdp`` imported, which ``apply_fsdp_to_decoder`` calls."""
     import torchtitan.distributed.fsdp as titan_fsdp
 
-    with mock.patch.multiple(titan_fsdp, fully_shard=hp.fully_shard, FSDPModule=hp.FSDPModule), \
-            mock.patch.object(torch_fsdp, "FSDPModule", hp.FSDPModule):
+    with mock.patch.object(titan_fsdp, "fully_shard", hp.fully_shard):
         yield
 
 
@@ -252,12 +251,11 @@ def _step(model, loss_fn, optimizers, schedulers, inputs, labels, batch_mesh, lo
     return global_loss, float(grad_norm)
 
 
-def train(model, batches, rows: slice, parallel_dims=None, stand_in: bool = False) -> dict:
+def train(model, batches, rows: slice, parallel_dims=None) -> dict:
     """STEPS steps of torchtitan's training on ``rows`` of each global batch: the
     debugmodel's chunked loss, AdamW and LR schedule (the warmup shortened to fit STEPS),
     and for a mixture of experts its load-balancing hook (each step's expert bias from the
-    tokens routed on every rank); ``stand_in``: hyper_parallel's names in FSDP2's
-    (``in_place_of_fsdp2``) during each step. Returns the global losses, gradient norms,
+    tokens routed on every rank). Returns the global losses, gradient norms,
     hyper_parallel's reduce-scatters per step, the final full parameters and expert biases."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import (
@@ -276,8 +274,7 @@ def train(model, batches, rows: slice, parallel_dims=None, stand_in: bool = Fals
               if parallel_dims is not None else (None, None))
     out = {"losses": [], "grad_norms": [], "reduce_scatters": []}
     for inputs, labels in batches:
-        with in_place_of_fsdp2() if stand_in else contextlib.nullcontext(), \
-                hp.track_comms() as comms:
+        with hp.track_comms() as comms:
             loss, norm = _step(model, loss_fn, optimizers, schedulers, inputs[rows],
                                labels[rows], *meshes)
         out["losses"].append(loss)
@@ -337,7 +334,7 @@ def run() -> dict:
         result = {}
         for impl in ("fsdp2", "hp"):
             model = _sharded(impl, ac, mp, tied, parallel_dims, initial)
-            result[impl] = train(model, batches, rows, parallel_dims, impl == "hp")
+            result[impl] = train(model, batches, rows, parallel_dims)
         if tied not in references:
             references[tied] = train(_whole(tied), batches, slice(None))
         result["reference"] = references[tied]
@@ -347,7 +344,7 @@ def run() -> dict:
         initial = {name: p.detach() for name, p in _whole(tied).named_parameters()}
         model = _sharded("hp", ac, mp, tied, parallel_dims, initial)
         out[config_name(ac, mp, tied)][f"hp_{SPMD_DEFAULT}"] = train(model, batches, rows,
-                                                                     parallel_dims, True)
+                                                                     parallel_dims)
     return out
 
 
@@ -363,6 +360,6 @@ def run_moe() -> dict:
     for key, impl, spmd_backend in RUNS:
         parallel_dims = _parallel_dims(spmd_backend, world)
         model = _sharded(impl, MOE_AC, MOE_MP, False, parallel_dims, initial, moe=True)
-        out[key] = train(model, batches, rows, parallel_dims, impl == "hp")
+        out[key] = train(model, batches, rows, parallel_dims)
     out["reference"] = train(_whole(False, moe=True), batches, slice(None))
     return out
