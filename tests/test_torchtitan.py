@@ -7,7 +7,10 @@ parameters equal FSDP2's bit for bit, also under torchtitan's default spmd_backe
 FSDP2 refuses, and in float32 match a single-process reference. The same for its Qwen3-MoE
 with load balancing, and on 4 ranks for the model configured as its ``Trainer`` configures it
 (tests/torchtitan_trainer_config_scenarios.py: its tensor parallelism over 2 ranks with
-sequence parallelism, ``fully_shard`` over the other 2).
+sequence parallelism, ``fully_shard`` over the other 2). torchtitan's float8 converter
+(tests/torchtitan_float8_scenarios.py: emulated, the one setting it allows on CPU) trains
+as under FSDP2, and with the converted weights wrapped for float8 all-gather
+hyper_parallel sends them in float8.
 
 Needs torchtitan 0.3.0 (the ``titan`` extra: ``pip install -e ".[titan]"``); skipped without.
 """
@@ -24,6 +27,7 @@ from tests.multirank import run_ranks  # noqa: E402
 from tests.torchtitan_scenarios import (  # noqa: E402
     CONFIGS, LAYERS, SPMD_DEFAULT, SPMD_DEFAULT_CONFIGS, config_name)
 from tests.torchtitan_trainer_config_scenarios import CONFIGS as TRAINER_CONFIGS  # noqa: E402
+from tests.torchtitan_float8_scenarios import RUNS as FLOAT8_RUNS  # noqa: E402
 
 NAMES = [config_name(*config) for config in CONFIGS]
 FLOAT32 = [name for name in NAMES if "float32" in name]
@@ -69,6 +73,11 @@ def results() -> dict:
 @pytest.fixture(scope="module")
 def moe_results() -> dict:
     return run_ranks("tests.torchtitan_scenarios:run_moe", 2, "torch", timeout_s=400)[0]
+
+
+@pytest.fixture(scope="module")
+def float8_results() -> dict:
+    return run_ranks("tests.torchtitan_float8_scenarios:run", 2, "torch", timeout_s=400)[0]
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +175,53 @@ def test_model_configured_as_the_trainer_does_matches_the_reference(trainer_conf
                                                                     name):
     _assert_near_float32_reference(trainer_config_results[name]["hp"],
                                    trainer_config_results["reference"])
+
+
+FLOAT8_GATHER_RUNS = [key for key, (_, _, wrapped, _) in FLOAT8_RUNS.items() if wrapped]
+# every linear of the blocks and the head: their dims are multiples of 16
+FLOAT8_LINEARS = [f"layers.{i}.{name}.weight" for i in range(LAYERS)
+                  for name in ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1",
+                               "feed_forward.w2", "feed_forward.w3")] + ["lm_head.weight"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("run", [key for key in FLOAT8_RUNS if key != "fsdp2"])
+def test_torchtitan_float8_converter_trains_exactly_as_fsdp2(float8_results, run):
+    """torchtitan's Float8LinearConverter (emulated) swaps every linear of the blocks and
+    the head for its Float8Linear; hyper_parallel trains the model as FSDP2 does, bit for
+    bit, with float8 all-gather off, with the flag only, and on (the scales are global, so
+    the math is the same)."""
+    assert float8_results[run]["float8_weights"] == sorted(FLOAT8_LINEARS)
+    _assert_bitwise_equal(float8_results[run], float8_results["fsdp2"])
+
+
+def _padded_to_8(nbytes: int) -> int:
+    """A rank's part of a codec tensor on the wire (fully_shard/codec_leg.py)."""
+    return -(-nbytes // 8) * 8
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("run", FLOAT8_GATHER_RUNS)
+def test_torchtitan_float8_weights_are_all_gathered_in_float8(float8_results, run):
+    """With the converted weights wrapped as torchao's ``from_float`` wraps them, every
+    gather of one of them sends its shard as float8, 1 byte an element, where the run
+    with the flag only (torchtitan's modules alone: no weight is wrapped, no float8
+    gather) sends 4: the all-gather bytes fall by exactly that, and the rest is unchanged.
+    The hook was called for each float8 weight's shard."""
+    world = 2
+    flag_only, ours = float8_results["hp_flag_only"], float8_results[run]
+    assert flag_only["float8_gathered_numels"] == []
+    numels = ours["float8_gathered_numels"]
+    params = ours["params"]
+    assert set(numels) == {params[name].size // world for name in FLOAT8_LINEARS}
+    saved = sum(world * (4 * n - _padded_to_8(n)) for n in numels)
+    assert sum(flag_only["all_gather_bytes"]) - sum(ours["all_gather_bytes"]) == saved
+
+
+@pytest.mark.timeout(600)
+def test_torchtitan_float8_scales_are_precomputed_on_hyper_parallel_weights(float8_results):
+    """torchao's ``precompute_float8_dynamic_scale_for_fsdp`` finds every wrapped weight of
+    hyper_parallel's units (DTensors over its float8 tensor) and leaves its scale there."""
+    assert float8_results["hp_float8_gather_precompute"]["precomputed_scales"] == \
+        len(FLOAT8_LINEARS)
+    assert float8_results["hp_float8_gather"]["precomputed_scales"] == 0

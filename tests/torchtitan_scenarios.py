@@ -168,12 +168,16 @@ def _canonical(name: str) -> str:
 
 
 def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: dict,
-             moe: bool = False, trainer_config=None):
+             moe: bool = False, trainer_config=None, model_config=None,
+             before_parallelize=None):
     """torchtitan's model (Llama 3, or with ``moe`` Qwen3-MoE), built on meta, parallelized
     by its own ``parallelize_*`` with ``impl``'s fully_shard under ``parallel_dims``'
     spmd_backend, materialised and initialised as its trainer does, then given ``initial``.
     With ``trainer_config`` (a ``Trainer.Config``), the model's config is first updated from
-    it as the trainer does (``update_from_config``: its sharding config)."""
+    it as the trainer does (``update_from_config``: its sharding config). ``model_config``:
+    the Llama 3 config to build instead of ``_model_config(tied)`` (e.g. a converter's);
+    ``before_parallelize``: a function of the model built on meta, run before
+    parallelization."""
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import distribute_tensor
@@ -182,7 +186,7 @@ def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: di
     from torchtitan.models.llama3 import parallelize_llama
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
-    config = _moe_config() if moe else _model_config(tied)
+    config = model_config or (_moe_config() if moe else _model_config(tied))
     ac_config = {"selective": SelectiveAC.Config(), "full": FullAC.Config(), "none": None}[ac]
     training = TrainingConfig(mixed_precision_param=mp)
     parallelism = ParallelismConfig(spmd_backend=parallel_dims.spmd_backend)
@@ -192,6 +196,8 @@ def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: di
         ac_config = trainer_config.activation_checkpoint
     with torch.device("meta"):
         model = config.build()
+    if before_parallelize is not None:
+        before_parallelize(model)
     parallelize = parallelize_qwen3 if moe else parallelize_llama
     with in_place_of_fsdp2() if impl == "hp" else contextlib.nullcontext():
         parallelize(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
@@ -256,7 +262,8 @@ def train(model, batches, rows: slice, parallel_dims=None) -> dict:
     debugmodel's chunked loss, AdamW and LR schedule (the warmup shortened to fit STEPS),
     and for a mixture of experts its load-balancing hook (each step's expert bias from the
     tokens routed on every rank). Returns the global losses, gradient norms,
-    hyper_parallel's reduce-scatters per step, the final full parameters and expert biases."""
+    hyper_parallel's reduce-scatters and all-gather bytes per step, the final full
+    parameters and expert biases."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import (
         LRSchedulersContainer, default_adamw, register_moe_load_balancing_hook)
@@ -272,7 +279,7 @@ def train(model, batches, rows: slice, parallel_dims=None) -> dict:
     ).build(optimizers=optimizers, training_steps=STEPS)
     meshes = ((parallel_dims.get_mesh("batch"), parallel_dims.get_optional_mesh("loss"))
               if parallel_dims is not None else (None, None))
-    out = {"losses": [], "grad_norms": [], "reduce_scatters": []}
+    out = {"losses": [], "grad_norms": [], "reduce_scatters": [], "all_gather_bytes": []}
     for inputs, labels in batches:
         with hp.track_comms() as comms:
             loss, norm = _step(model, loss_fn, optimizers, schedulers, inputs[rows],
@@ -280,6 +287,7 @@ def train(model, batches, rows: slice, parallel_dims=None) -> dict:
         out["losses"].append(loss)
         out["grad_norms"].append(norm)
         out["reduce_scatters"].append(comms.calls("reduce_scatter"))
+        out["all_gather_bytes"].append(comms.nbytes("all_gather"))
     out["params"] = {_canonical(name): _full(param) for name, param in model.named_parameters()}
     out["expert_biases"] = {_canonical(name): _full(buffer)
                             for name, buffer in model.named_buffers() if "expert_bias" in name}
