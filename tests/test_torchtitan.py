@@ -10,7 +10,10 @@ with load balancing, and on 4 ranks for the model configured as its ``Trainer`` 
 sequence parallelism, ``fully_shard`` over the other 2). torchtitan's float8 converter
 (tests/torchtitan_float8_scenarios.py: emulated, the one setting it allows on CPU) trains
 as under FSDP2, and with the converted weights wrapped for float8 all-gather
-hyper_parallel sends them in float8.
+hyper_parallel sends them in float8. Its pipeline path (tests/torchtitan_pipeline_scenarios.py:
+``pipeline_llm`` with ``pipeline_parallel_degree=2`` on 4 ranks, pp 2 x dp_shard 2, its
+1F1B, GPipe and Interleaved1F1B schedules) trains as under FSDP2, bit for bit, with as many
+reduce-scatters per step.
 
 Needs torchtitan 0.3.0 (the ``titan`` extra: ``pip install -e ".[titan]"``); skipped without.
 """
@@ -28,6 +31,7 @@ from tests.torchtitan_scenarios import (  # noqa: E402
     CONFIGS, LAYERS, SPMD_DEFAULT, SPMD_DEFAULT_CONFIGS, config_name)
 from tests.torchtitan_trainer_config_scenarios import CONFIGS as TRAINER_CONFIGS  # noqa: E402
 from tests.torchtitan_float8_scenarios import RUNS as FLOAT8_RUNS  # noqa: E402
+from tests.torchtitan_pipeline_scenarios import SCHEDULES as PIPELINE_SCHEDULES  # noqa: E402
 
 NAMES = [config_name(*config) for config in CONFIGS]
 FLOAT32 = [name for name in NAMES if "float32" in name]
@@ -78,6 +82,12 @@ def moe_results() -> dict:
 @pytest.fixture(scope="module")
 def float8_results() -> dict:
     return run_ranks("tests.torchtitan_float8_scenarios:run", 2, "torch", timeout_s=400)[0]
+
+
+@pytest.fixture(scope="module")
+def pipeline_results() -> list:
+    """One result per rank: ranks 0 and 1 hold the first stage, 2 and 3 the last."""
+    return run_ranks("tests.torchtitan_pipeline_scenarios:run", 4, "torch", timeout_s=400)
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +235,34 @@ def test_torchtitan_float8_scales_are_precomputed_on_hyper_parallel_weights(floa
     assert float8_results["hp_float8_gather_precompute"]["precomputed_scales"] == \
         len(FLOAT8_LINEARS)
     assert float8_results["hp_float8_gather"]["precomputed_scales"] == 0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+def test_torchtitan_pipeline_trains_exactly_as_fsdp2(pipeline_results, schedule):
+    """torchtitan's ``pipeline_llm`` (pp 2 x dp_shard 2) with hyper_parallel's fully_shard:
+    on every rank the stage's parameters and the gradient norms clipped across stages
+    equal FSDP2's bit for bit, and on the last stage's ranks the losses."""
+    last_stage = 0
+    for rank in pipeline_results:
+        ours, theirs = rank[schedule]["hp"], rank[schedule]["fsdp2"]
+        _assert_bitwise_equal(ours, theirs)
+        assert ours["params"]
+        if ours["losses"]:  # a loss a step
+            last_stage += 1
+            assert len(ours["losses"]) == len(ours["grad_norms"])
+    assert last_stage == 2
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+def test_torchtitan_pipeline_reduces_as_often_as_fsdp2(pipeline_results, schedule):
+    """Per step, each rank issues as many reduce-scatters and all-reduces as under FSDP2
+    (one c10d counter for both runs; hyper_parallel's own count agrees): the schedule's
+    microbatches accumulate on the units, which reduce once per step."""
+    for rank in pipeline_results:
+        ours, theirs = rank[schedule]["hp"], rank[schedule]["fsdp2"]
+        for kind in ("reduce_scatter", "all_reduce"):
+            assert [step.get(kind, 0) for step in ours["c10d"]] == \
+                [step.get(kind, 0) for step in theirs["c10d"]], kind
+        assert ours["reduce_scatters"] == [step["reduce_scatter"] for step in ours["c10d"]]
