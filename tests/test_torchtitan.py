@@ -7,7 +7,13 @@ parameters equal FSDP2's bit for bit, also under torchtitan's default spmd_backe
 FSDP2 refuses, and in float32 match a single-process reference. The same for its Qwen3-MoE
 with load balancing, and on 4 ranks for the model configured as its ``Trainer`` configures it
 (tests/torchtitan_trainer_config_scenarios.py: its tensor parallelism over 2 ranks with
-sequence parallelism, ``fully_shard`` over the other 2).
+sequence parallelism, ``fully_shard`` over the other 2). torchtitan's float8 converter
+(tests/torchtitan_float8_scenarios.py: emulated, the one setting it allows on CPU) trains
+as under FSDP2, and with the converted weights wrapped for float8 all-gather
+hyper_parallel sends them in float8. Its pipeline path (tests/torchtitan_pipeline_scenarios.py:
+``pipeline_llm`` with ``pipeline_parallel_degree=2`` on 4 ranks, pp 2 x dp_shard 2, its
+1F1B, GPipe and Interleaved1F1B schedules) trains as under FSDP2, bit for bit, with as many
+reduce-scatters per step.
 
 Needs torchtitan 0.3.0 (the ``titan`` extra: ``pip install -e ".[titan]"``); skipped without.
 """
@@ -24,6 +30,8 @@ from tests.multirank import run_ranks  # noqa: E402
 from tests.torchtitan_scenarios import (  # noqa: E402
     CONFIGS, LAYERS, SPMD_DEFAULT, SPMD_DEFAULT_CONFIGS, config_name)
 from tests.torchtitan_trainer_config_scenarios import CONFIGS as TRAINER_CONFIGS  # noqa: E402
+from tests.torchtitan_float8_scenarios import RUNS as FLOAT8_RUNS  # noqa: E402
+from tests.torchtitan_pipeline_scenarios import SCHEDULES as PIPELINE_SCHEDULES  # noqa: E402
 
 NAMES = [config_name(*config) for config in CONFIGS]
 FLOAT32 = [name for name in NAMES if "float32" in name]
@@ -69,6 +77,17 @@ def results() -> dict:
 @pytest.fixture(scope="module")
 def moe_results() -> dict:
     return run_ranks("tests.torchtitan_scenarios:run_moe", 2, "torch", timeout_s=400)[0]
+
+
+@pytest.fixture(scope="module")
+def float8_results() -> dict:
+    return run_ranks("tests.torchtitan_float8_scenarios:run", 2, "torch", timeout_s=400)[0]
+
+
+@pytest.fixture(scope="module")
+def pipeline_results() -> list:
+    """One result per rank: ranks 0 and 1 hold the first stage, 2 and 3 the last."""
+    return run_ranks("tests.torchtitan_pipeline_scenarios:run", 4, "torch", timeout_s=400)
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +185,84 @@ def test_model_configured_as_the_trainer_does_matches_the_reference(trainer_conf
                                                                     name):
     _assert_near_float32_reference(trainer_config_results[name]["hp"],
                                    trainer_config_results["reference"])
+
+
+FLOAT8_GATHER_RUNS = [key for key, (_, _, wrapped, _) in FLOAT8_RUNS.items() if wrapped]
+# every linear of the blocks and the head: their dims are multiples of 16
+FLOAT8_LINEARS = [f"layers.{i}.{name}.weight" for i in range(LAYERS)
+                  for name in ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1",
+                               "feed_forward.w2", "feed_forward.w3")] + ["lm_head.weight"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("run", [key for key in FLOAT8_RUNS if key != "fsdp2"])
+def test_torchtitan_float8_converter_trains_exactly_as_fsdp2(float8_results, run):
+    """torchtitan's Float8LinearConverter (emulated) swaps every linear of the blocks and
+    the head for its Float8Linear; hyper_parallel trains the model as FSDP2 does, bit for
+    bit, with float8 all-gather off, with the flag only, and on (the scales are global, so
+    the math is the same)."""
+    assert float8_results[run]["float8_weights"] == sorted(FLOAT8_LINEARS)
+    _assert_bitwise_equal(float8_results[run], float8_results["fsdp2"])
+
+
+def _padded_to_8(nbytes: int) -> int:
+    """A rank's part of a codec tensor on the wire (fully_shard/codec_leg.py)."""
+    return -(-nbytes // 8) * 8
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("run", FLOAT8_GATHER_RUNS)
+def test_torchtitan_float8_weights_are_all_gathered_in_float8(float8_results, run):
+    """With the converted weights wrapped as torchao's ``from_float`` wraps them, every
+    gather of one of them sends its shard as float8, 1 byte an element, where the run
+    with the flag only (torchtitan's modules alone: no weight is wrapped, no float8
+    gather) sends 4: the all-gather bytes fall by exactly that, and the rest is unchanged.
+    The hook was called for each float8 weight's shard."""
+    world = 2
+    flag_only, ours = float8_results["hp_flag_only"], float8_results[run]
+    assert flag_only["float8_gathered_numels"] == []
+    numels = ours["float8_gathered_numels"]
+    params = ours["params"]
+    assert set(numels) == {params[name].size // world for name in FLOAT8_LINEARS}
+    saved = sum(world * (4 * n - _padded_to_8(n)) for n in numels)
+    assert sum(flag_only["all_gather_bytes"]) - sum(ours["all_gather_bytes"]) == saved
+
+
+@pytest.mark.timeout(600)
+def test_torchtitan_float8_scales_are_precomputed_on_hyper_parallel_weights(float8_results):
+    """torchao's ``precompute_float8_dynamic_scale_for_fsdp`` finds every wrapped weight of
+    hyper_parallel's units (DTensors over its float8 tensor) and leaves its scale there."""
+    assert float8_results["hp_float8_gather_precompute"]["precomputed_scales"] == \
+        len(FLOAT8_LINEARS)
+    assert float8_results["hp_float8_gather"]["precomputed_scales"] == 0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+def test_torchtitan_pipeline_trains_exactly_as_fsdp2(pipeline_results, schedule):
+    """torchtitan's ``pipeline_llm`` (pp 2 x dp_shard 2) with hyper_parallel's fully_shard:
+    on every rank the stage's parameters and the gradient norms clipped across stages
+    equal FSDP2's bit for bit, and on the last stage's ranks the losses."""
+    last_stage = 0
+    for rank in pipeline_results:
+        ours, theirs = rank[schedule]["hp"], rank[schedule]["fsdp2"]
+        _assert_bitwise_equal(ours, theirs)
+        assert ours["params"]
+        if ours["losses"]:  # a loss a step
+            last_stage += 1
+            assert len(ours["losses"]) == len(ours["grad_norms"])
+    assert last_stage == 2
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+def test_torchtitan_pipeline_reduces_as_often_as_fsdp2(pipeline_results, schedule):
+    """Per step, each rank issues as many reduce-scatters and all-reduces as under FSDP2
+    (one c10d counter for both runs; hyper_parallel's own count agrees): the schedule's
+    microbatches accumulate on the units, which reduce once per step."""
+    for rank in pipeline_results:
+        ours, theirs = rank[schedule]["hp"], rank[schedule]["fsdp2"]
+        for kind in ("reduce_scatter", "all_reduce"):
+            assert [step.get(kind, 0) for step in ours["c10d"]] == \
+                [step.get(kind, 0) for step in theirs["c10d"]], kind
+        assert ours["reduce_scatters"] == [step["reduce_scatter"] for step in ours["c10d"]]

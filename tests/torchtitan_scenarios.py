@@ -22,7 +22,10 @@ the model, through ``apply_fsdp_to_decoder``), ``init_weights``, the chunked los
   the gradient divide factor to 1.0, which FSDP2 turns into a PREMUL_SUM that gloo lacks
   (hyper_parallel's collectives always sum, and scale apart).
 
-hyper_parallel stands in through ``in_place_of_fsdp2``: the names torchtitan looks up.
+hyper_parallel stands in through ``in_place_of_fsdp2``: the ``fully_shard`` torchtitan
+calls. Nothing else is rebound: hyper_parallel's units are instances of torch's
+``FSDPModule``, so torchtitan's ``isinstance`` checks (its gradient divide factor of 1.0,
+``ChunkedLossWrapper``'s gathered ``lm_head`` across the chunks) find them as they are.
 Its ``MixedPrecisionPolicy`` is torch's own object, which ``hp.fully_shard`` accepts.
 """
 
@@ -87,15 +90,11 @@ def import_torchtitan():
 
 @contextlib.contextmanager
 def in_place_of_fsdp2():
-    """hyper_parallel's ``fully_shard`` and ``FSDPModule`` where torchtitan looks up FSDP2's:
-    the names ``torchtitan.distributed.fsdp`` imported, and the ``FSDPModule``
-    ``ChunkedLossWrapper`` imports from torch at each call (its isinstance check chooses the
-    path that keeps ``lm_head`` gathered across the chunks)."""
-    import torch.distributed._composable.fsdp as torch_fsdp
+    """hyper_parallel's ``fully_shard`` where torchtitan looks up FSDP2's: the name
+    ``torchtitan.distributed.fsdp`` imported, which ``apply_fsdp_to_decoder`` calls."""
     import torchtitan.distributed.fsdp as titan_fsdp
 
-    with mock.patch.multiple(titan_fsdp, fully_shard=hp.fully_shard, FSDPModule=hp.FSDPModule), \
-            mock.patch.object(torch_fsdp, "FSDPModule", hp.FSDPModule):
+    with mock.patch.object(titan_fsdp, "fully_shard", hp.fully_shard):
         yield
 
 
@@ -169,12 +168,16 @@ def _canonical(name: str) -> str:
 
 
 def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: dict,
-             moe: bool = False, trainer_config=None):
+             moe: bool = False, trainer_config=None, model_config=None,
+             before_parallelize=None):
     """torchtitan's model (Llama 3, or with ``moe`` Qwen3-MoE), built on meta, parallelized
     by its own ``parallelize_*`` with ``impl``'s fully_shard under ``parallel_dims``'
     spmd_backend, materialised and initialised as its trainer does, then given ``initial``.
     With ``trainer_config`` (a ``Trainer.Config``), the model's config is first updated from
-    it as the trainer does (``update_from_config``: its sharding config)."""
+    it as the trainer does (``update_from_config``: its sharding config). ``model_config``:
+    the Llama 3 config to build instead of ``_model_config(tied)`` (e.g. a converter's);
+    ``before_parallelize``: a function of the model built on meta, run before
+    parallelization."""
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import distribute_tensor
@@ -183,7 +186,7 @@ def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: di
     from torchtitan.models.llama3 import parallelize_llama
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
-    config = _moe_config() if moe else _model_config(tied)
+    config = model_config or (_moe_config() if moe else _model_config(tied))
     ac_config = {"selective": SelectiveAC.Config(), "full": FullAC.Config(), "none": None}[ac]
     training = TrainingConfig(mixed_precision_param=mp)
     parallelism = ParallelismConfig(spmd_backend=parallel_dims.spmd_backend)
@@ -193,6 +196,8 @@ def _sharded(impl: str, ac: str, mp: str, tied: bool, parallel_dims, initial: di
         ac_config = trainer_config.activation_checkpoint
     with torch.device("meta"):
         model = config.build()
+    if before_parallelize is not None:
+        before_parallelize(model)
     parallelize = parallelize_qwen3 if moe else parallelize_llama
     with in_place_of_fsdp2() if impl == "hp" else contextlib.nullcontext():
         parallelize(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
@@ -252,13 +257,13 @@ def _step(model, loss_fn, optimizers, schedulers, inputs, labels, batch_mesh, lo
     return global_loss, float(grad_norm)
 
 
-def train(model, batches, rows: slice, parallel_dims=None, stand_in: bool = False) -> dict:
+def train(model, batches, rows: slice, parallel_dims=None) -> dict:
     """STEPS steps of torchtitan's training on ``rows`` of each global batch: the
     debugmodel's chunked loss, AdamW and LR schedule (the warmup shortened to fit STEPS),
     and for a mixture of experts its load-balancing hook (each step's expert bias from the
-    tokens routed on every rank); ``stand_in``: hyper_parallel's names in FSDP2's
-    (``in_place_of_fsdp2``) during each step. Returns the global losses, gradient norms,
-    hyper_parallel's reduce-scatters per step, the final full parameters and expert biases."""
+    tokens routed on every rank). Returns the global losses, gradient norms,
+    hyper_parallel's reduce-scatters and all-gather bytes per step, the final full
+    parameters and expert biases."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import (
         LRSchedulersContainer, default_adamw, register_moe_load_balancing_hook)
@@ -274,15 +279,15 @@ def train(model, batches, rows: slice, parallel_dims=None, stand_in: bool = Fals
     ).build(optimizers=optimizers, training_steps=STEPS)
     meshes = ((parallel_dims.get_mesh("batch"), parallel_dims.get_optional_mesh("loss"))
               if parallel_dims is not None else (None, None))
-    out = {"losses": [], "grad_norms": [], "reduce_scatters": []}
+    out = {"losses": [], "grad_norms": [], "reduce_scatters": [], "all_gather_bytes": []}
     for inputs, labels in batches:
-        with in_place_of_fsdp2() if stand_in else contextlib.nullcontext(), \
-                hp.track_comms() as comms:
+        with hp.track_comms() as comms:
             loss, norm = _step(model, loss_fn, optimizers, schedulers, inputs[rows],
                                labels[rows], *meshes)
         out["losses"].append(loss)
         out["grad_norms"].append(norm)
         out["reduce_scatters"].append(comms.calls("reduce_scatter"))
+        out["all_gather_bytes"].append(comms.nbytes("all_gather"))
     out["params"] = {_canonical(name): _full(param) for name, param in model.named_parameters()}
     out["expert_biases"] = {_canonical(name): _full(buffer)
                             for name, buffer in model.named_buffers() if "expert_bias" in name}
@@ -337,7 +342,7 @@ def run() -> dict:
         result = {}
         for impl in ("fsdp2", "hp"):
             model = _sharded(impl, ac, mp, tied, parallel_dims, initial)
-            result[impl] = train(model, batches, rows, parallel_dims, impl == "hp")
+            result[impl] = train(model, batches, rows, parallel_dims)
         if tied not in references:
             references[tied] = train(_whole(tied), batches, slice(None))
         result["reference"] = references[tied]
@@ -347,7 +352,7 @@ def run() -> dict:
         initial = {name: p.detach() for name, p in _whole(tied).named_parameters()}
         model = _sharded("hp", ac, mp, tied, parallel_dims, initial)
         out[config_name(ac, mp, tied)][f"hp_{SPMD_DEFAULT}"] = train(model, batches, rows,
-                                                                     parallel_dims, True)
+                                                                     parallel_dims)
     return out
 
 
@@ -363,6 +368,6 @@ def run_moe() -> dict:
     for key, impl, spmd_backend in RUNS:
         parallel_dims = _parallel_dims(spmd_backend, world)
         model = _sharded(impl, MOE_AC, MOE_MP, False, parallel_dims, initial, moe=True)
-        out[key] = train(model, batches, rows, parallel_dims, impl == "hp")
+        out[key] = train(model, batches, rows, parallel_dims)
     out["reference"] = train(_whole(False, moe=True), batches, slice(None))
     return out

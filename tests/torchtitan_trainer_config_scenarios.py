@@ -57,6 +57,6 @@ def run() -> dict:
             parallel_dims = ParallelDims.from_config(config.parallelism, world)
             model = titan._sharded(impl, ac, mp, False, parallel_dims, initial,
                                    trainer_config=config)
-            result[impl] = titan.train(model, batches, rows, parallel_dims, impl == "hp")
+            result[impl] = titan.train(model, batches, rows, parallel_dims)
         out[titan.config_name(ac, mp, False)] = result
     return out
