@@ -8,7 +8,7 @@ only): a unit is an instance of torch's ``FSDPModule`` (docs/api.md, "Pipelines"
   losses, clipped norms and parameters bitwise FSDP2's; one reduce-scatter (HSDP: one
   all-reduce) per unit per step (``hp.track_comms``), as many reduce-scatters and
   all-reduces as FSDP2 issues (counted for both by one c10d dispatch counter, which also
-  agrees with ``hp.track_comms`` for ours), as many all-gathers under the interleaved
+  agrees with ``hp.track_comms`` for ours), as many all-gathers per step under every
   schedule, and the schedule's unshard/reshard actions reaching the units as often as
   FSDP2's;
 - Lightning Fabric 2.6.6's ``ModelParallelStrategy`` with ``hp.fully_shard`` in its
@@ -86,13 +86,14 @@ def test_schedule_reduces_once_per_unit_per_step_as_fsdp2(name):
 
 
 @pytest.mark.timeout(600)
-def test_interleaved_schedule_all_gathers_as_often_as_fsdp2():
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_schedule_all_gathers_as_often_as_fsdp2(name):
     """The kept set (fully_shard/state.py, "one kept set"): a later microbatch's backward
-    copies its full parameters instead of gathering them (docs/api.md, "Pipelines", has
-    the other schedules' counts)."""
-    for rank, (ours, theirs) in enumerate(_schedule("interleaved_1f1b")):
-        assert [c["all_gather"] for c in ours["collectives"]] == \
-               [c["all_gather"] for c in theirs["collectives"]], f"rank {rank}"
+    copies its full parameters instead of gathering them; a backward prefetch re-gathers
+    the ones its microbatch's forward used (fully_shard/iteration.py, "implicit prefetch")."""
+    for rank, (ours, theirs) in enumerate(_schedule(name)):
+        assert [c.get("all_gather", 0) for c in ours["collectives"]] == \
+               [c.get("all_gather", 0) for c in theirs["collectives"]], f"rank {rank}"
 
 
 @pytest.mark.timeout(600)

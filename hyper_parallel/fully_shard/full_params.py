@@ -42,6 +42,11 @@ class FullParams:
     def live(self) -> bool:
         return self.memory.live
 
+    def fills(self, full: FullParams) -> bool:
+        """Whether these, a unit's current full parameters, are a kept set whose values can
+        fill ``full``'s released memory (state.py, the note "one kept set")."""
+        return self is not full and self.live and self.spent and self.memory is not full.memory
+
 
 def aliases(platform: Any, params: list, fulls: list) -> list:
     """New tensor objects over ``fulls``' memory (one per FSDPParam of ``params``), for a

@@ -32,9 +32,14 @@ more full-shard operations per parameter (zeros, a snapshot, the copy).
 Each iteration records the order in which units start their forward. From the second
 iteration on, a unit starting its forward issues the next unit's all-gather (async), and a
 unit about to run its backward issues the re-gather of the unit before it in forward order
-(the next to run backward), so communication overlaps compute as in FSDP2. A unit's
-explicit ``set_modules_to_*_prefetch`` list replaces its implicit neighbour. Every rank
-records the same order for the same model, so collectives stay in the same order.
+(the next to run backward), so communication overlaps compute as in FSDP2. The re-gather
+fills the full parameters that unit used in the same root forward (``forward_fulls``, held
+weakly, a new one per root forward, seen by that forward's backward hooks): where several
+forwards ran before their backwards (a pipeline's microbatches), the next backward reads
+those, not the latest forward's; none is issued where the unit's kept set will fill them
+(state.py, "one kept set"). A unit's explicit ``set_modules_to_*_prefetch`` list
+replaces its implicit neighbour. Every rank records the same order for the same model, so
+collectives stay in the same order.
 
 With ``set_is_last_backward(False)`` the final callback leaves the queues alone; they are
 drained by the next final callback of a last backward, or when the root's next forward
@@ -45,11 +50,13 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import TYPE_CHECKING
 
 from hyper_parallel.fully_shard.gradients import reduce_gradients
 
 if TYPE_CHECKING:
+    from hyper_parallel.fully_shard.full_params import FullParams
     from hyper_parallel.fully_shard.gradients import UnitReduction
     from hyper_parallel.fully_shard.state import FSDPState
     from hyper_parallel.platform import Platform
@@ -81,6 +88,7 @@ class IterationContext:
         self._seen: set = set()              # ids of _forward_order
         self._known_order: list = []         # the last complete iteration's order
         self._known_index: dict = {}
+        self.forward_fulls = weakref.WeakValueDictionary()  # see the note "implicit prefetch"
 
     def begin_forward(self) -> None:
         """The root's forward starts a new iteration: finish reductions still in flight and
@@ -90,6 +98,7 @@ class IterationContext:
             self._known_order, self._forward_order = self._forward_order, []
             self._known_index = {id(s): i for i, s in enumerate(self._known_order)}
             self._seen = set()
+        self.forward_fulls = weakref.WeakValueDictionary()
         for state in self.states:
             state.begin_iteration()
         self.keep_working_set()
@@ -121,6 +130,14 @@ class IterationContext:
         if id(state) not in self._seen:
             self._seen.add(id(state))
             self._forward_order.append(state)
+
+    def record_full_params(self, state: FSDPState, full: FullParams | None):
+        """``state``'s forward in the root's current forward used ``full``; return the
+        record of that forward (``forward_fulls``) for its backward hooks (see the note
+        "implicit prefetch")."""
+        if full is not None:
+            self.forward_fulls[state] = full
+        return self.forward_fulls
 
     def neighbours(self, state: FSDPState, step: int) -> list:
         """[the unit ``step`` places after ``state`` in the known forward order] or []."""

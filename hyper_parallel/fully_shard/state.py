@@ -184,8 +184,10 @@ class FSDPState:
             # unit inside a nested backward (reentrant activation checkpointing), it would
             # reshard every unit when that nested backward ends.
             full = self._full
+            same_forward = self.iteration.record_full_params(self, full)
             for tensor in tensors_in(self.platform, output):
-                self.platform.register_grad_hook(tensor, lambda: self._pre_backward(full))
+                self.platform.register_grad_hook(tensor,
+                                                 lambda: self._pre_backward(full, same_forward))
         self._forwards_done += 1
         if self._forwards_done >= len(self.modules):
             self._forwards_done = 0
@@ -233,11 +235,8 @@ class FSDPState:
 
     def per_group(self, values: list) -> list:
         """``values`` (one per parameter, ``params`` order) cut into one list per group."""
-        cut, start = [], 0
-        for group in self.groups:
-            cut.append(values[start:start + len(group.params)])
-            start += len(group.params)
-        return cut
+        rest = iter(values)
+        return [[next(rest) for _ in group.params] for group in self.groups]
 
     def _new_full(self, forward_fn, memory: Memory | None = None) -> FullParams:
         """One unshard node: the local shards in, ``forward_fn``'s full parameters out."""
@@ -296,8 +295,7 @@ class FSDPState:
     def _refill(self, full: FullParams) -> None:
         kept, p = self._full, self.platform
         with p.no_grad():
-            if kept is not None and kept is not full and kept.live and kept.spent \
-                    and kept.memory is not full.memory:  # see the note "one kept set"
+            if kept is not None and kept.fills(full):  # see the note "one kept set"
                 logger.debug("%s: full parameters copied from the kept ones", self.name)
                 copy_from_kept(p, full, kept)
             else:
@@ -333,9 +331,10 @@ class FSDPState:
             full.memory.live = False
 
     # ---------------------------------------------------------------- backward
-    def _pre_backward(self, full: FullParams | None) -> None:
+    def _pre_backward(self, full: FullParams | None, same_forward: Any) -> None:
         """A gradient reached the outputs of a forward that used ``full``: its memory must
-        be there before autograd reads it (see the note "freeing full parameters")."""
+        be there before autograd reads it (see the note "freeing full parameters").
+        ``same_forward``: what every unit's forward used in it (the prefetch's targets)."""
         if self.iteration is not None:
             self.iteration.ensure_final_callback()
         if full is not None and not full.live and self.unshard_in_backward:
@@ -352,11 +351,12 @@ class FSDPState:
         if targets is None:
             targets = self.iteration.neighbours(self, step=-1)
         for target in targets:
-            target._pre_backward_prefetch()
+            target._pre_backward_prefetch(same_forward.get(target))
 
-    def _pre_backward_prefetch(self) -> None:
-        full = self._full
+    def _pre_backward_prefetch(self, full: FullParams | None) -> None:
+        """Re-gather ``full`` early, unless it is there or the kept set will fill it."""
         if full is not None and not full.live and self.unshard_in_backward \
+                and not (self._full is not None and self._full.fills(full)) \
                 and not self._gathers_pending():
             logger.debug("%s: prefetch re-gather issued", self.name)
             # its own pre-backward waits for it
