@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 
 from tests.multirank import REPO_ROOT
-from tests.tolerance import LOW_PRECISION_RTOL
 from tests.test_train_lm import _losses, _rel, _train
+from tests.tolerance import LOW_PRECISION_RTOL
 
 pytest.importorskip("torch")
 pytest.importorskip("mindspore")
