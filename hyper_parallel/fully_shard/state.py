@@ -354,9 +354,12 @@ class FSDPState:
             target._pre_backward_prefetch(same_forward.get(target))
 
     def _pre_backward_prefetch(self, full: FullParams | None) -> None:
-        """Re-gather ``full`` early, unless it is there or the kept set will fill it."""
+        """Re-gather ``full`` early, unless it is there, the kept set will fill it, or the
+        unit was resharded since (a backward's end, an explicit ``reshard()``): then the
+        backward running now may never reach it (a chunked loss runs backwards over the
+        head alone inside the stage's forward), and its gather would be dropped unused."""
         if full is not None and not full.live and self.unshard_in_backward \
-                and not (self._full is not None and self._full.fills(full)) \
+                and self._full is not None and not self._full.fills(full) \
                 and not self._gathers_pending():
             logger.debug("%s: prefetch re-gather issued", self.name)
             # its own pre-backward waits for it
