@@ -32,6 +32,8 @@ from tests.torchtitan_scenarios import (  # noqa: E402
 from tests.torchtitan_trainer_config_scenarios import CONFIGS as TRAINER_CONFIGS  # noqa: E402
 from tests.torchtitan_float8_scenarios import RUNS as FLOAT8_RUNS  # noqa: E402
 from tests.torchtitan_pipeline_scenarios import SCHEDULES as PIPELINE_SCHEDULES  # noqa: E402
+# one row a microbatch (torchtitan_pipeline_scenarios.trainer_config)
+from tests.torchtitan_scenarios import LOCAL_BATCH as MICROBATCHES  # noqa: E402
 
 NAMES = [config_name(*config) for config in CONFIGS]
 FLOAT32 = [name for name in NAMES if "float32" in name]
@@ -266,3 +268,41 @@ def test_torchtitan_pipeline_reduces_as_often_as_fsdp2(pipeline_results, schedul
             assert [step.get(kind, 0) for step in ours["c10d"]] == \
                 [step.get(kind, 0) for step in theirs["c10d"]], kind
         assert ours["reduce_scatters"] == [step["reduce_scatter"] for step in ours["c10d"]]
+
+
+def _all_gathers(run: dict) -> list:
+    return [step.get("all_gather", 0) for step in run["c10d"]]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+def test_torchtitan_pipeline_all_gathers_against_fsdp2(pipeline_results, schedule):
+    """All-gathers per step (one c10d counter for both runs). torchtitan keeps full
+    parameters after forward under pipelining: FSDP2 gathers a unit once per step and keeps
+    it to the step's end; hyper_parallel reshards every unit at each root forward (each
+    microbatch's), not knowing whether an optimizer step ran since, and keeps the set the
+    first backward gathers again for the later backwards (docs/api.md, torchtitan's
+    "Pipeline parallelism"). So a rank whose stages compute no loss gathers each unit
+    once more per microbatch, every step: the units counted by their one reduce-scatter a
+    step. On the loss's stage the head unit, which the chunked loss unshards and reshards
+    itself, costs FSDP2 a gather more in each microbatch's loss, so from the second step
+    on (the first adds torch's shape inference, a forward and a backward outside the
+    microbatches) hyper_parallel never gathers more there: as many under GPipe and
+    Interleaved1F1B, fewer under 1F1B (the set kept by the first backward serves the next
+    microbatch's forward)."""
+    loss_ranks = 0
+    for rank in pipeline_results:
+        ours, theirs = rank[schedule]["hp"], rank[schedule]["fsdp2"]
+        if not ours["losses"]:
+            assert _all_gathers(ours) == [
+                fsdp2 + MICROBATCHES * units
+                for fsdp2, units in zip(_all_gathers(theirs), ours["reduce_scatters"])]
+            continue
+        loss_ranks += 1
+        later_ours, later_theirs = _all_gathers(ours)[1:], _all_gathers(theirs)[1:]
+        assert all(o <= t for o, t in zip(later_ours, later_theirs)), (later_ours, later_theirs)
+        if schedule != "1F1B":
+            assert later_ours == later_theirs
+        else:
+            assert later_ours != later_theirs
+    assert loss_ranks == 2

@@ -37,9 +37,11 @@ fills the full parameters that unit used in the same root forward (``forward_ful
 weakly, a new one per root forward, seen by that forward's backward hooks): where several
 forwards ran before their backwards (a pipeline's microbatches), the next backward reads
 those, not the latest forward's; none is issued where the unit's kept set will fill them
-(state.py, "one kept set"). A unit's explicit ``set_modules_to_*_prefetch`` list
-replaces its implicit neighbour. Every rank records the same order for the same model, so
-collectives stay in the same order.
+(state.py, "one kept set"), nor into a unit resharded since that forward (a backward's end,
+an explicit ``reshard()``): the backward running may not reach it (a chunked loss's
+backwards over the head alone), and the gather would be dropped unused. A unit's explicit
+``set_modules_to_*_prefetch`` list replaces its implicit neighbour. Every rank records the
+same order for the same model, so collectives stay in the same order.
 
 With ``set_is_last_backward(False)`` the final callback leaves the queues alone; they are
 drained by the next final callback of a last backward, or when the root's next forward

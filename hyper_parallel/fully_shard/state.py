@@ -29,9 +29,9 @@ and no second all-gather is issued.
 [Note: one kept set]
 Several forwards may run before their backwards (torch's pipeline schedules), each with its
 own full parameters, released after it. With ``reshard_after_backward=False`` those a
-backward re-gathered become the unit's kept set, and later backwards' released ones are
-copied from it (full_params.py), as FSDP2 keeps one set: the same shards made both, no
-optimizer step falls between a forward and its backward.
+backward re-gathered become the unit's kept set (also if a backward's end resharded the
+unit), and later backwards' released ones are copied from it (full_params.py), as FSDP2
+keeps one set: the same shards made both, no optimizer step falls between them.
 
 [Note: roots]
 The first unit whose forward runs becomes the root: it creates the IterationContext shared
@@ -354,9 +354,10 @@ class FSDPState:
             target._pre_backward_prefetch(same_forward.get(target))
 
     def _pre_backward_prefetch(self, full: FullParams | None) -> None:
-        """Re-gather ``full`` early, unless it is there or the kept set will fill it."""
+        """Re-gather ``full`` early, unless it is there, the kept set will fill it or the
+        unit was resharded since (iteration.py, the note "implicit prefetch")."""
         if full is not None and not full.live and self.unshard_in_backward \
-                and not (self._full is not None and self._full.fills(full)) \
+                and self._full is not None and not self._full.fills(full) \
                 and not self._gathers_pending():
             logger.debug("%s: prefetch re-gather issued", self.name)
             # its own pre-backward waits for it
@@ -374,14 +375,13 @@ class FSDPState:
                 self.reshard() if full is self._full else self._release(full)
             elif full is self._full:
                 self._enter(UnitState.KEPT)
-            elif full.live and self._full is not None and not self._full.live:
+            elif full.live and (self._full is None or not self._full.live):
                 self._keep(full)
         return reduce_gradients(self, full_grads)
 
     def _keep(self, full: FullParams) -> None:
-        """``reshard_after_backward=False`` after the backward of an earlier forward than
-        the current one, whose memory is released: ``full`` becomes the unit's kept set
-        (see the note "one kept set")."""
+        """``reshard_after_backward=False`` after the backward of a forward other than the
+        current one (released) or resharded since: ``full`` becomes the kept set (the note)."""
         self._full = full
         for fsdp_param, tensor in zip(self.params, full.tensors):
             fsdp_param.attach(tensor)

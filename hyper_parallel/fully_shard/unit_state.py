@@ -44,6 +44,7 @@ TRANSITIONS = {
     (F, K): "backward ran on full parameters that stayed allocated, kept",
     (K, U): "the next forward: a new node over the kept full parameters",
     (K, S): "reshard (explicit, the next iteration)",
+    (S, K): "backward ran on full parameters re-gathered after a reshard, kept",
 }
 
 
