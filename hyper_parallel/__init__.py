@@ -2,9 +2,11 @@
 
 Importing this package loads no framework; the first call that needs one picks it:
 HP_BACKEND, else the model's framework, else the one the script imported
-(hyper_parallel.platform, [Note: which framework]). The tensor-parallel names
-(``parallelize_module``, the styles, ``Shard``/``Replicate``, ``loss_parallel``) are torch's
-own on torch and hyper_parallel.tensor_parallel's elsewhere (tensor_parallel/public_names.py).
+(hyper_parallel.platform, [Note: which framework]). Every name is the same object on every
+framework: the tensor-parallel ones (``parallelize_module``, the styles, ``Shard``/
+``Replicate``, ``loss_parallel``, ``cross_entropy``) are hyper_parallel.tensor_parallel's,
+written once, so a script moves between the frameworks with its model and nothing else
+(on torch, ``parallelize_module`` also takes torch's own styles and meshes).
 """
 
 from hyper_parallel.checkpoint import (
@@ -23,7 +25,10 @@ from hyper_parallel.fully_shard import (
     CastGather, GatherCodec, GatherContext, Int8RowGather, set_gather_codec,
 )
 from hyper_parallel.platform import get_platform
-from hyper_parallel.tensor_parallel.public_names import TORCH_HOMES, public_name
+from hyper_parallel.tensor_parallel import (
+    ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, Replicate,
+    RowwiseParallel, SequenceParallel, Shard, cross_entropy, loss_parallel, parallelize_module,
+)
 
 __version__ = "0.1.0"
 
@@ -36,11 +41,7 @@ __all__ = [
     "init_distributed", "load_checkpoint", "register_fsdp_forward_method", "save_checkpoint",
     "set_state_dict", "share_comm_ctx", "torch_nn_names", "track_comms", "UnshardHandle",
     "CastGather", "GatherCodec", "GatherContext", "Int8RowGather", "set_gather_codec",
-    *TORCH_HOMES,
+    "ColwiseParallel", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
+    "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "cross_entropy",
+    "loss_parallel", "parallelize_module",
 ]
-
-
-def __getattr__(name: str):
-    if name in TORCH_HOMES:
-        return public_name(name)
-    raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}")

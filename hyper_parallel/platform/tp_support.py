@@ -16,6 +16,7 @@ frameworks share.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,35 @@ class TensorParallelSupport(abc.ABC):
         """``module`` as a layer ``ColwiseParallel``/``RowwiseParallel`` can split (torch:
         ``nn.Linear``, ``nn.Embedding``; MindSpore: ``nn.Dense`` without activation,
         ``mint.nn.Linear``, ``nn.Embedding``, ``mint.nn.Embedding``); None for any other."""
+
+    def unsplittable_reason(self, module: Any) -> str | None:
+        """Why ``module``, which looks like a linear or embedding layer, is no layer a style
+        can split (``parallel_layer`` None for it), and what to do instead; None where
+        there is nothing particular to say."""
+        return None
+
+    def is_framework_style(self, style: Any) -> bool:
+        """Whether ``style`` is the framework's own tensor-parallel style object (torch's
+        ``ParallelStyle``), which ``framework_parallelize`` applies."""
+        return False
+
+    def framework_parallelize(self, module: Any, native_mesh: Any, plan: dict,
+                              src_data_rank: int | None) -> Any:
+        """Apply ``plan`` of the framework's own styles with the framework's own
+        ``parallelize_module`` over ``native_mesh``, for a script written against it."""
+        raise NotImplementedError("this framework has no tensor-parallel styles of its own")
+
+    @abc.abstractmethod
+    def framework_cross_entropy(self, logits: Any, target: Any, ignore_index: int,
+                                reduction: str) -> Any:
+        """The framework's own cross entropy of ``(N, C)`` logits and ``(N,)`` class ids
+        (torch: ``F.cross_entropy``, which inside ``framework_loss_parallel`` also takes
+        DTensor logits)."""
+
+    def framework_loss_parallel(self) -> Any:
+        """A context manager in which the framework's own losses take logits its own tensor
+        parallelism split (torch's ``loss_parallel()``); a no-op where there is none."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def new_local_param(self, orig_param: Any, local: Any) -> Any:

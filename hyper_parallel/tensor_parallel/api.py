@@ -29,7 +29,6 @@ from typing import Any
 from hyper_parallel.fully_shard.mesh import as_device_mesh
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel.layout import tensor_parallel_layout
-from hyper_parallel.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
 from hyper_parallel.tensor_parallel.style import ParallelStyle
 
 
@@ -89,8 +88,8 @@ def _refuse_tied(platform: Any, module: Any, pairs: list) -> None:
         for attr, param in platform.direct_params(sub):
             places.setdefault(id(param), []).append(f"{name}.{attr}" if name else attr)
     for name, sub, style in pairs:
-        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
-            continue
+        if type(style).__name__ not in ("ColwiseParallel", "RowwiseParallel"):
+            continue  # hyper_parallel's, or torch's of the same name
         for attr, param in platform.direct_params(sub):
             if len(places[id(param)]) > 1:
                 raise ValueError(
@@ -100,29 +99,55 @@ def _refuse_tied(platform: Any, module: Any, pairs: list) -> None:
                     f"would stop being one: untie them, or leave the module out of the plan")
 
 
+def _plan_of(parallelize_plan: Any) -> dict:
+    if isinstance(parallelize_plan, dict):
+        return parallelize_plan
+    return {"": parallelize_plan}
+
+
+def _style_kind(platform: Any, plan: dict) -> str:
+    """"core" where every style is this package's, "framework" where every one is the
+    framework's own (torch's), a TypeError for anything else or a mix."""
+    kinds = set()
+    for key, style in plan.items():
+        if isinstance(style, ParallelStyle):
+            kinds.add("core")
+        elif platform.is_framework_style(style):
+            kinds.add("framework")
+        else:
+            raise TypeError(f"parallelize_plan[{key!r}] must be a style (hp.ColwiseParallel(), "
+                            f"hp.RowwiseParallel(), ...); got {type(style).__name__}")
+    if len(kinds) > 1:
+        raise TypeError("parallelize_plan mixes hyper_parallel's styles (hp.ColwiseParallel, ...) "
+                        "with torch's own (torch.distributed.tensor.parallel); use one kind: "
+                        "hyper_parallel's run the same on every framework")
+    return kinds.pop() if kinds else "core"
+
+
 def parallelize_module(module: Any, device_mesh: Any = None,
                        parallelize_plan: ParallelStyle | dict | None = None, *,
                        src_data_rank: int | None = 0) -> Any:
     """Apply ``parallelize_plan`` (a style, or ``{submodule key: style}``) to ``module``
-    over the 1-D ``device_mesh``; return ``module``. Split parameters take mesh rank
-    ``src_data_rank``'s values (None: each rank keeps its own)."""
+    over the 1-D ``device_mesh`` (hp's mesh or a slice of it; on torch also torch's own
+    DeviceMesh); return ``module``. Split parameters take mesh rank ``src_data_rank``'s
+    values (None: each rank keeps its own).
+
+    A plan of torch's own styles (``torch.distributed.tensor.parallel``) is checked as
+    any plan ([Note: plan keys], [Note: tied weights]), then applied by torch's
+    ``parallelize_module``: DTensor parameters, torch's layouts and split rules."""
     if parallelize_plan is None:
         return module
     platform = get_platform(module)  # the model's framework decides, as for fully_shard
     mesh = _mesh_1d(device_mesh)
-    if isinstance(parallelize_plan, ParallelStyle):
-        plan = {"": parallelize_plan}
-    elif isinstance(parallelize_plan, dict):
-        plan = parallelize_plan
-    else:
-        raise TypeError(f"parallelize_plan must be a ParallelStyle or a dict of them; got "
-                        f"{type(parallelize_plan).__name__}")
+    if not isinstance(parallelize_plan, (dict, ParallelStyle)) and \
+            not platform.is_framework_style(parallelize_plan):
+        raise TypeError(f"parallelize_plan must be a style (hp.ColwiseParallel(), ...) or a "
+                        f"dict of them; got {type(parallelize_plan).__name__}")
+    plan = _plan_of(parallelize_plan)
+    kind = _style_kind(platform, plan)
     _refuse_sharded(platform, module)
     pairs, seen = [], {}
     for key, style in plan.items():
-        if not isinstance(style, ParallelStyle):
-            raise TypeError(f"parallelize_plan[{key!r}] must be a hyper_parallel.tensor_parallel "
-                            f"style; got {type(style).__name__}")
         for name, sub in _resolve(module, key):
             if id(sub) in seen:
                 raise ValueError(f"parallelize_module: submodule {name!r} is named by plan keys "
@@ -131,11 +156,18 @@ def parallelize_module(module: Any, device_mesh: Any = None,
             pairs.append((name, sub, style))
     for name, sub, style in pairs:
         for attr, param in platform.direct_params(sub):
-            if tensor_parallel_layout(param) is not None:
+            if tensor_parallel_layout(param) is not None or \
+                    platform.param_local_values(param) is not param:
                 raise ValueError(f"parallelize_module: {name or 'the module'}.{attr} is "
                                  f"tensor-parallel already; parallelize a module once")
-        style.check(sub, mesh)
+        if kind == "core":
+            style.check(sub, mesh)
     _refuse_tied(platform, module, pairs)
+    if kind == "framework":
+        if mesh.native is None:
+            raise TypeError("torch's own styles need a mesh torch knows: hp.init_device_mesh's "
+                            "(on torch) or torch's DeviceMesh")
+        return platform.framework_parallelize(module, mesh.native, plan, src_data_rank)
     for _, sub, style in pairs:
         style.src_data_rank = src_data_rank
         style.apply(sub, mesh)

@@ -21,7 +21,15 @@ linear styles): this rank's local values, whose layout the next style is told by
 tensor and its placement, which the next style reads instead of its ``input_layouts`` (as
 torch's styles read a DTensor's placements) and the loss (``cross_entropy``) requires.
 A ``LayoutTensor`` is no framework tensor: only styles, ``cross_entropy`` and
-``to_local()`` take it. Its gradient convention is DTensor's: the gradient a consumer
+``to_local()`` take it.
+
+[Note: a plain output remembers its layout]
+A style's plain (local) output carries the placement it is in (``mark_local``), so a
+style that receives that very tensor and is told another layout by its
+``input_layouts`` (torchtitan's head takes ``Shard(1)`` from a sequence-parallel norm;
+``Shard(0)`` there gathers the rows in another order than the targets, and trains on a
+wrong loss without a word) raises, naming both (redistribute.py ``prepared``). A tensor
+the model computed anew from it carries nothing: its layout is what the model made it. Its gradient convention is DTensor's: the gradient a consumer
 returns for a *replicated* ``LayoutTensor`` is a partial sum, reduced once by whoever made
 it (redistribute.py); a plain tensor's gradient is always whole.
 """
@@ -59,6 +67,34 @@ def tensor_parallel_layout(param: Any) -> ParamLayout | None:
 
 def record_layout(param: Any, layout: ParamLayout) -> None:
     setattr(param, LAYOUT_ATTR, layout)
+
+
+#: on a style's plain output: ``(its placement, the mesh's ranks, who made it)``
+_PRODUCED_ATTR = "_hp_tensor_parallel_output"
+
+
+def mark_local(tensor: Any, placement: Placement, mesh: Any, producer: str) -> Any:
+    """``tensor``, a style's plain output in ``placement`` over ``mesh``, marked so ([Note:
+    a plain output remembers its layout])."""
+    setattr(tensor, _PRODUCED_ATTR, (placement, tuple(mesh.ranks), producer))
+    return tensor
+
+
+def check_declared(tensor: Any, declared: Placement, mesh: Any, consumer: str) -> None:
+    """ValueError where ``tensor`` is a style's plain output over ``mesh`` in another
+    placement than ``declared``, the layout ``consumer`` was told it is in."""
+    produced = getattr(tensor, _PRODUCED_ATTR, None)
+    if produced is None or produced[1] != tuple(mesh.ranks):
+        return
+    placement, _, producer = produced
+    ndim = len(get_platform().shape(tensor))
+    if normalized(placement, ndim) != normalized(declared, ndim):
+        raise ValueError(
+            f"{consumer} is told its input is in {declared}, but the input is the output of "
+            f"{producer}, which is in {placement}: taken as {declared} its rows or columns "
+            f"would land in another order than the model's; set the layout to {placement} "
+            f"(e.g. input_layouts={placement!r}), or have {producer} hand a LayoutTensor "
+            f"over (use_local_output=False)")
 
 
 class LayoutTensor:
@@ -115,7 +151,32 @@ class LayoutTensor:
         """This rank's values as a plain tensor (its gradient then counts as whole)."""
         from hyper_parallel.tensor_parallel.redistribute import redistribute
 
-        return redistribute(self, self.placement, local_result=True)
+        return mark_local(redistribute(self, self.placement, local_result=True),
+                          self.placement, self.device_mesh, "LayoutTensor.to_local()")
 
     def __repr__(self) -> str:
         return f"LayoutTensor(shape={self.shape}, placement={self.placement})"
+
+    # [Note: a framework op given a LayoutTensor]
+    # A LayoutTensor is no framework tensor, and a framework's own op refuses it with a
+    # message that does not say why (MindSpore: "must be a Tensor, but got 'External'").
+    # Each framework asks the object first through a protocol of its own: torch calls
+    # ``__torch_function__`` of an argument's type, MindSpore's op conversion looks up
+    # ``__ms_class__``. Both answer with the way out, the same on both frameworks.
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(_not_a_tensor(getattr(func, "__name__", str(func))))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__ms_"):
+            raise TypeError(_not_a_tensor("a MindSpore op"))
+        raise AttributeError(f"'LayoutTensor' object has no attribute {name!r}")
+
+
+def _not_a_tensor(op: str) -> str:
+    return (f"{op} was given a LayoutTensor (a value split over the tensor-parallel mesh, made "
+            f"by a style with use_local_output=False), which is no framework tensor: for the "
+            f"loss, call hp.cross_entropy(logits, targets) inside hp.loss_parallel(); for "
+            f"anything else, take this rank's part with .to_local() or give the style "
+            f"use_local_output=True")

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel import collectives as C
-from hyper_parallel.tensor_parallel.layout import LayoutTensor
+from hyper_parallel.tensor_parallel.layout import LayoutTensor, mark_local
 from hyper_parallel.tensor_parallel.placement import (
     Partial, Replicate, Shard, check_placement)
 from hyper_parallel.tensor_parallel.redistribute import check_movable, move, prepared
 from hyper_parallel.tensor_parallel.style import (
-    ParallelStyle, check_even, param_in_forward, split_param)
+    ParallelStyle, check_even, param_in_forward, split_param, style_on)
 
 _LAYERS = ("torch: nn.Linear, nn.Embedding; MindSpore: nn.Dense without activation, "
            "mint.nn.Linear, nn.Embedding, mint.nn.Embedding")
@@ -40,8 +40,13 @@ class _LinearStyle(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _layer(self, module):
-        layer = get_platform().parallel_layer(module)
+        platform = get_platform()
+        layer = platform.parallel_layer(module)
         if layer is None:
+            reason = platform.unsplittable_reason(module)
+            if reason is not None:
+                raise NotImplementedError(f"{type(self).__name__} cannot split this "
+                                          f"{type(module).__name__}: {reason}")
             raise NotImplementedError(
                 f"{type(self).__name__} splits linear and embedding layers only ({_LAYERS}); "
                 f"got {type(module).__name__}")
@@ -61,10 +66,12 @@ class _LinearStyle(ParallelStyle):
                 f"{type(self).__name__} on an embedding takes replicated ids; got "
                 f"input_layouts={self.input_layouts[0]}")
 
-    def _output(self, local, source, mesh):
+    def _output(self, module, local, source, mesh):
         out = move(local, source, self.output_layouts[0], mesh, source_grads_whole=True,
                    result_grads_whole=self.use_local_output)
-        return out if self.use_local_output else LayoutTensor(out, self.output_layouts[0], mesh)
+        if self.use_local_output:
+            return mark_local(out, self.output_layouts[0], mesh, style_on(self, module))
+        return LayoutTensor(out, self.output_layouts[0], mesh)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts="
@@ -96,11 +103,12 @@ class ColwiseParallel(_LinearStyle):
 
         def pre(mod, args, kwargs):
             local = prepared(args[0], self.input_layouts[0], Replicate(), mesh,
-                             result_grads_whole=not partial_input)
+                             result_grads_whole=not partial_input,
+                             consumer=style_on(self, mod))
             return (local,) + tuple(args[1:]), kwargs
 
         def post(mod, args, kwargs, output):
-            return self._output(output, Shard(-1), mesh)
+            return self._output(mod, output, Shard(-1), mesh)
 
         get_platform().register_forward_hooks(module, pre, post)
         return module
@@ -133,7 +141,7 @@ class RowwiseParallel(_LinearStyle):
 
         def pre(mod, args, kwargs):
             local = prepared(args[0], self.input_layouts[0], Shard(-1), mesh,
-                             result_grads_whole=True)
+                             result_grads_whole=True, consumer=style_on(self, mod))
             if layer.bias is not None:
                 p.read_in_forward(mod, layer.bias,
                                 C.to_partial(param_in_forward(mod, layer.bias), mesh))
@@ -142,7 +150,7 @@ class RowwiseParallel(_LinearStyle):
         def post(mod, args, kwargs, output):
             if layer.bias is not None:
                 p.end_read_in_forward(mod, layer.bias)
-            return self._output(output, Partial(), mesh)
+            return self._output(mod, output, Partial(), mesh)
 
         p.register_forward_hooks(module, pre, post)
         return module
@@ -168,7 +176,7 @@ class RowwiseParallel(_LinearStyle):
         def post(mod, args, kwargs, output):
             mask = in_range.pop()
             keep = p.reshape(mask, tuple(p.shape(mask)) + (1,))
-            return self._output(p.where(keep, output, 0.0), Partial(), mesh)
+            return self._output(mod, p.where(keep, output, 0.0), Partial(), mesh)
 
         p.register_forward_hooks(module, pre, post)
         return module

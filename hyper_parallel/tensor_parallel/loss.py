@@ -33,34 +33,47 @@ _ENABLED = contextvars.ContextVar("hp_loss_parallel", default=False)
 @contextlib.contextmanager
 def loss_parallel():
     """Within it, ``cross_entropy`` takes logits split on the class dim (torch's
-    ``loss_parallel()``; torch also needs the backward inside it, this does not)."""
+    ``loss_parallel()``; torch also needs the backward inside it, this does not). On torch
+    it also enters torch's own ``loss_parallel()``, so ``F.cross_entropy`` keeps taking the
+    DTensor logits of torch's own styles."""
     token = _ENABLED.set(True)
     try:
-        yield
+        with get_platform().framework_loss_parallel():
+            yield
     finally:
         _ENABLED.reset(token)
 
 
 def cross_entropy(input: Any, target: Any, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0) -> Any:
-    """``F.cross_entropy(input, target)`` over ``input``, a ``LayoutTensor`` of ``(N, C)``
-    logits in Shard(1), inside ``loss_parallel()``; ``target``: ``(N,)`` class ids,
-    replicated. Returns a plain tensor, the same on every rank."""
-    if not _ENABLED.get():
-        raise RuntimeError("hyper_parallel.tensor_parallel.cross_entropy computes over logits "
-                           "split on the class dim only inside loss_parallel(); wrap the loss "
-                           "in `with loss_parallel():`")
-    p = get_platform()
-    if not isinstance(input, LayoutTensor) or len(input.shape) != 2 or \
-            normalized(input.placement, 2) != Shard(1):
-        raise ValueError(f"loss_parallel cross_entropy takes (N, C) logits split on the class "
-                         f"dim: a LayoutTensor in Shard(1) (a column-wise head with "
-                         f"use_local_output=False); got {input!r}")
+    """``F.cross_entropy(input, target)``, one name on every framework. ``input``: a
+    ``LayoutTensor`` of ``(N, C)`` logits in Shard(1) (a column-wise head with
+    ``use_local_output=False``), inside ``loss_parallel()``, never gathered; or a plain
+    framework tensor of ``(N, C)`` logits (whole, e.g. a model without tensor parallelism,
+    or torch's DTensor logits inside ``loss_parallel()``), given to the framework's own
+    cross entropy. ``target``: ``(N,)`` class ids, replicated. Returns a plain tensor, the
+    same on every rank."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
     if label_smoothing:
-        raise NotImplementedError("loss_parallel cross_entropy: label_smoothing is not "
-                                  "supported (nor is it by torch's loss_parallel)")
+        raise NotImplementedError("hp.cross_entropy: label_smoothing is not supported (nor is "
+                                  "it by torch's loss_parallel)")
+    p = get_platform()
+    if not isinstance(input, LayoutTensor):
+        if not p.is_tensor(input):
+            raise TypeError(f"hp.cross_entropy takes logits as a framework tensor or a "
+                            f"LayoutTensor (a column-wise head with use_local_output=False); "
+                            f"got {type(input).__name__}")
+        return p.framework_cross_entropy(input, target, ignore_index, reduction)
+    if not _ENABLED.get():
+        raise RuntimeError("hp.cross_entropy over logits split on the class dim (a "
+                           "LayoutTensor) runs only inside hp.loss_parallel(); wrap the loss in "
+                           "`with hp.loss_parallel():`")
+    if len(input.shape) != 2 or normalized(input.placement, 2) != Shard(1):
+        raise ValueError(f"hp.cross_entropy takes (N, C) logits split on the class dim: a "
+                         f"LayoutTensor in Shard(1) (a column-wise head with "
+                         f"use_local_output=False; reshape (b, t, C) logits with "
+                         f".reshape(-1, C)); got {input!r}")
     mesh = input.device_mesh
     local = input.local_tensor
     columns = p.shape(local)[1]

@@ -10,6 +10,7 @@ what a row-wise layer's local product is before its reduction.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 
@@ -31,6 +32,16 @@ class Shard(Placement):
     """Each rank holds the ``dim``-th slice of the whole tensor, in rank order, equal sizes."""
 
     dim: int
+
+    def __post_init__(self):
+        try:
+            dim = operator.index(self.dim)
+        except TypeError:
+            dim = None
+        if dim is None or isinstance(self.dim, bool):
+            raise TypeError(f"Shard(dim): dim must be an int (the tensor dim split over the "
+                            f"mesh, negative counts from the last); got {self.dim!r}")
+        object.__setattr__(self, "dim", dim)  # a numpy integer as a plain int
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or self.dim == dim

@@ -10,10 +10,10 @@ leave their value alone.
 from __future__ import annotations
 
 from hyper_parallel.platform import get_platform
-from hyper_parallel.tensor_parallel.layout import LayoutTensor
+from hyper_parallel.tensor_parallel.layout import LayoutTensor, mark_local
 from hyper_parallel.tensor_parallel.placement import Placement, check_placement
 from hyper_parallel.tensor_parallel.redistribute import check_movable, prepared
-from hyper_parallel.tensor_parallel.style import ParallelStyle
+from hyper_parallel.tensor_parallel.style import ParallelStyle, style_on
 
 
 def _as_tuple(layouts):
@@ -26,17 +26,20 @@ def _checked(layouts, what: str):
     return layouts
 
 
-def _prepared_value(value, layout, desired, mesh, use_local_output):
+def _prepared_value(value, layout, desired, mesh, use_local_output, style):
+    """``value`` moved as ``style`` (a string naming it at work, for errors) moves it."""
     if layout is None:
         return value
     if not (isinstance(value, LayoutTensor) or get_platform().is_tensor(value)):
         raise TypeError(f"expecting a tensor or a LayoutTensor for layout {layout}; got "
                         f"{type(value).__name__}")
-    local = prepared(value, layout, desired, mesh, result_grads_whole=use_local_output)
+    local = prepared(value, layout, desired, mesh, result_grads_whole=use_local_output,
+                     consumer=style)
+    placement = desired if desired is not None else \
+        (value.placement if isinstance(value, LayoutTensor) else layout)
     if use_local_output:
-        return local
-    return LayoutTensor(local, desired if desired is not None else
-                        (value.placement if isinstance(value, LayoutTensor) else layout), mesh)
+        return mark_local(local, placement, mesh, style)
+    return LayoutTensor(local, placement, mesh)
 
 
 def _no_output_change(mod, args, kwargs, output):
@@ -73,24 +76,26 @@ class PrepareModuleInput(ParallelStyle):
             if given is not None and desired is not None:
                 check_movable(given, desired)
 
-    def prepare_inputs(self, args, kwargs, mesh):
+    def prepare_inputs(self, args, kwargs, mesh, module):
+        where = style_on(self, module)
         if self.input_layouts is not None:
             if len(args) != len(self.input_layouts):
                 raise ValueError(f"module inputs and input_layouts should have the same length: "
                                  f"{len(args)} inputs, {len(self.input_layouts)} layouts")
-            args = tuple(_prepared_value(value, layout, desired, mesh, self.use_local_output)
+            args = tuple(_prepared_value(value, layout, desired, mesh, self.use_local_output,
+                                         where)
                          for value, layout, desired
                          in zip(args, self.input_layouts, self.desired_input_layouts))
         if self.with_kwargs:
             kwargs = {key: _prepared_value(value, self.input_kwarg_layouts.get(key),
                                            self.desired_input_kwarg_layouts.get(key), mesh,
-                                           self.use_local_output)
+                                           self.use_local_output, where)
                       for key, value in kwargs.items()}
         return tuple(args), kwargs
 
     def apply(self, module, mesh):
         get_platform().register_forward_hooks(
-            module, lambda mod, args, kwargs: self.prepare_inputs(args, kwargs, mesh),
+            module, lambda mod, args, kwargs: self.prepare_inputs(args, kwargs, mesh, mod),
             _no_output_change)
         return module
 
@@ -116,14 +121,15 @@ class PrepareModuleOutput(ParallelStyle):
             if given is not None and desired is not None:
                 check_movable(given, desired)
 
-    def prepare_outputs(self, outputs, mesh):
+    def prepare_outputs(self, outputs, mesh, module):
+        where = style_on(self, module)
         single = not isinstance(outputs, tuple)
         outputs = (outputs,) if single else outputs
         if len(outputs) != len(self.output_layouts):
             raise ValueError(f"module outputs and output_layouts should have the same length: "
                              f"{len(outputs)} outputs, {len(self.output_layouts)} layouts")
         prepared_outputs = tuple(
-            _prepared_value(value, layout, desired, mesh, self.use_local_output)
+            _prepared_value(value, layout, desired, mesh, self.use_local_output, where)
             for value, layout, desired
             in zip(outputs, self.output_layouts, self.desired_output_layouts))
         return prepared_outputs[0] if len(prepared_outputs) == 1 else prepared_outputs
@@ -131,7 +137,7 @@ class PrepareModuleOutput(ParallelStyle):
     def apply(self, module, mesh):
         get_platform().register_forward_hooks(
             module, lambda mod, args, kwargs: None,
-            lambda mod, args, kwargs, output: self.prepare_outputs(output, mesh))
+            lambda mod, args, kwargs, output: self.prepare_outputs(output, mesh, mod))
         return module
 
     def __repr__(self) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel import collectives as C
-from hyper_parallel.tensor_parallel.layout import LayoutTensor
+from hyper_parallel.tensor_parallel.layout import LayoutTensor, check_declared
 from hyper_parallel.tensor_parallel.placement import Placement, Shard, normalized
 
 
@@ -74,13 +74,16 @@ def redistribute(value: LayoutTensor, target: Placement, *, local_result: bool) 
 
 
 def prepared(value: Any, given: Placement, desired: Placement | None, mesh: Any, *,
-             result_grads_whole: bool) -> Any:
-    """An input as a style receives it: a ``LayoutTensor`` keeps its own placement
-    (``given`` is then ignored, as torch ignores it for a DTensor); a plain tensor is taken
-    to be in ``given``. Returns the local tensor in ``desired`` (``given`` where None)."""
+             result_grads_whole: bool, consumer: str) -> Any:
+    """An input as a style (``consumer``, for errors) receives it: a ``LayoutTensor`` keeps
+    its own placement (``given`` is then ignored, as torch ignores it for a DTensor); a
+    plain tensor is taken to be in ``given``, which must be the placement another style's
+    output is in (layout.py, [Note: a plain output remembers its layout]). Returns the
+    local tensor in ``desired`` (``given`` where None)."""
     if isinstance(value, LayoutTensor):
         source, local, whole = value.placement, value.local_tensor, False
     else:
+        check_declared(value, given, mesh, consumer)
         source, local, whole = given, value, True
     return move(local, source, desired if desired is not None else source, mesh,
                 source_grads_whole=whole, result_grads_whole=result_grads_whole)

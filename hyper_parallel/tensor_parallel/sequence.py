@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel import collectives as C
-from hyper_parallel.tensor_parallel.layout import LayoutTensor
+from hyper_parallel.tensor_parallel.layout import LayoutTensor, mark_local
 from hyper_parallel.tensor_parallel.placement import Shard
 from hyper_parallel.tensor_parallel.redistribute import prepared
 from hyper_parallel.tensor_parallel.style import (
-    ParallelStyle, param_in_forward, record_replicated)
+    ParallelStyle, param_in_forward, record_replicated, style_on)
 
 
 class SequenceParallel(ParallelStyle):
@@ -38,7 +38,8 @@ class SequenceParallel(ParallelStyle):
             if not args or not (p.is_tensor(args[0]) or isinstance(args[0], LayoutTensor)):
                 raise ValueError(f"expecting input of {type(mod).__name__} to be a tensor or a "
                                  f"LayoutTensor, but got {args[0] if args else None!r}")
-            local = prepared(args[0], layout, layout, mesh, result_grads_whole=True)
+            local = prepared(args[0], layout, layout, mesh, result_grads_whole=True,
+                             consumer=style_on(self, mod))
             for attr in names:
                 p.read_in_forward(mod, attr, C.reduce_in_backward(param_in_forward(mod, attr),
                                                                 mesh))
@@ -47,7 +48,9 @@ class SequenceParallel(ParallelStyle):
         def post(mod, args, kwargs, output):
             for attr in names:
                 p.end_read_in_forward(mod, attr)
-            return output if self.use_local_output else LayoutTensor(output, layout, mesh)
+            if self.use_local_output:
+                return mark_local(output, layout, mesh, style_on(self, mod))
+            return LayoutTensor(output, layout, mesh)
 
         p.register_forward_hooks(module, pre, post)
         return module

@@ -45,6 +45,11 @@ class ParallelStyle:
         raise NotImplementedError(f"{type(self).__name__} does not implement apply")
 
 
+def style_on(style: ParallelStyle, module: Any) -> str:
+    """How errors name a style at work: ``ColwiseParallel on Linear``."""
+    return f"{type(style).__name__} on {type(module).__name__}"
+
+
 def param_in_forward(module: Any, attr: str) -> Any:
     """``module.<attr>`` as the module's forward reads it now: the registered parameter,
     or the full block ``fully_shard`` attached while its unit is unsharded; never what an
@@ -88,6 +93,9 @@ def split_param(module: Any, attr: str, placement: Placement, mesh: Any,
             if isinstance(placement, Shard):
                 values = p.narrow(values, dim, offset[dim], size)
     new = p.new_local_param(param, p.contiguous(values))
+    for name, value in vars(param).items():
+        if name.startswith("_hp_"):  # what the library set on it (a gather codec) stays
+            object.__setattr__(new, name, value)
     record_layout(new, ParamLayout(mesh, placement, shape, tuple(offset)))
     p.set_local_param(module, attr, new)
 

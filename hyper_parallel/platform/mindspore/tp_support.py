@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mindspore import Parameter, mint, nn
+from mindspore import Parameter, mint, nn, ops
 
 from hyper_parallel.platform.tp_support import ParallelLayer, TensorParallelSupport
 
@@ -21,6 +21,17 @@ class MindSporeTensorParallelSupport(TensorParallelSupport):
         if isinstance(module, mint.nn.Embedding):
             return ParallelLayer("embedding", "weight")
         return None
+
+    def unsplittable_reason(self, module):
+        if isinstance(module, nn.Dense):
+            return (f"its activation ({type(module.activation).__name__}) runs inside the layer, "
+                    f"after the bias: on a row-wise split it would act on partial sums, so "
+                    f"only an nn.Dense without activation is split; build it without one and "
+                    f"apply the activation in the model's construct")
+        return None
+
+    def framework_cross_entropy(self, logits, target, ignore_index, reduction):
+        return ops.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
 
     def new_local_param(self, orig_param, local):
         return Parameter(local + 0, name=orig_param.name, requires_grad=orig_param.requires_grad)

@@ -15,6 +15,25 @@ class TorchTensorParallelSupport(TensorParallelSupport):
             return ParallelLayer("embedding", "weight")
         return None
 
+    def is_framework_style(self, style):
+        from torch.distributed.tensor.parallel import ParallelStyle
+
+        return isinstance(style, ParallelStyle)
+
+    def framework_parallelize(self, module, native_mesh, plan, src_data_rank):
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        return parallelize_module(module, native_mesh, plan, src_data_rank=src_data_rank)
+
+    def framework_cross_entropy(self, logits, target, ignore_index, reduction):
+        return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index,
+                                                 reduction=reduction)
+
+    def framework_loss_parallel(self):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     def new_local_param(self, orig_param, local):
         return torch.nn.Parameter(local.detach().clone(), requires_grad=orig_param.requires_grad)
 
