@@ -6,8 +6,7 @@ three ways in the same processes, from the same values, with the example's own p
 
 - ``fsdp4``: fully_shard over the 4 ranks (every layer and the root);
 - ``tp2``: ``hp.parallelize_module`` over the tp dim of a (shard 2, tp 2) mesh, then
-  fully_shard over the shard dim (torch: torch's own tensor parallelism; MindSpore:
-  hyper_parallel.tensor_parallel);
+  fully_shard over the shard dim (hyper_parallel's tensor parallelism on both);
 - ``tp1``: fully_shard over the same shard dim of 2 ranks without tensor parallelism:
   the same data-parallel degree as ``tp2``, for the memory comparison.
 
@@ -15,14 +14,11 @@ three ways in the same processes, from the same values, with the example's own p
 step each, order reversed every round, after ``warmup`` rounds. After one step of each
 model the rank reports the bytes of its parameters, gradients and optimizer state, split
 into the layers tensor parallelism splits and the rest. The bytes the tensor-parallel
-collectives move in one step are counted by ``hp.comm_stats`` on the tp dim, with
-hyper_parallel's own tensor parallelism on both frameworks (torch's DTensor collectives
-are not counted by it).
+collectives move in one step are counted by ``hp.comm_stats`` on the tp dim.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -49,43 +45,34 @@ def _nbytes_torch(tensor) -> int:
 
 
 class TorchModels:
-    def __init__(self, job, tp_module):
+    def __init__(self, job):
         import torch
-        import torch.nn.functional as F
 
         from examples.lm.model_torch import build
 
         torch.set_num_threads(1)
-        self.torch, self.F, self.job = torch, F, job
+        self.torch, self.job = torch, job
         self.mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
         self.models, self.opts = {}, {}
-        for kind in ("fsdp4", "tp2", "tp1", "core_tp2"):
+        for kind in ("fsdp4", "tp2", "tp1"):
             model = build(job["size"])
-            if kind == "tp2":  # torch's own, which takes torch's DeviceMesh
-                hp.parallelize_module(model, self.mesh["tp"].native,
-                                      lm_plan(hp, attention_inputs=3))
-            elif kind == "core_tp2":  # hyper_parallel's, whose collectives comm_stats counts
-                tp_module.parallelize_module(model, self.mesh["tp"],
-                                             lm_plan(tp_module, attention_inputs=3))
+            if kind == "tp2":
+                hp.parallelize_module(model, self.mesh["tp"], lm_plan(hp, attention_inputs=3))
             mesh = None if kind == "fsdp4" else self.mesh["shard"]
             for layer in model.model.layers:
                 hp.fully_shard(layer, mesh=mesh)
             hp.fully_shard(model, mesh=mesh)
             self.models[kind] = model
             self.opts[kind] = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        self.tp_module = tp_module
-
     def step(self, kind, ids, targets) -> float:
         torch, model = self.torch, self.models[kind]
-        context = {"tp2": hp.loss_parallel, "core_tp2": self.tp_module.loss_parallel}.get(kind)
-        cross_entropy = self.tp_module.cross_entropy if kind == "core_tp2" else self.F.cross_entropy
-        with (context() if context else contextlib.nullcontext()):
+        with hp.loss_parallel():
             logits = model(torch.from_numpy(ids))
-            loss = cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(targets).reshape(-1))
-            loss.backward()
+            loss = hp.cross_entropy(logits.reshape(-1, VOCAB),
+                                    torch.from_numpy(targets).reshape(-1))
+        loss.backward()
         self.opts[kind].step()
         self.opts[kind].zero_grad(set_to_none=False)
-        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         return float(loss.detach())
 
     def state_bytes(self, kind) -> dict:
@@ -101,7 +88,7 @@ class TorchModels:
 
 
 class MindSporeModels:
-    def __init__(self, job, tp_module):
+    def __init__(self, job):
         import mindspore as ms
         from mindspore.experimental.optim import AdamW
 
@@ -109,7 +96,7 @@ class MindSporeModels:
 
         ms.set_context(mode=ms.PYNATIVE_MODE)
         ms.runtime.launch_blocking()  # as every MindSpore phase of run.py
-        self.ms, self.tp_module = ms, tp_module
+        self.ms = ms
         mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
         self.models, self.opts, self.grad_fns, self.grads = {}, {}, {}, {}
         for kind in ("fsdp4", "tp2", "tp1"):
@@ -122,22 +109,16 @@ class MindSporeModels:
             hp.fully_shard(model, mesh=dp_mesh)
             params = model.trainable_params()
             self.models[kind], self.opts[kind] = model, AdamW(params, lr=1e-4)
-            self.grad_fns[kind] = ms.value_and_grad(self._loss_fn(model, kind == "tp2"),
-                                                    None, params)
+            self.grad_fns[kind] = ms.value_and_grad(self._loss_fn(model), None, params)
 
-    def _loss_fn(self, model, parallel: bool):
-        ms, tp = self.ms, self.tp_module
-
+    @staticmethod
+    def _loss_fn(model):
         def loss(ids, targets):
-            logits = model(ids)
-            if not parallel:
-                return ms.ops.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
             with hp.loss_parallel():
-                return tp.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+                return hp.cross_entropy(model(ids).reshape(-1, VOCAB), targets.reshape(-1))
         return loss
 
     def step(self, kind, ids, targets) -> float:
-        kind = "tp2" if kind == "core_tp2" else kind  # its tensor parallelism is the core's
         ms = self.ms
         loss, grads = self.grad_fns[kind](ms.Tensor(ids.astype(np.int32)),
                                           ms.Tensor(targets.astype(np.int32)))
@@ -161,9 +142,7 @@ class MindSporeModels:
 def run(job: dict, rank: int, world: int) -> dict:
     hp.init_distributed()
     platform = hp.get_platform()
-    from hyper_parallel import tensor_parallel
-
-    models = (TorchModels if platform.name == "torch" else MindSporeModels)(job, tensor_parallel)
+    models = (TorchModels if platform.name == "torch" else MindSporeModels)(job)
     corpus = ByteCorpus()
     batches = [corpus.batch(k, job["batch"], job["seq"])
                for k in range(job["warmup"] + job["rounds"])]
@@ -186,7 +165,7 @@ def run(job: dict, rank: int, world: int) -> dict:
     models.step("tp1", rows("tp1", ids), rows("tp1", targets))
     result["state_bytes"] = {kind: models.state_bytes(kind) for kind in ("fsdp4", "tp2", "tp1")}
     before = hp.comm_stats().snapshot()
-    models.step("core_tp2", rows("tp2", ids), rows("tp2", targets))
+    models.step("tp2", rows("tp2", ids), rows("tp2", targets))
     window = hp.comm_stats().snapshot().minus(before)
     result["tp_comm"] = {f"{op}:{dim}": [rec.calls, rec.nbytes]
                          for (op, _wire, dim), rec in window.records.items() if dim == "tp"}

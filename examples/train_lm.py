@@ -90,10 +90,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.seq = args.seq or SIZES[args.size]["seq"]
     args.mesh_shape = _mesh_shape(parser, args)
-    # the seeded values are loaded through hyper_parallel's state dicts, which take the
-    # core's tensor-parallel blocks (MindSpore) but not torch's DTensors: a torch
-    # tensor-parallel model is built whole and then split
-    args.eager_init = args.eager_init or (args.tp > 1 and args.backend == "torch")
     data_parallel = args.nproc // args.tp
     if args.batch % data_parallel:
         parser.error(f"--batch {args.batch} must divide over the {data_parallel} data-parallel "

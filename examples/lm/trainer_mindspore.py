@@ -16,7 +16,6 @@ from examples.lm.config import VOCAB, set_initial_values
 from examples.lm.model_mindspore import LlamaLM, build
 from examples.lm.progress import peak_resident_mb
 from examples.lm.tensor_parallel import lm_plan
-from hyper_parallel import tensor_parallel
 
 
 class Trainer:
@@ -43,11 +42,11 @@ class Trainer:
         self.grad_fn = ms.value_and_grad(self._loss, None, self.params)
 
     def _loss(self, ids, targets):
+        """The loss over logits split on the vocabulary (a LayoutTensor, never gathered)
+        under tensor parallelism, over whole logits otherwise."""
         logits = self.model(ids).astype(ms.float32)
-        if not self.tensor_parallel:
-            return ops.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-        with hp.loss_parallel():  # logits split on the vocabulary, never gathered
-            return tensor_parallel.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        with hp.loss_parallel():
+            return hp.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
     def step(self, ids: np.ndarray, targets: np.ndarray) -> tuple:
         """One optimizer step on this rank's rows; (local loss, global gradient norm)."""

@@ -1,15 +1,12 @@
 """The torch side of examples/train_lm.py: build (eagerly or on the meta device), split it
-over the tensor-parallel ranks (torch's own tensor parallelism, by hyper_parallel's public
-names), shard each decoder layer and the root, and run one AdamW step."""
+over the tensor-parallel ranks (hyper_parallel's tensor parallelism, the same plan and
+names as on MindSpore), shard each decoder layer and the root, and run one AdamW step."""
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 import hyper_parallel as hp
 from examples.lm.config import VOCAB, set_initial_values
@@ -30,8 +27,8 @@ class Trainer:
                 model = LlamaLM(size)
         else:
             model = build(size).to(self.device)
-        if tp_mesh is not None:  # torch's parallelize_module takes torch's DeviceMesh
-            hp.parallelize_module(model, tp_mesh.native, lm_plan(hp, attention_inputs=3))
+        if tp_mesh is not None:
+            hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=3))
         for layer in model.model.layers:
             hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
@@ -40,33 +37,28 @@ class Trainer:
             model.model.init_rope()
             set_initial_values(model)
         self.model, self.clip, self.tensor_parallel = model, clip, tp_mesh is not None
-        # torch's clipping reads the placements of DTensor gradients (over the data- and
-        # tensor-parallel dims); hp's reads fully_shard's and the core tensor parallelism's
-        self._clip = torch.nn.utils.clip_grad_norm_ if tp_mesh is not None else hp.clip_grad_norm_
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
-    def _loss_context(self):
-        """torch's loss parallelism (forward and backward inside) over logits split on the
-        vocabulary, which are never gathered."""
-        return hp.loss_parallel() if self.tensor_parallel else contextlib.nullcontext()
-
     def _loss(self, ids: np.ndarray, targets: np.ndarray):
+        """The loss over logits split on the vocabulary (a LayoutTensor, never gathered)
+        under tensor parallelism, over whole logits otherwise."""
         logits = self.model(torch.from_numpy(ids).to(self.device))
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB),
-                               torch.from_numpy(targets).to(self.device).reshape(-1))
+        logits = logits.astype(torch.float32) if self.tensor_parallel else logits.float()
+        with hp.loss_parallel():
+            return hp.cross_entropy(logits.reshape(-1, VOCAB),
+                                    torch.from_numpy(targets).to(self.device).reshape(-1))
 
     def step(self, ids: np.ndarray, targets: np.ndarray) -> tuple:
         """One optimizer step on this rank's rows; (local loss, global gradient norm)."""
-        with self._loss_context():
-            loss = self._loss(ids, targets)
-            loss.backward()
-        norm = self._clip(self.model.parameters(), self.clip)
+        loss = self._loss(ids, targets)
+        loss.backward()
+        norm = hp.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad()
         return _value(loss), _value(norm)
 
     def evaluate(self, ids: np.ndarray, targets: np.ndarray) -> float:
-        with torch.no_grad(), self._loss_context():
+        with torch.no_grad():
             return _value(self._loss(ids, targets))
 
     def mean_over_ranks(self, values: list) -> list:
@@ -82,6 +74,4 @@ class Trainer:
 
 
 def _value(tensor) -> float:
-    """A scalar's value, also of a replicated DTensor (loss parallelism's loss)."""
-    tensor = tensor.detach()
-    return float(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+    return float(tensor.detach())

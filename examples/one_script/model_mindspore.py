@@ -14,7 +14,8 @@ class Attention(nn.Cell):
     def __init__(self, dim: int, head_dim: int):
         super().__init__()
         self.head_dim = head_dim
-        self.wq, self.wk, self.wv, self.wo = (nn.Dense(dim, dim) for _ in range(4))
+        self.wq, self.wv, self.wo = (nn.Dense(dim, dim) for _ in range(3))
+        self.wk = nn.Dense(dim, dim, has_bias=False)  # why: model_torch.py
 
     def construct(self, x):
         b, s, _ = x.shape  # heads = -1: a tensor-parallel rank computes its own heads

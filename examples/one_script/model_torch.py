@@ -19,7 +19,10 @@ class Attention(nn.Module):
     def __init__(self, dim: int, head_dim: int):
         super().__init__()
         self.head_dim = head_dim
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim) for _ in range(4))
+        self.wq, self.wv, self.wo = (nn.Linear(dim, dim) for _ in range(3))
+        # no key bias: softmax ignores a shift shared by all keys, so its gradient is zero
+        # up to rounding, which AdamW would blow up into steps no two runs agree on
+        self.wk = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x):
         b, s, _ = x.shape  # heads = -1: a tensor-parallel rank computes its own heads

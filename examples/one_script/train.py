@@ -54,6 +54,7 @@ def initial_values(seed: int = 0) -> dict:
             shapes[f"{block}.{norm}.weight"], shapes[f"{block}.{norm}.bias"] = (dim,), (dim,)
         for w in ("wq", "wk", "wv", "wo"):
             shapes[f"{block}.attn.{w}.weight"], shapes[f"{block}.attn.{w}.bias"] = (dim, dim), (dim,)
+        del shapes[f"{block}.attn.wk.bias"]  # the model has none (model_torch.py says why)
         shapes[f"{block}.ffn.w1.weight"], shapes[f"{block}.ffn.w1.bias"] = (hidden, dim), (hidden,)
         shapes[f"{block}.ffn.w2.weight"], shapes[f"{block}.ffn.w2.bias"] = (dim, hidden), (dim,)
     return {name: ((1.0 if name.endswith("norm.weight") else 0.0)
