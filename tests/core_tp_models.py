@@ -228,7 +228,8 @@ def mindspore_model(with_values: bool = True, recompute: bool = False):
 def bad_input_model(backend: str):
     """Children a plan can name wrongly: ``fc`` Linear(8, 8), ``odd`` Linear(8, 5) (5 does not
     split over 2), ``conv`` a convolution, ``act`` a layer without parameters, ``embed``
-    an Embedding(16, 8), ``head`` a Linear(8, 16) whose weight is ``embed``'s (tied)."""
+    an Embedding(16, 8), ``head`` a Linear(8, 16) whose weight is ``embed``'s (tied); on
+    MindSpore also ``dense_relu``, a Dense(8, 8) with its activation inside."""
     if backend == "torch":
         from torch import nn
 
@@ -245,6 +246,7 @@ def bad_input_model(backend: str):
     model.act, model.embed = nn.ReLU(), nn.Embedding(VOCAB, 8)
     model.head = nn.Dense(8, VOCAB, has_bias=False)
     model.head._params["weight"] = model.embed.embedding_table  # tied, as set_local_param
+    model.dense_relu = nn.Dense(8, 8, activation="relu")
     return model
 
 
