@@ -150,17 +150,21 @@ def test_a_style_told_another_layout_than_its_input_is_in_raises(monkeypatch, ba
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_gather_codec_set_before_parallelize_module_stays(monkeypatch, backend):
+def test_a_gather_codec_applies_to_split_parameters_set_before_or_after(monkeypatch, backend):
     hp, platform = _framework(backend, monkeypatch)
     from hyper_parallel.fully_shard.gather_codec import GATHER_CODEC_ATTR
 
-    model = _model_with_head(backend)
-    codec = hp.CastGather("float16")
-    hp.set_gather_codec(model, codec)
-    hp.parallelize_module(model, hp.DeviceMesh("cpu", (1,), ("tp",), [None]),
-                          {"head": hp.ColwiseParallel()}, src_data_rank=None)
-    weight = platform.registered_param(model.head, "weight")
-    assert getattr(weight, GATHER_CODEC_ATTR, None) is codec
+    mesh = hp.DeviceMesh("cpu", (1,), ("tp",), [None])
+    for before in (True, False):
+        model = _model_with_head(backend)
+        codec = hp.CastGather("float16")
+        if before:
+            hp.set_gather_codec(model, codec)
+        hp.parallelize_module(model, mesh, {"head": hp.ColwiseParallel()}, src_data_rank=None)
+        if not before:
+            hp.set_gather_codec(model, codec)
+        weight = platform.registered_param(model.head, "weight")
+        assert getattr(weight, GATHER_CODEC_ATTR, None) is codec, before
 
 
 _IMPORT_ORDER = """

@@ -1,9 +1,10 @@
 """Tensor parallelism written once over the platform: torch's styles, plan and loss
-parallelism (``torch.distributed.tensor.parallel``), for frameworks without them.
+parallelism (``torch.distributed.tensor.parallel``), the same on every framework.
 
-``hyper_parallel.parallelize_module`` and the style names resolve to torch's own objects
-on torch and to these on MindSpore (hyper_parallel/__init__.py); this package runs on
-both, which is how the tests hold it against torch's DTensor tensor parallelism.
+These are ``hp.parallelize_module``, the style names, ``hp.Shard``/``hp.Replicate``,
+``hp.loss_parallel`` and ``hp.cross_entropy`` on torch and on MindSpore alike; the tests
+hold them bitwise against torch's DTensor tensor parallelism. On torch,
+``parallelize_module`` also applies a plan of torch's own styles with torch's function.
 docs/tensor-parallel.md describes what each style does and the current limits.
 """
 

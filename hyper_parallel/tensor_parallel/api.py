@@ -1,5 +1,9 @@
 """``parallelize_module``: a plan of styles applied to a module's submodules over a 1-D mesh.
 
+The styles are this package's on every framework; on torch a plan of torch's own styles
+is checked the same way and then applied by torch's ``parallelize_module``, so scripts
+written for torch's tensor parallelism keep their DTensor parameters.
+
 [Note: plan keys]
 Keys are matched as torch matches them: split at ".", each part an ``fnmatch`` pattern
 over the names of the children at that level (so ``*`` matches one level), "" the module
