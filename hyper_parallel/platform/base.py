@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hyper_parallel.comm_stats import CommStats
+from hyper_parallel.platform.comm_stats import CommStats
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.collectives import Collectives
 from hyper_parallel.platform.tensors import TensorPrimitives
