@@ -22,8 +22,11 @@ from hyper_parallel.fully_shard import (
 from hyper_parallel.fully_shard import (
     CastGather, GatherCodec, GatherContext, Int8RowGather, set_gather_codec,
 )
+from hyper_parallel import interop
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel.public_names import TORCH_HOMES, public_name
+
+interop.register()  # torch's platform with its ecosystem's adapters (interop/__init__.py)
 
 __version__ = "0.1.0"
 
