@@ -24,11 +24,14 @@ from hyper_parallel.fully_shard import (
 from hyper_parallel.fully_shard import (
     CastGather, GatherCodec, GatherContext, Int8RowGather, set_gather_codec,
 )
+from hyper_parallel import interop
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel import (
     ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, Replicate,
     RowwiseParallel, SequenceParallel, Shard, cross_entropy, loss_parallel, parallelize_module,
 )
+
+interop.register()  # torch's platform with its ecosystem's adapters (interop/__init__.py)
 
 __version__ = "0.1.0"
 

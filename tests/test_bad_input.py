@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hyper_parallel.distributed import LAUNCHER_WORLD_SIZE_VARS
+from hyper_parallel.launcher_job import LAUNCHER_WORLD_SIZE_VARS
 from hyper_parallel.platform import resolve_backend_name
 from tests import shared_launch
 from tests.multirank import REPO_ROOT, run_ranks

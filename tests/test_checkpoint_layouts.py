@@ -276,7 +276,7 @@ def test_tensor_parallel_block_follows_dtensor_placements():
     from torch.distributed.tensor import _utils
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from hyper_parallel.platform.torch.tensor_parallel import TP_SPEC, TorchTensorParallel
+    from hyper_parallel.interop.torch.tensor_parallel import TP_SPEC, TorchTensorParallel
 
     class Mesh:  # what tensor_parallel_block reads of a torch DeviceMesh
         def __init__(self, shape, coordinate):

@@ -37,7 +37,7 @@ from hyper_parallel.fully_shard.fsdp_module import (
 )
 from hyper_parallel.fully_shard.state import STATE_ATTR, FSDPState
 from hyper_parallel.fully_shard.iteration import reduce_accumulated
-from hyper_parallel.distributed import require_joined_job
+from hyper_parallel.launcher_job import require_joined_job
 from hyper_parallel.platform import MODULE_CLASSES, get_platform, module_framework
 from hyper_parallel.tensor_parallel.layout import tensor_parallel_layout
 

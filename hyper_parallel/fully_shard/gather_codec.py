@@ -12,8 +12,8 @@ dtype, and is reduced as every other gradient: a codec changes only what is gath
 This is FSDP2's all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``
 on a tensor subclass) said once for both frameworks: on torch a shard whose local tensor
 defines those hooks gets a codec that calls them (``Platform.gather_codec_of``), and
-``set_gather_codec`` attaches a codec to parameters of either framework before
-``fully_shard``. A parameter with a codec is gathered in its unit's codec leg
+``set_gather_codec`` (codec_choice.py) attaches a codec to parameters of either
+framework before ``fully_shard``. A parameter with a codec is gathered in its unit's codec leg
 (layout.py): every rank sends its codecs' tensors as one byte buffer (whatever their
 dtypes, so a dtype the collective lacks, such as float8 on gloo, travels too), and the
 collective counters report those bytes.
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 #: the attribute of a parameter (set before fully_shard) naming its GatherCodec
 GATHER_CODEC_ATTR = "_hp_gather_codec"
@@ -129,34 +129,3 @@ class Int8RowGather(GatherCodec):
 
     def __repr__(self) -> str:
         return "Int8RowGather()"
-
-
-def set_gather_codec(module: Any, codec: GatherCodec | None,
-                     predicate: Callable[[str, Any], bool] | None = None) -> None:
-    """Gather ``module``'s parameters with ``codec`` (None: as usual), before
-    ``fully_shard``. ``predicate(name, param)`` picks the parameters (default: those of two
-    or more dims, the weights of linear and embedding layers; norms and biases are small
-    and sensitive). Checks everything before it marks anything."""
-    from hyper_parallel.fully_shard.param import SHARDED_BY
-    from hyper_parallel.platform import get_platform, module_framework
-
-    if module_framework(module) is None:
-        raise TypeError(f"set_gather_codec takes a module (torch nn.Module or MindSpore "
-                        f"nn.Cell), got {type(module).__name__}")
-    if codec is not None and not isinstance(codec, GatherCodec):
-        raise TypeError(f"codec must be a hyper_parallel GatherCodec (e.g. hp.CastGather("
-                        f"'bfloat16'), hp.Int8RowGather()) or None, got {type(codec).__name__}")
-    if predicate is not None and not callable(predicate):
-        raise TypeError(f"predicate must be a function of (name, param), got {predicate!r}")
-    platform = get_platform(module)
-    chosen = []
-    for prefix, sub in platform.named_modules(module):
-        for name, param in platform.direct_params(sub):
-            fqn = f"{prefix}.{name}" if prefix else name
-            if getattr(param, SHARDED_BY, None) is not None:
-                raise ValueError(f"parameter {fqn!r} is already sharded by fully_shard: call "
-                                 f"set_gather_codec before fully_shard")
-            if predicate(fqn, param) if predicate is not None else len(platform.shape(param)) >= 2:
-                chosen.append(param)
-    for param in chosen:
-        object.__setattr__(param, GATHER_CODEC_ATTR, codec)

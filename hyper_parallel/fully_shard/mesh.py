@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hyper_parallel.distributed import require_joined_job
+from hyper_parallel.launcher_job import require_joined_job
 from hyper_parallel.fully_shard.device_names import check_device_type
 from hyper_parallel.platform import get_platform
 

@@ -17,6 +17,13 @@ This is the one place that decides, in this order:
 
 Nothing here imports a framework the process has not imported: a module's framework is
 read through ``sys.modules``. One Platform is created per backend name and cached.
+
+[Note: a platform completed from above]
+A framework's platform is its class in platform/<framework>/, unless a layer above
+registered a factory for it (``register_platform_factory``): hyper_parallel/interop/ does,
+for the adapters that make torch's ecosystem accept the library's units. So this package
+never imports a layer above it; the registration runs when ``hyper_parallel`` is imported,
+before any platform is created.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import functools
 import importlib.util
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from hyper_parallel.platform.base import MeshDescription, Platform
 from hyper_parallel.platform.collectives import Gathered, Handle
@@ -40,6 +47,9 @@ _INSTALL_HINT = {
 }
 # the choice made where HP_BACKEND is unset: {"name": backend, "why": how it was made}
 _UNSET_CHOICE: dict = {}
+# backend -> what creates its Platform instead of its own class ([Note: a platform
+# completed from above])
+_FACTORIES: dict = {}
 
 
 def module_framework(obj: Any) -> str | None:
@@ -114,8 +124,18 @@ def resolve_backend_name(value: str | None = None, module: Any = None) -> str:
     return name
 
 
+def register_platform_factory(name: str, factory: Callable[[], Platform]) -> None:
+    """Create backend ``name``'s platform with ``factory()`` ([Note: a platform completed
+    from above]); before the first ``get_platform()`` of that backend."""
+    if name not in BACKENDS:
+        raise ValueError(f"no backend {name!r}; known: {', '.join(BACKENDS)}")
+    _FACTORIES[name] = factory
+
+
 @functools.lru_cache(maxsize=None)
 def _platform_for(name: str) -> Platform:
+    if name in _FACTORIES:
+        return _FACTORIES[name]()
     if name == "torch":
         from hyper_parallel.platform.torch.platform import TorchPlatform
 
@@ -133,4 +153,4 @@ def get_platform(module: Any = None) -> Platform:
 
 
 __all__ = ["BACKENDS", "Gathered", "Handle", "MeshDescription", "Platform", "get_platform",
-           "module_framework", "resolve_backend_name"]
+           "module_framework", "register_platform_factory", "resolve_backend_name"]

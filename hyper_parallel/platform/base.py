@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hyper_parallel.comm_stats import CommStats
+from hyper_parallel.platform.comm_stats import CommStats
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.collectives import Collectives
 from hyper_parallel.platform.tensors import TensorPrimitives
@@ -260,7 +260,7 @@ class Platform(Collectives, TensorPrimitives):
     def unit_bases(self) -> tuple:
         """Classes a unit's class derives from after the module's own, so that the
         framework's code written for its own fully sharded units recognises it (torch:
-        FSDP2's ``FSDPModule``, platform/torch/fsdp2_units.py). The default: none."""
+        FSDP2's ``FSDPModule``, interop/torch/fsdp2_units.py). The default: none."""
         return ()
 
     def present_unit(self, module: Any, reduce_accumulated: Callable[[], None]) -> None:

@@ -3,7 +3,10 @@
 Every primitive is a direct call into torch; views are real on torch, so the "explicit
 write" primitives are zero-copy here. Sharded parameters are DTensors over the torch
 DeviceMesh behind our DeviceMesh, so torch tools written for FSDP2 parameters
-(``clip_grad_norm_``, distributed checkpoint, ``full_tensor()``) work on them.
+(``clip_grad_norm_``, distributed checkpoint, ``full_tensor()``) work on them. What makes
+the rest of torch's ecosystem accept the library's units (FSDPModule identity, FSDP2's
+all-gather extension, torch's tensor-parallel DTensors) is hyper_parallel/interop/torch/,
+which extends this class.
 """
 
 from __future__ import annotations
@@ -26,11 +29,7 @@ from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.torch.state_io import TorchStateIO
 from hyper_parallel.platform.torch.storage_release import TorchStorageRelease
 from hyper_parallel.platform.torch.tp_support import TorchTensorParallelSupport
-from hyper_parallel.platform.torch.tensor_parallel import (
-    TP_SPEC, TorchTensorParallel, as_tensor_parallel)
-from hyper_parallel.platform.torch.gather_hooks import hooks_codec
 from hyper_parallel.platform.torch.eager_hooks import call_eagerly, eager
-from hyper_parallel.platform.torch.fsdp2_units import FSDP2Unit, native_unit_api, present_unit
 from hyper_parallel.platform.torch.released_memory import ReleasedMemory
 from hyper_parallel.platform.torch.unshard_function import run_differentiable
 
@@ -80,8 +79,7 @@ def _uses_list_reduce_scatter(group, input_bytes: int) -> bool:
     return dist.get_backend(group) == "gloo" and input_bytes >= _GLOO_LIST_REDUCE_SCATTER_BYTES
 
 
-class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSupport,
-                    TorchStorageRelease, Platform):
+class TorchPlatform(TorchStateIO, TorchTensorParallelSupport, TorchStorageRelease, Platform):
     name = "torch"
 
     def __init__(self) -> None:
@@ -93,7 +91,6 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSuppor
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self._released = ReleasedMemory() if device == "cpu" and hasattr(
             torch.UntypedStorage, "_swap_data_ptr_") else None
-        self._spmd_meshes = {}  # see _spmd_mesh
         # own collectives: on CPU (gloo) a call costs tens of microseconds, copying 1 MiB in
         # and out about as much (make bench); CUDA keeps FSDP2's fused layout
         self._capabilities = Capabilities(
@@ -292,8 +289,12 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSuppor
     def attach_tensor(self, module, attr_name, tensor) -> None:
         # As FSDP2: while the unit is unsharded, parameters() and named_parameters() yield
         # the full tensors; module.<attr_name> reads them from there.
-        module._parameters[attr_name] = as_tensor_parallel(
-            module, attr_name, module.__dict__.get(_SHARDED_PARAMS, {}).get(attr_name), tensor)
+        module._parameters[attr_name] = tensor
+
+    def _sharded_param(self, module, attr_name):
+        """The sharded parameter ``register_param`` gave ``module`` as ``attr_name``, None if
+        none, also while a full tensor is attached in its place."""
+        return module.__dict__.get(_SHARDED_PARAMS, {}).get(attr_name)
 
     def detach_tensor(self, module, attr_name) -> None:
         module._parameters[attr_name] = module.__dict__[_SHARDED_PARAMS][attr_name]
@@ -301,12 +302,13 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSuppor
     def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
                            shard_dim, full_shape, backing=None):
         placements = [Replicate()] * native_mesh.ndim
-        tp = None
-        if isinstance(orig_param, DTensor):
-            native_mesh, placements, full_shape, tp = self._tensor_parallel_layout(
-                orig_param, native_mesh, shard_mesh_dim, shard_dim)
-        elif shard_dim is not None:
+        if shard_dim is not None:
             placements[shard_mesh_dim] = Shard(shard_dim)
+        return self._dtensor_param(orig_param, local_shard, native_mesh, placements, full_shape,
+                                   backing)
+
+    def _dtensor_param(self, orig_param, local_shard, mesh, placements, full_shape, backing):
+        """The sharded parameter: a DTensor of ``local_shard`` over ``mesh``."""
         stride = torch.empty(full_shape, device="meta").stride()
         if backing is not None:
             own = local_shard.detach()  # a view of the caller's padded shard, kept as one
@@ -314,15 +316,9 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSuppor
             # clone: a dim-0 narrow is already contiguous, and a view would keep the whole
             # unsharded parameter alive behind every shard
             own = local_shard.detach().clone(memory_format=torch.contiguous_format)
-        dtensor = DTensor.from_local(own, native_mesh, placements,
+        dtensor = DTensor.from_local(own, mesh, placements,
                                      run_check=False, shape=torch.Size(full_shape), stride=stride)
-        param = torch.nn.Parameter(dtensor, requires_grad=orig_param.requires_grad)
-        if tp is not None:
-            setattr(param, TP_SPEC, tp)
-        return param
-
-    def gather_codec_of(self, local):
-        return hooks_codec(local)
+        return torch.nn.Parameter(dtensor, requires_grad=orig_param.requires_grad)
 
     def local_tensor(self, param):
         return param.to_local()
@@ -374,15 +370,6 @@ class TorchPlatform(TorchStateIO, TorchTensorParallel, TorchTensorParallelSuppor
             module.register_forward_pre_hook(eager(pre_hook), with_kwargs=True, prepend=True),
             module.register_forward_hook(eager(post_hook), with_kwargs=True),
         ]
-
-    def unit_bases(self) -> tuple:
-        return (FSDP2Unit,)
-
-    def present_unit(self, module, reduce_accumulated) -> None:
-        present_unit(module, reduce_accumulated)
-
-    def native_unit_api(self, module):
-        return native_unit_api(module)
 
     def register_grad_hook(self, tensor, fn) -> None:
         if not tensor.requires_grad:

@@ -1,5 +1,6 @@
-"""Tensor-parallel parameters under fully_shard on torch: a DTensor parameter that tensor
-parallelism already split is sharded over data parallel on top, as FSDP2 does.
+"""Tensor-parallel parameters under fully_shard on torch: a DTensor parameter that torch's
+own tensor parallelism (``torch.distributed.tensor.parallel``) already split is sharded over
+data parallel on top, as FSDP2 does.
 
 [Note: two meshes, one shard]
 fully_shard shards this rank's tensor-parallel part (``param_local_values``) over the
@@ -32,7 +33,6 @@ def _strided_shard(dim: int, split_factor: int):
     return _StridedShard(dim, split_factor=split_factor)
 
 
-
 def as_tensor_parallel(module, attr_name: str, sharded_param, tensor):
     """``tensor`` (this rank's tensor-parallel part of ``sharded_param``'s full values, to
     be ``module.<attr_name>``) as the tensor-parallel DTensor the layers compute with (its
@@ -60,7 +60,29 @@ def as_tensor_parallel(module, attr_name: str, sharded_param, tensor):
 
 
 class TorchTensorParallel:
-    """Mixed into TorchPlatform."""
+    """Mixed into the torch platform (platform.py): its ``make_sharded_param`` and
+    ``attach_tensor`` for a parameter torch's tensor parallelism split, and the reads of
+    such a parameter the core asks for (``param_local_values``, ``tensor_parallel_block``,
+    ``full_over_tensor_parallel``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._spmd_meshes = {}  # see _spmd_mesh
+
+    def make_sharded_param(self, orig_param, local_shard, native_mesh, shard_mesh_dim,
+                           shard_dim, full_shape, backing=None):
+        if not isinstance(orig_param, DTensor):
+            return super().make_sharded_param(orig_param, local_shard, native_mesh,
+                                              shard_mesh_dim, shard_dim, full_shape, backing)
+        mesh, placements, shape, tp = self._tensor_parallel_layout(
+            orig_param, native_mesh, shard_mesh_dim, shard_dim)
+        param = self._dtensor_param(orig_param, local_shard, mesh, placements, shape, backing)
+        setattr(param, TP_SPEC, tp)
+        return param
+
+    def attach_tensor(self, module, attr_name, tensor) -> None:
+        super().attach_tensor(module, attr_name, as_tensor_parallel(
+            module, attr_name, self._sharded_param(module, attr_name), tensor))
 
     def param_local_values(self, param):
         if not isinstance(param, DTensor):
