@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, ops
+from mindspore import Tensor
 from mindspore.experimental.optim import AdamW
 from mindspore.mint import distributed as msdist
 from mindspore.nn.utils import no_init_parameters

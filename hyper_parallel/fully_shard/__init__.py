@@ -5,7 +5,8 @@ from hyper_parallel.fully_shard.forward_method import register_fsdp_forward_meth
 from hyper_parallel.fully_shard.fsdp_module import UnshardHandle, share_comm_ctx
 from hyper_parallel.fully_shard.codec_choice import set_gather_codec
 from hyper_parallel.fully_shard.gather_codec import CastGather, GatherCodec, GatherContext, Int8RowGather
-from hyper_parallel.fully_shard.mesh import DataParallelMeshDims, DeviceMesh, init_device_mesh
+from hyper_parallel.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.fully_shard.mesh import DataParallelMeshDims
 from hyper_parallel.fully_shard.placement import ShardPlacementResult
 from hyper_parallel.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 

@@ -22,9 +22,9 @@ import math
 from typing import Callable, Iterable
 
 from hyper_parallel.fully_shard.param import SHARDED_BY as _SHARDED_BY, FSDPParam
+from hyper_parallel.device_mesh import DeviceMesh, as_device_mesh
 from hyper_parallel.fully_shard.mesh import (
-    DataParallelMeshDims, DeviceMesh, MeshInfo, as_device_mesh, data_parallel_dims,
-    data_parallel_mesh,
+    DataParallelMeshDims, MeshInfo, data_parallel_dims, data_parallel_mesh,
 )
 from hyper_parallel.fully_shard.placement import placement_mesh, resolve_placement
 from hyper_parallel.fully_shard.layout import LayoutStrategy

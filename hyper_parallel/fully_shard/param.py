@@ -25,8 +25,8 @@ from hyper_parallel.fully_shard.gather_codec import GATHER_CODEC_ATTR
 from hyper_parallel.fully_shard.mesh import MeshInfo
 from hyper_parallel.platform import Platform
 from hyper_parallel.tensor_parallel.layout import LAYOUT_ATTR, record_layout, tensor_parallel_layout
+from hyper_parallel.unit_marks import SHARDED_BY
 
-SHARDED_BY = "_hp_sharded_by"  # on a sharded parameter: the unit that owns it
 
 
 #: the attribute of a sharded parameter naming its FSDPParam (a weak reference: the unit's

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from hyper_parallel.fully_shard.mesh import (
-    DataParallelMeshDims, DeviceMesh, as_device_mesh, as_dp_mesh_dims)
+from hyper_parallel.device_mesh import DeviceMesh, as_device_mesh
+from hyper_parallel.fully_shard.mesh import DataParallelMeshDims, as_dp_mesh_dims
 
 if TYPE_CHECKING:
     from hyper_parallel.platform import Platform

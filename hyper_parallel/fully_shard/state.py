@@ -53,6 +53,7 @@ from hyper_parallel.fully_shard.post_forward import PostForwardShards, post_forw
 from hyper_parallel.fully_shard.pytree import cast_floating, tensors_in
 from hyper_parallel.fully_shard.unit_state import UnitState, check_transition
 from hyper_parallel.fully_shard.gradients import reduce_gradients
+from hyper_parallel.unit_marks import STATE_ATTR
 
 if TYPE_CHECKING:
     from hyper_parallel.fully_shard.param_group import FSDPParamGroup
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hyper_parallel.fully_shard")
 
-STATE_ATTR = "_hp_state"
 
 
 class FSDPState:

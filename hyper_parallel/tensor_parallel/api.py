@@ -30,7 +30,8 @@ from __future__ import annotations
 from fnmatch import fnmatch
 from typing import Any
 
-from hyper_parallel.fully_shard.mesh import as_device_mesh
+from hyper_parallel.device_mesh import as_device_mesh
+from hyper_parallel.unit_marks import is_sharded, is_unit
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel.layout import tensor_parallel_layout
 from hyper_parallel.tensor_parallel.style import ParallelStyle
@@ -72,14 +73,9 @@ def _mesh_1d(device_mesh: Any) -> Any:
 
 
 def _refuse_sharded(platform: Any, module: Any) -> None:
-    # fully_shard's parameters read tensor_parallel.layout: imported here, not at the top
-    from hyper_parallel.fully_shard.param import fsdp_param_of
-    from hyper_parallel.fully_shard.state import STATE_ATTR
-
     for name, sub in platform.named_modules(module):
-        managed = [attr for attr, param in platform.direct_params(sub)
-                   if fsdp_param_of(param) is not None]
-        if STATE_ATTR in sub.__dict__ or managed:
+        managed = [attr for attr, param in platform.direct_params(sub) if is_sharded(param)]
+        if is_unit(sub) or managed:
             where = f"{name}.{managed[0]}" if managed else name
             raise ValueError(f"parallelize_module: {where or 'the module'} is managed by "
                              f"fully_shard already; apply parallelize_module first, then "

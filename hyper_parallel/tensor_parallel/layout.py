@@ -28,7 +28,7 @@ A style's plain (local) output carries the placement it is in (``mark_local``), 
 style that receives that very tensor and is told another layout by its
 ``input_layouts`` (torchtitan's head takes ``Shard(1)`` from a sequence-parallel norm;
 ``Shard(0)`` there gathers the rows in another order than the targets, and trains on a
-wrong loss without a word) raises, naming both (redistribute.py ``prepared``). A tensor
+wrong loss without a word) raises, naming both (style.py ``prepared``). A tensor
 the model computed anew from it carries nothing: its layout is what the model made it. Its gradient convention is DTensor's: the gradient a consumer
 returns for a *replicated* ``LayoutTensor`` is a partial sum, reduced once by whoever made
 it (redistribute.py); a plain tensor's gradient is always whole.
@@ -41,6 +41,7 @@ from typing import Any
 
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel.placement import Placement, Shard, normalized
+from hyper_parallel.tensor_parallel.redistribute import move
 
 #: the attribute of a parameter that holds its ``ParamLayout``
 LAYOUT_ATTR = "hp_tensor_parallel"
@@ -149,10 +150,9 @@ class LayoutTensor:
 
     def to_local(self) -> Any:
         """This rank's values as a plain tensor (its gradient then counts as whole)."""
-        from hyper_parallel.tensor_parallel.redistribute import redistribute
-
-        return mark_local(redistribute(self, self.placement, local_result=True),
-                          self.placement, self.device_mesh, "LayoutTensor.to_local()")
+        local = move(self.local_tensor, self.placement, self.placement, self.device_mesh,
+                     source_grads_whole=False, result_grads_whole=True)
+        return mark_local(local, self.placement, self.device_mesh, "LayoutTensor.to_local()")
 
     def __repr__(self) -> str:
         return f"LayoutTensor(shape={self.shape}, placement={self.placement})"

@@ -22,9 +22,9 @@ from hyper_parallel.tensor_parallel import collectives as C
 from hyper_parallel.tensor_parallel.layout import LayoutTensor, mark_local
 from hyper_parallel.tensor_parallel.placement import (
     Partial, Replicate, Shard, check_placement)
-from hyper_parallel.tensor_parallel.redistribute import check_movable, move, prepared
+from hyper_parallel.tensor_parallel.redistribute import check_movable, move
 from hyper_parallel.tensor_parallel.style import (
-    ParallelStyle, check_even, param_in_forward, split_param, style_on)
+    ParallelStyle, check_even, param_in_forward, prepared, split_param, style_on)
 
 _LAYERS = ("torch: nn.Linear, nn.Embedding; MindSpore: nn.Dense without activation, "
            "mint.nn.Linear, nn.Embedding, mint.nn.Embedding")

@@ -12,8 +12,8 @@ from __future__ import annotations
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel.layout import LayoutTensor, mark_local
 from hyper_parallel.tensor_parallel.placement import Placement, check_placement
-from hyper_parallel.tensor_parallel.redistribute import check_movable, prepared
-from hyper_parallel.tensor_parallel.style import ParallelStyle, style_on
+from hyper_parallel.tensor_parallel.redistribute import check_movable
+from hyper_parallel.tensor_parallel.style import ParallelStyle, prepared, style_on
 
 
 def _as_tuple(layouts):

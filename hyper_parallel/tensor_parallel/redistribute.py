@@ -29,7 +29,6 @@ from typing import Any
 
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel import collectives as C
-from hyper_parallel.tensor_parallel.layout import LayoutTensor, check_declared
 from hyper_parallel.tensor_parallel.placement import Placement, Shard, normalized
 
 
@@ -63,27 +62,3 @@ def check_movable(source: Placement, target: Placement) -> None:
             and (source.dim < 0) == (target.dim < 0):
         raise NotImplementedError(f"moving a tensor from {source} to {target} (an all-to-all) "
                                   f"is not supported by hyper_parallel.tensor_parallel")
-
-
-def redistribute(value: LayoutTensor, target: Placement, *, local_result: bool) -> Any:
-    """A ``LayoutTensor`` moved to ``target``: its local tensor, or (``local_result``
-    False) a new ``LayoutTensor``."""
-    local = move(value.local_tensor, value.placement, target, value.device_mesh,
-                 source_grads_whole=False, result_grads_whole=local_result)
-    return local if local_result else LayoutTensor(local, target, value.device_mesh)
-
-
-def prepared(value: Any, given: Placement, desired: Placement | None, mesh: Any, *,
-             result_grads_whole: bool, consumer: str) -> Any:
-    """An input as a style (``consumer``, for errors) receives it: a ``LayoutTensor`` keeps
-    its own placement (``given`` is then ignored, as torch ignores it for a DTensor); a
-    plain tensor is taken to be in ``given``, which must be the placement another style's
-    output is in (layout.py, [Note: a plain output remembers its layout]). Returns the
-    local tensor in ``desired`` (``given`` where None)."""
-    if isinstance(value, LayoutTensor):
-        source, local, whole = value.placement, value.local_tensor, False
-    else:
-        check_declared(value, given, mesh, consumer)
-        source, local, whole = given, value, True
-    return move(local, source, desired if desired is not None else source, mesh,
-                source_grads_whole=whole, result_grads_whole=result_grads_whole)

@@ -15,9 +15,8 @@ from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel import collectives as C
 from hyper_parallel.tensor_parallel.layout import LayoutTensor, mark_local
 from hyper_parallel.tensor_parallel.placement import Shard
-from hyper_parallel.tensor_parallel.redistribute import prepared
 from hyper_parallel.tensor_parallel.style import (
-    ParallelStyle, param_in_forward, record_replicated, style_on)
+    ParallelStyle, param_in_forward, prepared, record_replicated, style_on)
 
 
 class SequenceParallel(ParallelStyle):

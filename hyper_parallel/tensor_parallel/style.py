@@ -1,4 +1,5 @@
-"""``ParallelStyle``: what every style does to a module, and the parameter split they share.
+"""``ParallelStyle``: what every style does to a module, the parameter split they share, and
+the input a style receives (``prepared``).
 
 [Note: check, then change]
 ``parallelize_module`` first asks every style of the plan whether it can apply to its
@@ -27,8 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 from hyper_parallel.platform import get_platform
-from hyper_parallel.tensor_parallel.layout import ParamLayout, record_layout
+from hyper_parallel.tensor_parallel.layout import (
+    LayoutTensor, ParamLayout, check_declared, record_layout)
 from hyper_parallel.tensor_parallel.placement import Placement, Replicate, Shard
+from hyper_parallel.tensor_parallel.redistribute import move
 
 
 class ParallelStyle:
@@ -122,3 +125,19 @@ def check_even(module: Any, attr: str, dim: int, mesh: Any, style: str) -> None:
             f"dim {dim} ({shape[dim]}) does not split evenly over {mesh.size()} ranks, and "
             f"hyper_parallel.tensor_parallel supports even splits only (torch also splits "
             f"unevenly); choose sizes divisible by the tensor-parallel degree")
+
+
+def prepared(value: Any, given: Placement, desired: Placement | None, mesh: Any, *,
+             result_grads_whole: bool, consumer: str) -> Any:
+    """An input as a style (``consumer``, for errors) receives it: a ``LayoutTensor`` keeps
+    its own placement (``given`` is then ignored, as torch ignores it for a DTensor); a
+    plain tensor is taken to be in ``given``, which must be the placement another style's
+    output is in (layout.py, [Note: a plain output remembers its layout]). Returns the
+    local tensor in ``desired`` (``given`` where None)."""
+    if isinstance(value, LayoutTensor):
+        source, local, whole = value.placement, value.local_tensor, False
+    else:
+        check_declared(value, given, mesh, consumer)
+        source, local, whole = given, value, True
+    return move(local, source, desired if desired is not None else source, mesh,
+                source_grads_whole=whole, result_grads_whole=result_grads_whole)
