@@ -21,17 +21,17 @@ linear styles): this rank's local values, whose layout the next style is told by
 tensor and its placement, which the next style reads instead of its ``input_layouts`` (as
 torch's styles read a DTensor's placements) and the loss (``cross_entropy``) requires.
 A ``LayoutTensor`` is no framework tensor: only styles, ``cross_entropy`` and
-``to_local()`` take it.
+``to_local()`` take it. Its gradient convention is DTensor's: the gradient a consumer
+returns for a *replicated* ``LayoutTensor`` is a partial sum, reduced once by whoever made
+it (redistribute.py); a plain tensor's gradient is always whole.
 
 [Note: a plain output remembers its layout]
 A style's plain (local) output carries the placement it is in (``mark_local``), so a
 style that receives that very tensor and is told another layout by its
 ``input_layouts`` (torchtitan's head takes ``Shard(1)`` from a sequence-parallel norm;
 ``Shard(0)`` there gathers the rows in another order than the targets, and trains on a
-wrong loss without a word) raises, naming both (style.py ``prepared``). A tensor
-the model computed anew from it carries nothing: its layout is what the model made it. Its gradient convention is DTensor's: the gradient a consumer
-returns for a *replicated* ``LayoutTensor`` is a partial sum, reduced once by whoever made
-it (redistribute.py); a plain tensor's gradient is always whole.
+wrong loss without a word) raises, naming both (style.py ``prepared``). A tensor the
+model computed anew from it carries nothing: its layout is what the model made it.
 """
 
 from __future__ import annotations
