@@ -20,7 +20,8 @@ import sys
 
 import pytest
 
-from hyper_parallel.launch import RankProcesses, find_free_port, rank_environment
+from hyper_parallel.launch import NATIVE_LOG_VERBOSE, RankProcesses, find_free_port, \
+    rank_environment
 from tests.multirank import REPO_ROOT
 
 DEMO = str(REPO_ROOT / "examples" / "train_mlp.py")
@@ -59,11 +60,13 @@ def _needs(backend: str) -> None:
 def _plain_python_demo(backend: str, tmp_path, levels: dict) -> list:
     """The demo's 2 ranks started as plain ``python`` with the rendezvous variables (no
     launcher, none of the log levels hp-run sets) and ``levels``: each rank's output lines."""
-    base = {k: v for k, v in os.environ.items() if k not in _LEVELS}
+    base = {k: v for k, v in os.environ.items() if k not in (*_LEVELS, NATIVE_LOG_VERBOSE[0])}
     base.update(levels)
     port = find_free_port()
     envs = [rank_environment(rank, rank, 2, 2, "127.0.0.1", port, backend, base, verbose=True)
             for rank in range(2)]
+    for env in envs:  # what a launcher sets, without hp-run's log settings
+        env.pop(NATIVE_LOG_VERBOSE[0])
     logs = [open(tmp_path / f"rank{rank}.log", "wb") for rank in range(2)]
     ranks = RankProcesses([[sys.executable, DEMO]] * 2, envs, cwd=REPO_ROOT, stdout=logs,
                           stderr=[subprocess.STDOUT] * 2)

@@ -9,7 +9,8 @@ from ``GLOG_v``), before the script could set them, and its per-module levels st
 ``FLAGS_v`` (``InitSubModulesLogLevel`` in MindSpore's log_adapter.cc). So ``quiet`` sets the
 variables (for the processes this one starts, and MindSpore's Python logger), sets
 ``FLAGS_v`` in the glog MindSpore ships, and has MindSpore read its levels again
-(``common_log_init``, exported with C linkage). A level the user set is left alone.
+(``common_log_init``, exported with C linkage). A level the user set is left alone, and
+so is the default under ``hp-run --verbose`` or ``HP_NATIVE_LOG=verbose``.
 
 What no level reaches: MindSpore's communication threads write "Event base dispatch
 success!" as INFO lines when they end, at the group's destruction, through a log call that
@@ -23,15 +24,17 @@ import os
 
 import mindspore as ms
 
-from hyper_parallel.launch import NATIVE_LOG_QUIET
+from hyper_parallel.launch import NATIVE_LOG_QUIET, NATIVE_LOG_VERBOSE
 
 _LEVELS = NATIVE_LOG_QUIET[0]  # MindSpore's: {"GLOG_v": "3", "MS_SUBMODULE_LOG_v": ...}
 _FLAGS_V = "_ZN3fLI7FLAGS_vE"  # glog's int32 FLAGS_v (namespace fLI), as libglog exports it
 
 
 def quiet() -> None:
-    """Errors only from here on, unless the user set a MindSpore log level."""
-    if any(name in os.environ for name in _LEVELS):
+    """Errors only from here on, unless the user set a MindSpore log level or asked for
+    the default ones."""
+    variable, verbose = NATIVE_LOG_VERBOSE
+    if os.environ.get(variable) == verbose or any(name in os.environ for name in _LEVELS):
         return
     os.environ.update(_LEVELS)
     lib = os.path.join(os.path.dirname(ms.__file__), "lib")
