@@ -89,8 +89,9 @@ def _compare(actual: inspect.Signature, call: str) -> str | None:
     for param in actual.parameters.values():
         default = defaults.get(param.name)
         has_default = param.default is not inspect.Parameter.empty
+        # the page's default evaluated among hp's names (MixedPrecisionPolicy(), 5 * 1024**3)
         if (default is not None) != has_default or (
-                has_default and eval(ast.unparse(default), vars(hp)) != param.default):  # noqa: S307 - the repository's own page
+                has_default and eval(ast.unparse(default), vars(hp)) != param.default):  # noqa: S307
             return (f"{param.name}'s default is written "
                     f"{ast.unparse(default) if default is not None else 'as none'}; "
                     f"the code has {_plain(actual)}")

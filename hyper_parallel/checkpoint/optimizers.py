@@ -15,11 +15,12 @@ and how its state names map to the family's (torch's ``momentum_buffer`` and Min
 parameter or one for all), and which tensor flags a parameter that has not stepped yet
 (MindSpore SGD's ``stat``: 1 until the first step), and which states it keeps only under
 an option of the parameter's group (torch's ``max_exp_avg_sq`` with ``amsgrad``, its
-``momentum_buffer`` with a ``momentum``): a move leaves those out where the option is off,
-so the loaded state is the one the target's own steps would have made (MindSpore's
-``AdamW`` keeps ``max_exp_avg_sq``, zeros, even without amsgrad). A class missing from the table, a
-move to another family, or a state the table does not name is a CheckpointError naming the
-optimizers and the state, raised while reading, before anything is written.
+``momentum_buffer`` with a ``momentum``): a move leaves those out where the option is
+off, so the loaded state is the one the target's own steps would have made (MindSpore's
+``AdamW`` keeps ``max_exp_avg_sq``, zeros, even without amsgrad). A class missing from
+the table, a move to another family, or a state the table does not name is a
+CheckpointError naming the optimizers and the state, raised while reading, before
+anything is written.
 """
 
 from __future__ import annotations
@@ -154,8 +155,8 @@ def read_for_load(platform: Platform, path: str, index: dict, held: list, optimi
                 values[state] = read_region(key, index["tensors"][key], h)
             values.update(entry["scalars"])
         if move is not None:
-            values, step = _convert(index_path, saved, target, *move, values,
-                                    record["own"], platform.optimizer_options(optimizer, h.param))
+            values, step = _convert(index_path, saved, target, *move, values, record["own"],
+                                    platform.optimizer_options(optimizer, h.param))
             if step is not None and move[1].step and move[1].step[0] == "own":
                 steps[h.key] = step
         unknown = sorted(set(values) - lists[id(h.param)]) if lists.get(id(h.param)) else []
