@@ -24,7 +24,9 @@ ranks' threads between cores, and a thread that spins while waiting for a collec
 Ranks start quiet: the frameworks' native loggers (MindSpore's glog, torch's C++ log that
 gloo writes through) are set to errors only, so the first screen is the user's own output.
 A level the user set (``GLOG_v``, ``MS_SUBMODULE_LOG_v``, ``TORCH_CPP_LOG_LEVEL``) is kept, and ``--verbose`` keeps
-the frameworks' defaults (``NATIVE_LOG_QUIET``). MindSpore's start-up threads can log
+the frameworks' defaults (``NATIVE_LOG_QUIET``), and says so to the ranks
+(``NATIVE_LOG_VERBOSE``), whose ``init_distributed`` would otherwise quiet MindSpore's log
+itself (hyper_parallel/platform/mindspore/native_log.py). MindSpore's start-up threads can log
 before its level is read, so a quiet relay also drops the lines in MindSpore's own format
 below error level (``_NATIVE_BELOW_ERROR``).
 
@@ -61,6 +63,8 @@ NATIVE_LOG_QUIET = (
     {"GLOG_v": "3", "MS_SUBMODULE_LOG_v": "{DISTRIBUTED:3}"},
     {"TORCH_CPP_LOG_LEVEL": "ERROR"},
 )
+# set in a rank's environment: keep the frameworks' native logs at their default levels
+NATIVE_LOG_VERBOSE = ("HP_NATIVE_LOG", "verbose")
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -77,7 +81,8 @@ def rank_environment(rank: int, local_rank: int, world_size: int, local_world_si
     """Environment of one rank: ``base`` (default ``os.environ``) plus the rendezvous variables.
 
     ``backend`` None keeps whatever HP_BACKEND the caller inherited. Unless ``verbose``, the
-    native loggers are kept at errors only where ``base`` sets no level of its own.
+    native loggers are kept at errors only where ``base`` sets no level of its own; with
+    it, at their defaults (``NATIVE_LOG_VERBOSE``).
     """
     env = dict(os.environ if base is None else base)
     env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
@@ -87,7 +92,9 @@ def rank_environment(rank: int, local_rank: int, world_size: int, local_world_si
         env["HP_BACKEND"] = backend
     # N ranks each running one OpenMP thread per core would oversubscribe the CPUs N-fold.
     env.setdefault("OMP_NUM_THREADS", "1")
-    if not verbose:
+    if verbose:
+        env[NATIVE_LOG_VERBOSE[0]] = NATIVE_LOG_VERBOSE[1]
+    else:
         for levels in NATIVE_LOG_QUIET:
             if not any(name in env for name in levels):
                 env.update(levels)

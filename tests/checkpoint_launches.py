@@ -55,6 +55,7 @@ def launch_saving() -> list:
                 ("bn", f"{BN}:bn_save_run", _at("bn-A", "bn-native")),
                 ("sgd", "save_run", (*_at("sgd-A"), "sgd")),
                 ("optimizers", f"{OPTIMIZERS}:optimizer_round_trips", _at("optimizers-torch")),
+                ("moves", f"{OPTIMIZERS}:state_across_frameworks", _at("moves-torch", "none")),
                 ("pending", f"{SAFETY}:pending_at_destroy", _at("pending-torch")),  # last
                 timeout_s=300)
 
@@ -69,6 +70,8 @@ def launch_crossing() -> list:
                 ("bn", f"{BN}:bn_cross_run", _at("bn-A", "bn-B")),
                 ("sgd", "cross_run", (*_at("sgd-A", "sgd-B"), "sgd")),
                 ("optimizers", f"{OPTIMIZERS}:optimizer_round_trips", _at("optimizers-mindspore")),
+                ("moves", f"{OPTIMIZERS}:state_across_frameworks",
+                 _at("moves-mindspore", "moves-torch")),
                 ("checks", f"{SAFETY}:error_checks_run", _at("A", "checks-mindspore")),
                 ("pending", f"{SAFETY}:pending_at_destroy", _at("pending-mindspore")),  # last
                 timeout_s=660)
@@ -94,6 +97,8 @@ def launch_resuming() -> dict:
                 ("bn", f"{BN}:bn_resume_run", _at("bn-A", "bn-native", "bn-B")),
                 ("sgd", "resume_run", (*_at("sgd-A"), (1,), *_at("sgd-B"), None, None, "sgd")),
                 ("crashed_async", "crashed_checkpoint_loads", _at("C-async")),
+                ("moves", f"{OPTIMIZERS}:state_across_frameworks",
+                 _at("moves-torch-1", "moves-mindspore")),
                 ("checks", f"{SAFETY}:error_checks_run", (a, checks)),
                 *((f"pending_{backend}", f"{SAFETY}:loaded_state", _at(f"pending-{backend}"))
                   for backend in ("torch", "mindspore")),

@@ -150,6 +150,23 @@ def test_any_optimizer_resumes_as_itself(launch):
         assert diff <= SAME_FRAMEWORK_RTOL, f"{name} resumed differs by {diff:.2e}"
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("into", BACKENDS)
+def test_optimizer_state_moved_across_is_the_targets_own(into):
+    """Adam, AdamW (with and without amsgrad) and SGD (with and without momentum), saved on
+    the other framework after STEPS steps and loaded into a fresh optimizer: its state has
+    the names, dtypes, steps and options (param_groups) of the same optimizer after STEPS
+    steps of its own (torch's AdamW without amsgrad gains no max_exp_avg_sq from
+    MindSpore's, which keeps zeros there)."""
+    per_rank = launch_crossing() if into == "mindspore" else [launch_resuming()]
+    for rank, moves in enumerate(r["moves"] for r in per_rank):
+        for name, state in moves.items():
+            for part in ("per_param", "own", "groups"):
+                assert state["loaded"][part] == state["own"][part], (
+                    f"rank {rank}: {name}'s {part} loaded from the other framework: "
+                    f"{state['loaded'][part][:2]}; after its own steps: {state['own'][part][:2]}")
+
+
 def _bn_uninterrupted_after_a() -> np.ndarray:
     return np.asarray(_bn_saved()[0]["losses"][2 * STEPS:])  # a training and an eval loss per step
 
@@ -249,12 +266,13 @@ def test_optimizer_state_without_counterpart_is_named():
     torch_sgd, ms_sgd = "torch.optim.sgd.SGD", "mindspore.experimental.optim.sgd.SGD"
     momentum = np.ones((3, 2), np.float32)
     values, step = _convert("index.json", torch_sgd, ms_sgd, KINDS[torch_sgd], KINDS[ms_sgd],
-                            {"momentum_buffer": momentum}, {})
+                            {"momentum_buffer": momentum}, {}, {"momentum": 0.9})
     assert step is None and values["stat"] == 0 and values["accum"] is momentum
     values, _ = _convert("index.json", ms_sgd, torch_sgd, KINDS[ms_sgd], KINDS[torch_sgd],
-                         {"accum": momentum, "stat": np.ones((3, 2), np.float32)}, {})
+                         {"accum": momentum, "stat": np.ones((3, 2), np.float32)}, {},
+                         {"momentum": 0.9})
     assert values == {}, "a MindSpore parameter that has not stepped has no torch state"
     with pytest.raises(CheckpointError, match=r"torch.optim.sgd.SGD's state 'velocity' has no "
                                               r"counterpart in mindspore.experimental"):
         _convert("index.json", torch_sgd, ms_sgd, KINDS[torch_sgd], KINDS[ms_sgd],
-                 {"momentum_buffer": momentum, "velocity": momentum}, {})
+                 {"momentum_buffer": momentum, "velocity": momentum}, {}, {"momentum": 0.9})

@@ -3,12 +3,12 @@ both frameworks: an index from an untrusted source is read only inside its direc
 type-checked, a tensor's bytes are checked against their checksum, a save never replaces
 or removes what the library did not write, wrong arguments are a TypeError before anything
 happens, and an asynchronous save left pending is published by ``destroy_distributed``
-and at interpreter exit. Every failing call is shown to leave the model, the optimizer
-and the files as they were, on every rank.
+and at interpreter exit (a save the exit cannot publish fails the process). Every failing
+call is shown to leave the model, the optimizer and the files as they were, on every rank.
 
 The checks run in the checkpoint suite's launches (tests/checkpoint_launches.py): torch
-at 1 rank, MindSpore at 2, each on copies of the suite's checkpoint A; the exit hook in a
-process of its own per framework.
+at 1 rank, MindSpore at 2, each on copies of the suite's checkpoint A; the exit hook in
+processes of their own per framework.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sys
 import numpy as np
 import pytest
 
+from hyper_parallel.checkpoint.save import UNPUBLISHED_EXIT_CODE
+from hyper_parallel.launch import RankProcesses, find_free_port, rank_environment
 from tests.checkpoint_launches import checkpoint_dir, launch_crossing, launch_resuming, \
     launch_saving, workdir
 from tests.checkpoint_safety_scenarios import CORRUPTIONS, READ_FAILURES
@@ -224,12 +226,47 @@ def test_save_takes_an_empty_directory_and_replaces_its_own(backend):
 def test_exit_says_loudly_which_save_it_could_not_publish(backend, tmp_path):
     """A file of the user's appears at the path of a pending asynchronous save before the
     process exits: the exit hook refuses to replace it, leaves it as it was (and no
-    path.saving), and prints an error naming the path."""
+    path.saving), prints an error naming the path, and the process exits non-zero."""
     path = tmp_path / "ckpt"
     done = _exit_with_pending_save(backend, path, True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == UNPUBLISHED_EXIT_CODE, done.stderr[-3000:]
     assert (f"hyper_parallel: ERROR: the asynchronous save to {path} was not published"
             in done.stderr), done.stderr[-3000:]
     assert "a file of that name exists" in done.stderr, done.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert path.read_text(encoding="utf-8") == "the user's file\n"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_save_the_exit_could_not_publish_fails_the_job(backend, tmp_path):
+    """2 ranks of plain ``python`` (tests/async_exit_script.py): an asynchronous save, the
+    group left the framework's way before it was waited for, the script ends. Every rank
+    exits non-zero with the error naming the path; nothing is published (no checkpoint at
+    the path, ``path.saving`` without an index) and the user's file beside it is as it was."""
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed")
+    path = tmp_path / "ckpt"
+    (tmp_path / "notes.txt").write_text("the user's\n", encoding="utf-8")
+    port = find_free_port()
+    envs = [rank_environment(rank, rank, 2, 2, "127.0.0.1", port, backend) for rank in range(2)]
+    logs = [open(tmp_path / f"rank{rank}.log", "wb") for rank in range(2)]
+    ranks = RankProcesses([[sys.executable, str(REPO_ROOT / "tests" / "async_exit_script.py"),
+                            str(path)]] * 2, envs, cwd=REPO_ROOT, stdout=logs,
+                          stderr=[subprocess.STDOUT] * 2)
+    try:
+        codes = [proc.wait(240) for proc in ranks.procs]
+    finally:
+        ranks.terminate()
+        for log in logs:
+            log.close()
+    for rank in range(2):
+        output = (tmp_path / f"rank{rank}.log").read_text(errors="replace")
+        assert f"rank {rank}: the script's last line" in output, output[-3000:]
+        assert codes[rank] == UNPUBLISHED_EXIT_CODE, f"rank {rank}: {codes}\n{output[-3000:]}"
+        assert (f"hyper_parallel: ERROR: the asynchronous save to {path} was not published"
+                in output and "left the process group" in output), output[-3000:]
+    assert not path.exists()
+    staging = sorted(os.listdir(tmp_path / "ckpt.saving"))
+    assert "index.json" not in staging and "rank-00001.safetensors" in staging, staging
+    assert (tmp_path / "notes.txt").read_text(encoding="utf-8") == "the user's\n"

@@ -105,14 +105,15 @@ def test_hp_run_sets_rank_environment_and_prefixes_output(tmp_path, nodes, first
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("user_level, argv, expected", [
-    (None, [], ("3", "{DISTRIBUTED:3}", "ERROR")),
-    ("1", [], ("1", None, "ERROR")),
-    (None, ["--verbose"], (None, None, None)),
+    (None, [], ("3", "{DISTRIBUTED:3}", "ERROR", None)),
+    ("1", [], ("1", None, "ERROR", None)),
+    (None, ["--verbose"], (None, None, None, "verbose")),
 ], ids=["quiet_by_default", "user_level_kept", "verbose"])
 def test_hp_run_keeps_native_logs_at_errors_unless_asked(tmp_path, user_level, argv, expected):
     """The frameworks' native loggers show errors only, unless the user set a level of that
-    framework or passed --verbose (then the frameworks' own defaults apply)."""
-    names = ("GLOG_v", "MS_SUBMODULE_LOG_v", "TORCH_CPP_LOG_LEVEL")
+    framework or passed --verbose (then the frameworks' own defaults apply, and
+    HP_NATIVE_LOG=verbose keeps init_distributed from quieting MindSpore's)."""
+    names = ("GLOG_v", "MS_SUBMODULE_LOG_v", "TORCH_CPP_LOG_LEVEL", "HP_NATIVE_LOG")
     script = _write_script(tmp_path, f"""
         print(" ".join(str(os.environ.get(name)) for name in {names!r}))
     """)

@@ -13,16 +13,21 @@ through ``KINDS``: each entry says, for one class, which family of update rule i
 and how its state names map to the family's (torch's ``momentum_buffer`` and MindSpore's
 ``accum`` and ``moments`` are SGD's ``momentum``), where it keeps the step count (per
 parameter or one for all), and which tensor flags a parameter that has not stepped yet
-(MindSpore SGD's ``stat``: 1 until the first step). A class missing from the table, a
-move to another family, or a state the table does not name is a CheckpointError naming the
-optimizers and the state, raised while reading, before anything is written.
+(MindSpore SGD's ``stat``: 1 until the first step), and which states it keeps only under
+an option of the parameter's group (torch's ``max_exp_avg_sq`` with ``amsgrad``, its
+``momentum_buffer`` with a ``momentum``): a move leaves those out where the option is
+off, so the loaded state is the one the target's own steps would have made (MindSpore's
+``AdamW`` keeps ``max_exp_avg_sq``, zeros, even without amsgrad). A class missing from
+the table, a move to another family, or a state the table does not name is a
+CheckpointError naming the optimizers and the state, raised while reading, before
+anything is written.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -45,18 +50,22 @@ class Kind:
     tensors: dict  # this class's state name -> the family's
     step: tuple | None = None  # ("param", name): per parameter; ("own", name): one for all
     first_step_flag: str | None = None  # a per-parameter tensor, 1 until its first step
+    kept_if: dict = field(default_factory=dict)  # state -> the group option it needs
 
 
 _ADAM = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "max_exp_avg_sq": "max_exp_avg_sq"}
+_AMSGRAD = {"max_exp_avg_sq": "amsgrad"}
 KINDS = {
-    "torch.optim.sgd.SGD": Kind("sgd", {"momentum_buffer": "momentum"}),
+    "torch.optim.sgd.SGD": Kind("sgd", {"momentum_buffer": "momentum"},
+                                kept_if={"momentum_buffer": "momentum"}),
     "mindspore.experimental.optim.sgd.SGD": Kind("sgd", {"accum": "momentum"},
                                                  first_step_flag="stat"),
     "mindspore.nn.optim.sgd.SGD": Kind("sgd", {"accum": "momentum"}, first_step_flag="stat"),
     "mindspore.nn.optim.momentum.Momentum": Kind("sgd", {"moments": "momentum"}),
-    "torch.optim.adam.Adam": Kind("adam", _ADAM, step=("param", "step")),
+    "torch.optim.adam.Adam": Kind("adam", _ADAM, step=("param", "step"), kept_if=_AMSGRAD),
     "mindspore.experimental.optim.adam.Adam": Kind("adam", _ADAM, step=("own", "state_step")),
-    "torch.optim.adamw.AdamW": Kind("adamw", _ADAM, step=("param", "step")),
+    "torch.optim.adamw.AdamW": Kind("adamw", _ADAM, step=("param", "step"),
+                                    kept_if=_AMSGRAD),
     "mindspore.experimental.optim.adamw.AdamW": Kind("adamw", _ADAM,
                                                      step=("own", "state_step")),
 }
@@ -146,8 +155,8 @@ def read_for_load(platform: Platform, path: str, index: dict, held: list, optimi
                 values[state] = read_region(key, index["tensors"][key], h)
             values.update(entry["scalars"])
         if move is not None:
-            values, step = _convert(index_path, saved, target, *move, values,
-                                    record["own"])
+            values, step = _convert(index_path, saved, target, *move, values, record["own"],
+                                    platform.optimizer_options(optimizer, h.param))
             if step is not None and move[1].step and move[1].step[0] == "own":
                 steps[h.key] = step
         unknown = sorted(set(values) - lists[id(h.param)]) if lists.get(id(h.param)) else []
@@ -170,8 +179,9 @@ def read_for_load(platform: Platform, path: str, index: dict, held: list, optimi
 
 
 def _convert(index_path: str, saved: str, target: str, source: Kind, goal: Kind,
-             values: dict, own: dict) -> tuple:
-    """One parameter's saved ``values`` as ``goal``'s state, and its step (None: none)."""
+             values: dict, own: dict, options: dict) -> tuple:
+    """One parameter's saved ``values`` as ``goal``'s state, and its step (None: none);
+    ``options``: the target's options for the parameter (its group's)."""
     family, numbers = {}, {}
     for state, value in values.items():
         if state == source.first_step_flag or (source.step and state == source.step[1]):
@@ -195,7 +205,9 @@ def _convert(index_path: str, saved: str, target: str, source: Kind, goal: Kind,
         if name not in inverse:
             raise CheckpointError(f"{index_path}: {saved}'s state {name!r} has no counterpart "
                                   f"in {target}")
-        converted[inverse[name]] = value
+        option = goal.kept_if.get(inverse[name])
+        if option is None or options.get(option):
+            converted[inverse[name]] = value
     if goal.first_step_flag:
         numbers[goal.first_step_flag] = 0 if family else 1
     if goal.step is not None and goal.step[0] == "param" and family:

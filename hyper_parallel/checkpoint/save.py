@@ -20,9 +20,16 @@ thread in ``SaveHandle.wait()``, which the process's next save or load calls fir
 ``destroy_distributed`` before it leaves the group; until then the previous checkpoint
 stays at ``path``, and a rank that dies mid-write leaves it there as a synchronous save
 does. A save still pending when the interpreter exits is finished by an ``atexit`` hook
-(every rank exiting normally runs it, so the collectives meet); where it cannot be (the
-group already left, a peer gone), the hook prints an error naming the path left
-unpublished.
+(every rank exiting normally runs it, so the collectives meet). Where it cannot be (the
+group already left, a peer gone), the failure reaches the user as a failed job: the hook
+prints an error naming the path left unpublished and ends the process with exit code
+``UNPUBLISHED_EXIT_CODE``, as an exception would have. An exception in an exit hook
+does not change the exit code, so the hook ends the process itself (``os._exit``, after
+flushing the standard streams); the exit hooks registered before it (the frameworks') are
+skipped then, as they may wait forever on a peer that is gone. What stays on disk is
+what any failed save leaves: the previous checkpoint at ``path``, and ``path.saving``
+without an ``index.json``, which no load takes for a checkpoint and the next save to
+``path`` clears.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from hyper_parallel.platform import get_platform
 if TYPE_CHECKING:
     from hyper_parallel.platform import Platform
 
+UNPUBLISHED_EXIT_CODE = 1  # the exit code of a process whose exit hook could not publish
 # this process's asynchronous saves whose wait() has not run: writes in flight, like the
 # threads doing them, belong to the process, and every rank starts the same ones in order
 _IN_FLIGHT: list = []
@@ -157,15 +165,22 @@ def finish_pending_saves() -> None:
 
 
 def _finish_at_exit() -> None:
-    """At interpreter exit: finish what is pending, or say loudly which path it left."""
+    """At interpreter exit: finish what is pending; where a save cannot be published, say
+    which path it left and end the process with ``UNPUBLISHED_EXIT_CODE`` ([Note:
+    asynchronous save])."""
+    failed = False
     while _IN_FLIGHT:
         handle = _IN_FLIGHT[0]
         try:
             handle.wait()
-        except Exception as error:  # noqa: BLE001 - at exit, the message is all that is left
+        except Exception as error:  # noqa: BLE001 - reported here, then the exit code says it
+            failed = True
             print(f"hyper_parallel: ERROR: the asynchronous save to {handle.path} was not "
                   f"published before the interpreter exited: {error}", file=sys.stderr,
                   flush=True)
+    if failed:
+        sys.stdout.flush()
+        os._exit(UNPUBLISHED_EXIT_CODE)
 
 
 def _finish(platform: Platform, path: str, staging: str, extra: Any,

@@ -43,6 +43,12 @@ class StateIO(abc.ABC):
         is not one of this framework's optimizers."""
 
     @abc.abstractmethod
+    def optimizer_options(self, optimizer: Any, param: Any) -> dict:
+        """The options ``optimizer`` applies to ``param`` (its parameter group's: torch's
+        ``amsgrad``, ``momentum``, ...); a move between optimizer classes reads them to
+        leave out state the target keeps only under an option (checkpoint/optimizers.py)."""
+
+    @abc.abstractmethod
     def set_optimizer_state(self, optimizer: Any, param: Any, values: dict) -> None:
         """Write ``values`` into ``optimizer``'s state. With a ``param``, its state becomes
         ``{name: value}``: a tensor shaped like ``local_tensor(param)`` (cast to the state's

@@ -74,6 +74,16 @@ def check_set_optimizer_state(ctx):
 
 
 @local_check
+def check_optimizer_options(ctx):
+    """A parameter's options are its group's, without the parameters (an AdamW's default
+    amsgrad=False, which decides whether a moved checkpoint gives it max_exp_avg_sq)."""
+    p, params, opt = _adamw_on_two_params(ctx)
+    options = p.optimizer_options(opt, params[1])
+    _check(options.get("amsgrad") is False and "lr" in options and "params" not in options,
+           f"optimizer_options gave {sorted(options)}, amsgrad {options.get('amsgrad')!r}")
+
+
+@local_check
 def check_buffers(ctx):
     """What a BatchNorm's training forward writes is a parameter (updated_in_forward) or a
     listed buffer, so a checkpoint stores all of it; a non-persistent buffer is not listed."""

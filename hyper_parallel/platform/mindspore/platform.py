@@ -46,6 +46,7 @@ from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
 from hyper_parallel.platform.mindspore.storage_release import MindSporeStorageRelease
 from hyper_parallel.platform.mindspore.tp_support import MindSporeTensorParallelSupport
+from hyper_parallel.platform.mindspore import native_log
 from hyper_parallel.platform.mindspore.jit_guard import refuse_jitted_construct
 from hyper_parallel.platform.mindspore.unshard_cell import run_differentiable
 
@@ -114,6 +115,7 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, MindSporeTens
         from mindspore.communication.management import _init_with_store
 
         self._refuse_rejoin()
+        native_log.quiet()
         timeout = datetime.timedelta(seconds=timeout_s)
         self._store = msdist.TCPStore(master_addr, master_port, world_size=world_size,
                                       is_master=rank == 0, timeout=timeout)
@@ -129,6 +131,7 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, MindSporeTens
         from mindspore.communication import init
 
         self._refuse_rejoin()
+        native_log.quiet()
         init()
         return True
 

@@ -40,6 +40,13 @@ class MindSporeStateIO(StateIO):
                             f"optim.Optimizer, got {type(optimizer).__name__}")
         return list(optimizer.parameters)
 
+    def optimizer_options(self, optimizer, param):
+        # experimental.optim keeps torch's param_groups; an nn.Optimizer has no groups' options
+        for group in getattr(optimizer, "param_groups", ()):
+            if any(p is param for p in group["params"]):
+                return {k: v for k, v in group.items() if k != "params"}
+        return {}
+
     def set_optimizer_state(self, optimizer, param, values):
         by_name = {value.name: value for _, value in optimizer.parameters_and_names()}
         targets = {}

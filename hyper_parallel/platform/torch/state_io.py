@@ -31,14 +31,18 @@ class TorchStateIO(StateIO):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         return [p for group in optimizer.param_groups for p in group["params"]]
 
+    def optimizer_options(self, optimizer, param):
+        group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+        return {k: v for k, v in group.items() if k != "params"}
+
     def set_optimizer_state(self, optimizer, param, values):
         if param is None:
             if values:
                 raise KeyError(f"torch's {type(optimizer).__name__} keeps no state of its own: "
                                f"{sorted(values)}")
             return
-        group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-        on_device = group.get("capturable") or group.get("fused")  # steps live on the device
+        options = self.optimizer_options(optimizer, param)
+        on_device = options.get("capturable") or options.get("fused")  # steps live on the device
         state = {}
         with torch.no_grad():
             for name, value in values.items():
