@@ -162,8 +162,10 @@ def state_entries(model: Any, optimizer: Any = None, tensor_parallel_parts: bool
                         f"other unit does)")
             if tensor_parallel and not tensor_parallel_parts:
                 raise NotImplementedError(
-                    f"{key} is a tensor-parallel parameter: hyper_parallel's state dicts cover "
-                    "data parallelism only; use hp.save_checkpoint / hp.load_checkpoint, or "
+                    f"{key} is a DTensor of torch's own tensor parallelism: hyper_parallel's "
+                    "state dicts cover data parallelism only for it (get_full_state_dict("
+                    "..., tensor_parallel_parts=True) gathers it whole; hp.parallelize_module's "
+                    "parameters need no flag); use hp.save_checkpoint / hp.load_checkpoint, or "
                     "model.state_dict() with torch.distributed.checkpoint, for this model")
             local = param if fsdp_param is None else platform.local_tensor(param)
             entry = Entry(key, local, layout, tensor_parallel_layout(param))
