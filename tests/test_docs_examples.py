@@ -79,6 +79,7 @@ class Run:
     alone: bool = False              # runs in a fresh process of its own
     needs: str | None = None         # an optional package; skipped without it
     after: tuple = field(default=())  # (block id, backend) whose launch must run first
+    slow: bool = False               # marked slow: runs under -m slow only
 
 
 def _params_match(rtol):
@@ -152,7 +153,9 @@ RUNS: dict[str, Run] = {
     "docs/checkpoints.md#Renaming: key_map#1":
         Run("ckpt_key_map_torch", {TORCH: 2}, _crossed,
             after=(("docs/checkpoints.md#Renaming: key_map#0", MS),)),
-    "docs/faults.md#Long runs#0": Run("faults_cat_memory", {MS: 1}, _grows, alone=True),
+    # 20 000 MindSpore ops: ~23 s of CPU, so in the slow tier
+    "docs/faults.md#Long runs#0":
+        Run("faults_cat_memory", {MS: 1}, _grows, alone=True, slow=True),
     "docs/gradient-pipeline.md#Meshes#0":
         Run("gp_meshes", {TORCH: 4, MS: 2}, _params_match(FP32_RTOL)),
     "docs/gradient-pipeline.md#How gradients reach the user#0":
@@ -292,7 +295,8 @@ def test_block_not_yet_run(block_id):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("block_id, backend",
-                         [(b, backend) for b, r in RUNS.items() for backend in r.world],
+                         [pytest.param(b, backend, marks=[pytest.mark.slow] if r.slow else [])
+                          for b, r in RUNS.items() for backend in r.world],
                          ids=_test_id)
 def test_block_runs_as_written(block_id, backend):
     run = RUNS[block_id]
