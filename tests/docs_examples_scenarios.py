@@ -786,3 +786,145 @@ def api_pipeline_stages_mindspore(backend, ctx):
     SGD(first.trainable_params(), lr=LR, momentum=0.9)(grads[:cut])
     SGD(last.trainable_params(), lr=LR, momentum=0.9)(grads[cut:])
     return {"params": gathered(stage), "ref": ms_params((first, last)[rank])}
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+def _one_script(backend: str):
+    """examples/one_script's train module and the framework's model module: the
+    transformer the tensor-parallel page's blocks name."""
+    import importlib
+
+    from examples.one_script import train as script
+
+    return script, importlib.import_module(f"examples.one_script.model_{backend}")
+
+
+def _train_against_reference(backend, model, loss_fn, rows) -> dict:
+    """Three AdamW steps with clipping of ``loss_fn`` on this rank's ``rows`` of each
+    global batch, beside the unsplit model trained in this process on the whole batch."""
+    script, framework = _one_script(backend)
+    platform = hp.get_platform()
+    vocab = script.SIZES["vocab"]
+    reference = framework.build(script.initial_values(), **script.SIZES)
+
+    def reference_loss(ids, targets):
+        return hp.cross_entropy(reference(ids).reshape(-1, vocab), targets.reshape(-1))
+
+    opt, reference_opt = framework.optimizer(model, 1e-2), framework.optimizer(reference, 1e-2)
+    losses, ref_losses = [], []
+    for tokens in script.batches(3):
+        mine = tokens[rows]
+        losses.append(framework.train_step(
+            model, opt, loss_fn, platform.from_numpy(mine[:, :-1]),
+            platform.from_numpy(mine[:, 1:]), 1.0, hp.clip_grad_norm_))
+        ref_losses.append(framework.train_step(
+            reference, reference_opt, reference_loss, platform.from_numpy(tokens[:, :-1]),
+            platform.from_numpy(tokens[:, 1:]), 1.0, hp.clip_grad_norm_))
+    return {"losses": losses, "ref_losses": ref_losses}
+
+
+def tp_usage(backend, ctx):
+    """tensor-parallel.md's usage block: ``model`` (examples/one_script's transformer, on
+    ``backend``), ``vocab``, ``device_type``. Its ``loss_fn`` trains, with the framework's
+    own step, as the unsplit model in one process (every rank the same batch)."""
+    script, framework = _one_script(backend)
+    namespace = {"model": framework.build(script.initial_values(), **script.SIZES),
+                 "vocab": script.SIZES["vocab"], "device_type": "cpu"}
+    yield namespace
+    return _train_against_reference(backend, namespace["model"], namespace["loss_fn"],
+                                    slice(None))
+
+
+def tp_with_fully_shard(backend, ctx):
+    """tensor-parallel.md's block under fully_shard, 4 ranks: ``hp``, ``model``,
+    ``device_type``, the usage plan as ``plan`` and ``mp``. Each data-parallel rank trains
+    on its half of the batch; the ranks' mean loss is the one-process loss."""
+    script, framework = _one_script(backend)
+    model = framework.build(script.initial_values(), **script.SIZES)
+    namespace = {"hp": hp, "model": model, "device_type": "cpu",
+                 "plan": script.tensor_parallel_plan(), "mp": hp.MixedPrecisionPolicy()}
+    yield namespace
+    dp_rank = namespace["mesh"]["dp"].get_local_rank()
+    vocab = script.SIZES["vocab"]
+
+    def loss_fn(ids, targets):
+        with hp.loss_parallel():
+            return hp.cross_entropy(model(ids).reshape(-1, vocab), targets.reshape(-1))
+
+    half = script.BATCH // 2
+    return _train_against_reference(backend, model, loss_fn,
+                                    slice(dp_rank * half, (dp_rank + 1) * half))
+
+
+def tp_deferred_load(backend, ctx):
+    """tensor-parallel.md's deferred block (MindSpore): ``Transformer``, ``sizes``, a (dp 1,
+    tp 2) ``mesh``, the usage ``plan``, ``AdamW`` and ``path``, a checkpoint the whole
+    model saved after one step. After the load, the model's whole parameters are the
+    saved ones, bitwise."""
+    import mindspore
+    from mindspore.experimental.optim import AdamW
+
+    script, framework = _one_script(backend)
+    saved = framework.build(script.initial_values(), **script.SIZES)
+    opt = framework.optimizer(saved, 1e-2)
+    tokens = script.batches(1)[0]
+    platform = hp.get_platform()
+
+    def loss_fn(ids, targets):
+        logits = saved(ids).reshape(-1, script.SIZES["vocab"])
+        return hp.cross_entropy(logits, targets.reshape(-1))
+
+    framework.train_step(saved, opt, loss_fn, platform.from_numpy(tokens[:, :-1]),
+                         platform.from_numpy(tokens[:, 1:]), 1.0, hp.clip_grad_norm_)
+    path = os.path.join(ctx["dir"], "tp-deferred-checkpoint")
+    hp.save_checkpoint(path, saved, opt, key_map=hp.torch_nn_names)
+    namespace = {"hp": hp, "mindspore": mindspore, "Transformer": framework.Transformer,
+                 "sizes": script.SIZES, "AdamW": AdamW, "path": path,
+                 "mesh": hp.init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")),
+                 "plan": script.tensor_parallel_plan()}
+    yield namespace
+    whole = hp.get_full_state_dict(namespace["model"], rank0_only=False)
+    for name, param in saved.parameters_and_names():
+        np.testing.assert_array_equal(whole[name], param.asnumpy(), err_msg=name)
+    return {"compared": len(whole)}
+
+
+def tp_torch_own(backend, ctx):
+    """api.md's block of torch's own tensor parallelism under hp.fully_shard, 4 ranks:
+    torch's ``init_device_mesh`` and ``parallelize_module``, a ``plan`` of torch's styles
+    (q/k/v and w1 column-wise, o and w2 row-wise), ``device_type``, ``dp``, ``tp`` and
+    ``model`` with ``.blocks``. Parameters become DTensors over both dims; three AdamW
+    steps on each data-parallel half equal the one-process run."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module)
+
+    script, framework = _one_script(backend)
+    model = framework.build(script.initial_values(), **script.SIZES)
+    plan = {"blocks.*.attn.w[qkv]": ColwiseParallel(), "blocks.*.attn.wo": RowwiseParallel(),
+            "blocks.*.ffn.w1": ColwiseParallel(), "blocks.*.ffn.w2": RowwiseParallel()}
+    namespace = {"hp": hp, "init_device_mesh": init_device_mesh,
+                 "parallelize_module": parallelize_module, "plan": plan,
+                 "device_type": "cpu", "dp": 2, "tp": 2, "model": model}
+    yield namespace
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    platform = hp.get_platform()
+    dp_rank = platform.rank() // 2
+    reference = framework.build(script.initial_values(), **script.SIZES)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    vocab = script.SIZES["vocab"]
+    losses, ref_losses = [], []
+    for tokens in script.batches(3):
+        for net, optimizer, rows, out in ((model, opt, tokens[dp_rank * 2:dp_rank * 2 + 2], losses),
+                                          (reference, reference_opt, tokens, ref_losses)):
+            ids, targets = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+            loss = torch.nn.functional.cross_entropy(net(ids).reshape(-1, vocab),
+                                                     targets.reshape(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(float(loss.detach()))
+    return {"losses": losses, "ref_losses": ref_losses}

@@ -22,8 +22,6 @@ must be in exactly one of the tables below, so a new block fails
 * ``MSRUN_SCRIPTS``: a whole script the doc starts with ``msrun`` (a reproducer of a
   MindSpore bug that calls ``mindspore.communication.init()`` itself); it runs so, both
   ways the doc runs it.
-* ``LEAD_OWNED``: the tensor-parallel surface, being rewritten; skipped until wired up
-  (add the block to ``RUNS`` with its setup).
 * ``NOT_YET``: blocks with no run yet, each with the reason (an optional package not
   installed where the harness was written); a ``Run`` with ``needs=`` skips where its
   package is missing, as the suite's other tests of the extras do.
@@ -98,6 +96,12 @@ def _losses_match(per_rank):
     assert_close(mean, per_rank[0]["ref_losses"], ADAMW_RTOL)
 
 
+def _each_rank_trains(per_rank):
+    """Every rank fed the whole batch: each one's losses are the one-process run's."""
+    for r in per_rank:
+        assert_close(r["losses"], r["ref_losses"], ADAMW_RTOL)
+
+
 def _clip_matches(per_rank):
     for r in per_rank:
         assert_close(r["norm"], r["ref_norm"], FP32_RTOL)
@@ -170,6 +174,13 @@ RUNS: dict[str, Run] = {
         Run("gp_debug_log", {TORCH: 2, MS: 2}),
     "docs/platforms.md#Known framework limits (measured)#0":
         Run("platforms_layernorm_after_error", {MS: 1}, _layernorm_error, alone=True),
+    "docs/tensor-parallel.md#Usage#0": Run("tp_usage", {TORCH: 2, MS: 2}, _each_rank_trains),
+    # the same composition runs on MindSpore's 4 ranks in tests/test_one_script.py (dp_tp)
+    "docs/tensor-parallel.md#With fully_shard#0":
+        Run("tp_with_fully_shard", {TORCH: 4}, _losses_match),
+    "docs/tensor-parallel.md#Checkpoints, state dicts and export#0":
+        Run("tp_deferred_load", {MS: 2}),
+    "docs/api.md#Tensor parallelism (torch)#0": Run("tp_torch_own", {TORCH: 4}, _losses_match),
 }
 
 SIGNATURES = {
@@ -180,19 +191,11 @@ SIGNATURES = {
     "docs/api.md#clip_grad_norm_#0", "docs/api.md#save_checkpoint, load_checkpoint#0",
     "docs/api.md#export_full#0", "docs/api.md#get_platform#0",
     "docs/checkpoints.md#Checkpoints#0",
+    "docs/api.md#parallelize_module and the tensor-parallel styles#0",
 }
 
 #: blocks that are whole scripts started by a launcher, as the doc says: id -> the test
 MSRUN_SCRIPTS = {"docs/platforms.md#Pipelines on MindSpore#0"}
-
-_TP = "the tensor-parallel surface is being rewritten to the same hp.* names on both frameworks"
-LEAD_OWNED = {
-    "docs/api.md#Tensor parallelism (torch)#0": _TP,
-    "docs/api.md#parallelize_module and the tensor-parallel styles#0": _TP,
-    "docs/tensor-parallel.md#Usage (MindSpore)#0": _TP,
-    "docs/tensor-parallel.md#With fully_shard#0": _TP,
-    "docs/tensor-parallel.md#Checkpoints, state dicts and export#0": _TP,
-}
 
 #: blocks with no run yet: each names what it lacks
 NOT_YET = {
@@ -255,7 +258,7 @@ def _available(run: Run) -> bool:
 def test_every_python_block_is_known():
     """A new block fails here, named, until a table says how it runs; so does a table
     entry whose block is gone (renamed heading)."""
-    tables = [set(RUNS), SIGNATURES, set(LEAD_OWNED), set(NOT_YET), MSRUN_SCRIPTS]
+    tables = [set(RUNS), SIGNATURES, set(NOT_YET), MSRUN_SCRIPTS]
     known = set().union(*tables)
     assert sum(len(t) for t in tables) == len(known), "a block is in two tables"
     unknown = sorted(set(BLOCKS) - known)
@@ -281,11 +284,6 @@ def test_signature_check_finds_differences():
     assert check_signature_block("hp.f(a, b=1)\n", names)
     assert check_signature_block("hp.f(a, b=1, *, c=None, d=0)\n", names)
     assert check_signature_block("hp.f(a, *, b=1, c=None)\n", names)
-
-
-@pytest.mark.parametrize("block_id", sorted(LEAD_OWNED), ids=_test_id)
-def test_lead_owned_block(block_id):
-    pytest.skip("tensor-parallel surface being rewritten")
 
 
 @pytest.mark.parametrize("block_id", sorted(NOT_YET), ids=_test_id)
