@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.platform.conformance import _arange, _check, _f32, _same, _values, local_check
+from tests.platform.conformance import (
+    _arange, _check, _f32, _same, _values, collective_check, local_check)
 
 
 def _ints(ctx, array):
@@ -123,3 +124,67 @@ def check_tensor_math(ctx):
     keep = p.from_numpy(np.array([[True], [False]]))
     _same(_values(ctx, p.where(keep, t, 0.0)), np.where([[True], [False]], x, 0.0),
           "where, broadcast")
+
+
+@local_check
+def check_framework_cross_entropy(ctx):
+    """The framework's own cross entropy of (N, C) logits: mean over the counted rows, sum,
+    or per row; ``ignore_index`` rows count zero and leave the mean."""
+    p = ctx.p
+    logits = np.array([[0.5, -1.0, 2.0, 0.0, 1.5], [1.0, 1.0, -2.0, 0.5, 0.0],
+                       [0.0, 3.0, 1.0, -1.0, 2.0], [-0.5, 0.5, 0.0, 1.0, -1.0]], np.float32)
+    target = np.array([2, 4, -100, 0])
+    shifted = logits - logits.max(1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(1, keepdims=True))
+    counted = target != -100
+    per_row = np.where(counted, -logp[np.arange(4), np.where(counted, target, 0)], 0.0)
+    expected = {"none": per_row, "sum": per_row.sum(), "mean": per_row.sum() / counted.sum()}
+    for reduction, want in expected.items():
+        got = p.framework_cross_entropy(_f32(ctx, logits), _ints(ctx, target), -100, reduction)
+        np.testing.assert_allclose(_values(ctx, got), want, rtol=1e-6, atol=1e-6,
+                                   err_msg=f"framework_cross_entropy, reduction={reduction!r}")
+
+
+@local_check
+def check_framework_tensor_parallel_hooks(ctx):
+    """What the framework's own tensor parallelism answers: its style objects are told
+    apart from anything else, its loss context can be entered, and a layer it would not
+    have split says why."""
+    p, side = ctx.p, ctx.side
+    _check(p.is_framework_style(object()) is False, "is_framework_style(object()) is not False")
+    style = side.framework_style()
+    if style is not None:
+        _check(p.is_framework_style(style) is True,
+               f"is_framework_style({type(style).__name__}()) is not True")
+    with p.framework_loss_parallel():
+        pass
+    _check(p.unsplittable_reason(side.model().fc1) is None,
+           "unsplittable_reason of a splittable linear layer is not None")
+    layer = side.unsplittable_layer()
+    if layer is not None:
+        reason = p.unsplittable_reason(layer)
+        _check(p.parallel_layer(layer) is None and isinstance(reason, str) and reason,
+               f"{type(layer).__name__}: parallel_layer {p.parallel_layer(layer)}, "
+               f"unsplittable_reason {reason!r}")
+
+
+@collective_check()
+def check_framework_parallelize(ctx):
+    """The framework's own styles applied by its own parallelize_module over the native
+    mesh: the layer's weight becomes the framework's distributed tensor; a framework
+    without styles refuses."""
+    p, side = ctx.p, ctx.side
+    model = side.model()
+    style = side.framework_style()
+    if style is None:
+        try:
+            p.framework_parallelize(model, ctx.mesh1.native, {}, 0)
+        except NotImplementedError:
+            return
+        _check(False, "framework_parallelize did not raise NotImplementedError on a framework "
+                      "without styles of its own")
+    returned = p.framework_parallelize(model, ctx.mesh1.native, {"fc1": style}, 0)
+    weight = p.registered_param(model.fc1, "weight")
+    _check(returned is model, "framework_parallelize did not return the module")
+    _check(p.param_local_values(weight) is not weight,
+           "the weight a framework style split is not the framework's distributed tensor")

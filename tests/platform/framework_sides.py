@@ -43,6 +43,16 @@ class _TorchSide:
     def optimizer(self, kind: str, params: list):
         return {"adamw": self.torch.optim.AdamW, "sgd": self.torch.optim.SGD}[kind](params, lr=0.1)
 
+    def framework_style(self):
+        """The framework's own tensor-parallel style object (None: it has none)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        return ColwiseParallel()
+
+    def unsplittable_layer(self):
+        """A layer-like module with a reason not to split it (None: the framework has none)."""
+        return None
+
     def model(self):
         """Root with ``fc1`` Linear(4, 3) and ``inner.fc2`` Linear(3, 2); fc2(relu(fc1(x)))."""
         torch, nn = self.torch, self.torch.nn
@@ -151,6 +161,12 @@ class _MindSporeSide:
         from mindspore.experimental.optim import SGD, AdamW
 
         return {"adamw": AdamW, "sgd": SGD}[kind](params, lr=0.1)
+
+    def framework_style(self):
+        return None  # MindSpore has no tensor-parallel styles of its own in PyNative
+
+    def unsplittable_layer(self):
+        return self.ms.nn.Dense(4, 4, activation="relu")  # activation after a split bias
 
     def model(self):
         ms, nn, ops = self.ms, self.ms.nn, self.ms.ops

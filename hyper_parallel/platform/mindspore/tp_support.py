@@ -23,7 +23,7 @@ class MindSporeTensorParallelSupport(TensorParallelSupport):
         return None
 
     def unsplittable_reason(self, module):
-        if isinstance(module, nn.Dense):
+        if isinstance(module, nn.Dense) and getattr(module, "activation", None) is not None:
             return (f"its activation ({type(module.activation).__name__}) runs inside the layer, "
                     f"after the bias: on a row-wise split it would act on partial sums, so "
                     f"only an nn.Dense without activation is split; build it without one and "
