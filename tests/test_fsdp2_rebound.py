@@ -8,15 +8,14 @@ hyper_parallel's platform after the rebinding, which a shared launch's rank did 
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
+from tests import shared_launch
 from tests.multirank import run_ranks
 
 
-@functools.lru_cache(maxsize=None)
+@shared_launch.once
 def _per_rank() -> list:
     return run_ranks("tests.fsdp2_rebound_scenarios:run", 2, "torch",
                      env={"HP_TEST_NO_DIST": "1"}, timeout_s=180)
