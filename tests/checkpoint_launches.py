@@ -19,6 +19,7 @@ import tempfile
 
 import pytest
 
+from tests import shared_launch
 from tests.multirank import RankFailure, run_ranks
 
 SAFETY = "tests.checkpoint_safety_scenarios"
@@ -49,7 +50,7 @@ def _at(*names) -> tuple:
     return tuple(checkpoint_dir(name) for name in names)
 
 
-@functools.lru_cache(maxsize=None)
+@shared_launch.once
 def launch_saving() -> list:
     return jobs(2, "torch", ("lm", "save_run", _at("A")),
                 ("bn", f"{BN}:bn_save_run", _at("bn-A", "bn-native")),
@@ -60,7 +61,7 @@ def launch_saving() -> list:
                 timeout_s=300)
 
 
-@functools.lru_cache(maxsize=None)
+@shared_launch.once
 def launch_crossing() -> list:
     if importlib.util.find_spec("mindspore") is None:  # every test that reads it skips
         pytest.skip("the checkpoint chain crosses to MindSpore (tests/checkpoint_launches.py), "
@@ -77,7 +78,7 @@ def launch_crossing() -> list:
                 timeout_s=660)
 
 
-@functools.lru_cache(maxsize=None)
+@shared_launch.once
 def crashed(target: str = "crash_run", directory: str = "C") -> str:
     """The message of the save that lost rank 1 midway."""
     with pytest.raises(RankFailure) as failure:
@@ -86,7 +87,7 @@ def crashed(target: str = "crash_run", directory: str = "C") -> str:
     return str(failure.value)
 
 
-@functools.lru_cache(maxsize=None)
+@shared_launch.once
 def launch_resuming() -> dict:
     launch_crossing()
     crashed()

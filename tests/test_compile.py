@@ -12,17 +12,16 @@ were; a block whose construct calls a jitted function of its parameters trains w
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
+from tests import shared_launch
 from tests.compile_scenarios import MS_REFUSED, TORCH_VARIANTS
 from tests.multirank import run_ranks
 from tests.tolerance import FP32_RTOL, assert_close
 
 
-@functools.lru_cache(maxsize=None)
+@shared_launch.once
 def _results(backend: str) -> list:
     target = "run_torch" if backend == "torch" else "run_mindspore"
     return run_ranks(f"tests.compile_scenarios:{target}", 2, backend, timeout_s=400)

@@ -9,7 +9,6 @@ collective timeout bounds the case where a rank's peers issue nothing more.
 
 from __future__ import annotations
 
-import functools
 import os
 import pickle
 import re
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import shared_launch
 from tests.multirank import REPO_ROOT, RankFailure, run_ranks
 from tests.tolerance import FP32_RTOL, assert_close
 
@@ -29,7 +29,7 @@ TIMEOUT_S = 8  # MindSpore's first collective on a loaded 2-core machine can tak
 DEBUG_ENV = {"HP_DEBUG": "collectives", "HP_TIMEOUT_S": str(TIMEOUT_S)}
 
 
-@functools.lru_cache(maxsize=None)
+@shared_launch.once
 def _launch(backend: str) -> tuple:
     """(the launch's failure text, which the idle case ends it with; per-rank results of the
     other cases)."""

@@ -11,11 +11,10 @@ fp32 reference at a looser tolerance and with FSDP2 at the fp32 one.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
+from tests import shared_launch
 from tests.forward_pattern_scenarios import PATTERNS, TORCH_ONLY
 from tests.multirank import run_ranks
 from tests.tolerance import FP32_RTOL, LOW_PRECISION_RTOL, assert_close
@@ -28,7 +27,7 @@ LOW_PRECISION = {"torch": "bfloat16", "mindspore": "float16"}  # the scenarios' 
 # the full-parameter sets alive in the whole process, which earlier jobs' objects, freed
 # whenever their last reference goes, would shift. MindSpore runs blocking, as the shared
 # launches do (~27 s instead of ~90 s on 2 cores).
-@functools.lru_cache(maxsize=None)
+@shared_launch.once
 def _results(backend: str) -> list:
     return run_ranks("tests.forward_pattern_scenarios:run_all", 2, backend, list(PATTERNS),
                      timeout_s=400, env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})

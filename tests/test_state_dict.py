@@ -10,12 +10,12 @@ single-process reference's.
 
 from __future__ import annotations
 
-import functools
 import tempfile
 
 import numpy as np
 import pytest
 
+from tests import shared_launch
 from tests.multirank import run_ranks
 from tests.tolerance import FP32_RTOL, assert_close
 
@@ -24,7 +24,7 @@ BACKENDS = ["torch", "mindspore"]
 PARAM_ATOL = 1e-4
 
 
-@functools.lru_cache(maxsize=None)
+@shared_launch.once
 def _chain(backend: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="hp-state-dict-") as directory:
         return {world: run_ranks("tests.state_dict_scenarios:run_phase", world, backend,

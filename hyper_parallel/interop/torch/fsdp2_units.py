@@ -50,8 +50,11 @@ from __future__ import annotations
 from typing import Callable
 
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
-from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
+# From where torch defines them, not the public ``torch.distributed.fsdp`` names: code
+# written for FSDP2 runs on hyper_parallel by rebinding ``torch.distributed.fsdp.fully_shard``
+# to ``hp.fully_shard``, possibly before this module is first imported.
+from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fully_shard
 
 
 class FSDP2Unit(TorchFSDPModule):

@@ -75,7 +75,7 @@ class SubclassHooks(GatherCodec):
         if count == 1:
             inputs, metadata = hook(mesh)
         elif count == 5:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
+            from torch.distributed.fsdp._fully_shard._fsdp_api import MixedPrecisionPolicy
             full = torch.empty(context.full_shape, device="meta")
             policy = MixedPrecisionPolicy(param_dtype=context.param_dtype,
                                           reduce_dtype=context.reduce_dtype)

@@ -134,8 +134,10 @@ class TorchPlatform(TorchStateIO, TorchTensorParallelSupport, TorchStorageReleas
                                native_mesh.device_type, native_mesh.mesh.tolist())
 
     def option_from_native(self, option):
-        # imported on the first object that is not hyper_parallel's own
-        from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+        # imported on the first object that is not hyper_parallel's own, from where torch
+        # defines them (the public names may be rebound, platform/torch/fsdp2_units.py)
+        from torch.distributed.fsdp._fully_shard._fsdp_api import (
+            DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy)
 
         known = (MixedPrecisionPolicy, OffloadPolicy, DataParallelMeshDims)
         if not isinstance(option, known):
