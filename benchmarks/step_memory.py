@@ -37,6 +37,9 @@ from launch_ranks import launch  # noqa: E402
 from report import publish  # noqa: E402
 
 RESULTS = HERE / "results"
+# FSDP's promise on both frameworks alike: MindSpore's sharded/plain slope ratio at most
+# this many times torch's (a framework's own allocator moves its ratio a little)
+GOAL_MS_OVER_TORCH = 1.25
 
 
 def _slope(xs: list, ys: list) -> float:
@@ -89,7 +92,9 @@ def report(result: dict) -> str:
         lines.append(f"| {backend} | {s['plain']:.1f} | {s['sharded']:.1f} | {s['ratio']:.2f} |")
     if {"torch", "mindspore"} <= set(result["slopes"]):
         ms_ratio = result["slopes"]["mindspore"]["ratio"] / result["slopes"]["torch"]["ratio"]
-        lines += ["", f"MindSpore's sharded/plain ratio is {ms_ratio:.2f}x torch's (goal: at most 1.25x)."]
+        verdict = "met" if ms_ratio <= GOAL_MS_OVER_TORCH else "MISSED"
+        lines += ["", f"MindSpore's sharded/plain ratio is {ms_ratio:.2f}x torch's (goal: at "
+                      f"most {GOAL_MS_OVER_TORCH}x: {verdict})."]
     lines += ["", "| framework | mode | blocks | step adds MB | step ms | full params held after forward MB |",
               "| --- | --- | --- | --- | --- | --- |"]
     for r in result["runs"]:

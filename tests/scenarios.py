@@ -10,6 +10,7 @@ suite pays the process start-up once per (backend, world size).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import numpy as np
@@ -18,6 +19,7 @@ import hyper_parallel as hp
 from hyper_parallel.fully_shard.param import FSDPParam
 from hyper_parallel.fully_shard.state import STATE_ATTR
 from tests.kit import get_kit, make_batches
+from tests.unit_memory import held_beyond_shards
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -213,7 +215,10 @@ def run_two_models() -> dict:
 
 def run_memory() -> dict:
     """Bytes held by each block unit's full parameters at the end of the root's forward
-    (blocks resharded after forward, or kept); the step's loss must still match."""
+    (blocks resharded after forward, or kept), by anything else the unit references
+    (unit_memory.py), and by the full parameters of each unit as its gradient reduction
+    is issued in backward (state.py, "releasing after backward"); the step's loss must
+    still match."""
     kit = get_kit()
     platform = hp.get_platform()
     out = {}
@@ -230,26 +235,57 @@ def run_memory() -> dict:
         for block in model.blocks:
             hp.fully_shard(block, reshard_after_forward=not keep)
         hp.fully_shard(model)
-        held, asked = [], []
+        held, reachable, asked = [], [], []
         platform.keep_released_memory = asked.append  # an instance attribute: undone below
 
         def record(module, args, kwargs, output):  # runs after every block's post-forward
-            held.append([sum(kit.storage_bytes(t) for t in b.__dict__["_hp_state"]._full.tensors)
-                         for b in model.blocks])
+            states = [b.__dict__[STATE_ATTR] for b in model.blocks]
+            held.append([sum(kit.storage_bytes(t) for t in s._full.tensors) for s in states])
+            reachable.append([held_beyond_shards(platform, s) for s in states])
 
         platform.register_forward_hooks(model, lambda m, a, k: None, record)
         x, y = make_batches(1, GLOBAL_BATCH, D_IN, D_OUT)[0]
         rank, world = platform.rank(), platform.world_size()
         local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-        loss = kit.train_step(model, kit.optimizer(kit.params(model)), x[local], y[local])
+        with _held_at_reduction(kit, model) as at_reduction:
+            loss = kit.train_step(model, kit.optimizer(kit.params(model)), x[local], y[local])
         ref_loss = kit.train_step(ref, kit.optimizer(kit.params(ref)), x, y)
         del platform.keep_released_memory
         # what a step holds at once: the root's and every kept block's full parameters,
         # or the two largest blocks that reshard after forward
         expected = root_bytes + (sum(block_bytes) if keep else sum(sorted(block_bytes)[-2:]))
-        out["keep" if keep else "reshard"] = {"held": held[0], "loss": loss, "ref_loss": ref_loss,
-                                               "asked_to_keep": asked, "expected_keep": expected}
+        out["keep" if keep else "reshard"] = {
+            "held": held[0], "reachable": reachable[0], "at_reduction": at_reduction,
+            "after_step": [b.__dict__[STATE_ATTR]._full is None for b in model.blocks],
+            "loss": loss, "ref_loss": ref_loss, "asked_to_keep": asked, "expected_keep": expected}
     return out
+
+
+@contextlib.contextmanager
+def _held_at_reduction(kit, model):
+    """Yield a list that gets, as each block's gradient reduction is issued (the core's
+    debug log says so), the bytes that block's full parameters still hold."""
+    states = [b.__dict__[STATE_ATTR] for b in model.blocks]
+    found = []
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            name, _, event = record.getMessage().partition(": ")
+            for state in states:  # named by the root's first forward
+                if event.startswith("reduce-scatter issued") and state.name == name:
+                    full = state._full
+                    found.append(0 if full is None else
+                                 sum(kit.storage_bytes(t) for t in full.tensors))
+
+    logger = logging.getLogger("hyper_parallel.fully_shard")
+    handler, level = Record(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _gathered_bytes(platform, param, shard_size: int) -> int:
@@ -292,12 +328,11 @@ def run_fsdp2_compare(hsdp: bool = False) -> dict:
             "local_shapes_match": all(tuple(a.to_local().shape) == tuple(b.to_local().shape)
                                       for a, b in zip(ours.parameters(), theirs.parameters()))}
 
+
 def run_prefetch_trace() -> dict:
     """The debug log of the third step of the nested model: with implicit prefetch, each
     block's all-gather is issued before that block's forward consumes it (and, where full
     parameters are released, each block's re-gather before its backward needs it)."""
-    import logging
-
     kit = get_kit()
     model = _build(kit, "nested")
     kit.load(model, 0)

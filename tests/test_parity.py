@@ -198,6 +198,22 @@ def test_reshard_after_forward_releases_full_parameters(backend):
             expected = r[mode]["expected_keep"]
             assert r[mode]["asked_to_keep"] == ([] if expected is None else [expected])
         assert r["reshard"]["held"] == [0, 0, 0]
+        # nothing else a resharded block holds has memory beyond its shards (unit_memory.py);
+        # the walk does reach the full parameters a kept block holds
+        assert r["reshard"]["reachable"] == [0, 0, 0], r["reshard"]
+        assert all(reached >= held > 0 for reached, held in
+                   zip(r["keep"]["reachable"], r["keep"]["held"])), r["keep"]
+        # a block's backward frees its full parameters before its gradient reduction makes
+        # its buffers on torch (FSDP2's order), after it on MindSpore's CPU pool, which
+        # would otherwise carve them out of the freed block (state.py, "releasing after
+        # backward"); both by the end of the step
+        at_reduction = r["reshard"]["at_reduction"]
+        assert len(at_reduction) == 3, at_reduction
+        if backend == "torch":
+            assert at_reduction == [0, 0, 0]
+        else:
+            assert all(held > 0 for held in at_reduction), at_reduction
+        assert all(r["reshard"]["after_step"]) and all(r["keep"]["after_step"])
 
 
 @pytest.mark.timeout(300)

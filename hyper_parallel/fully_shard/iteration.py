@@ -5,6 +5,13 @@ Every unit under one root points to the same IterationContext, created by the ro
 first forward. Two models wrapped independently have two roots and two contexts, so their
 pending collectives, flags and final callbacks never mix. Nothing here is class-level.
 
+[Note: roots]
+The first unit whose forward runs (state.py) becomes the root: it creates the
+IterationContext shared by every unit in its module tree, starts each iteration, and its
+final callback reshards everything after backward. ``reshard_after_forward=None`` (the
+default) means True for every unit but the root, whose backward comes first; an explicit
+True on the root is honoured.
+
 [Note: the overlap pipeline]
 Unit N's reduce-scatter is issued (async) in its post-backward and becomes
 ``pending_reduce_scatter``. When unit N-1's post-backward issues its own, unit N's is

@@ -19,12 +19,15 @@ release a tensor's memory while autograd holds the object (torch, MindSpore), re
 releases it, and the memory is gathered again into the same tensors before autograd reads
 them. Every forward of a unit with gradients enabled hooks its outputs: when their gradient
 arrives, the full parameters *that forward used* are re-gathered if their memory was
-released. So it does not matter what released them in between (``reshard_after_forward``,
-a second forward of the model, a ``no_grad`` forward of the unit, an explicit
-``reshard()``, the end of an earlier backward over a retained graph): autograd never reads
-freed memory. Where a
-platform cannot release memory, the full parameters stay alive until the unit's backward
-and no second all-gather is issued.
+released. So it does not matter what released them in between (``reshard_after_forward``, a
+second forward of the model, a ``no_grad`` forward of the unit, an explicit ``reshard()``,
+the end of an earlier backward over a retained graph): autograd never reads freed memory.
+Where a platform cannot release memory, the full parameters stay alive until the unit's
+backward and no second all-gather is issued.
+
+[Note: releasing after backward]
+A backward frees its unit's full parameters before the gradient reduction allocates (FSDP2's
+order), or after it where ``Capabilities.release_after_reduction`` says why (MindSpore CPU).
 
 [Note: one kept set]
 Several forwards may run before their backwards (torch's pipeline schedules), each with its
@@ -32,13 +35,6 @@ own full parameters, released after it. With ``reshard_after_backward=False`` th
 backward re-gathered become the unit's kept set (also if a backward's end resharded the
 unit), and later backwards' released ones are copied from it (full_params.py), as FSDP2
 keeps one set: the same shards made both, no optimizer step falls between them.
-
-[Note: roots]
-The first unit whose forward runs becomes the root: it creates the IterationContext shared
-by every unit in its module tree, starts each iteration, and its final callback reshards
-everything after backward. ``reshard_after_forward=None`` (the default) means True for
-every unit but the root, whose backward comes first; an explicit True on the root is
-honoured.
 """
 
 from __future__ import annotations
@@ -368,16 +364,20 @@ class FSDPState:
         """The backward of ``full``'s unshard node (None once nothing else holds it): start
         the reduction (or accumulate locally); return what autograd sees for the shards."""
         self.iteration.ensure_final_callback()
+        release = full is not None and self.reshard_after_backward
+        later = release and self.platform.capabilities.release_after_reduction  # the note
         if full is not None:
             full.spent = True
-            if self.reshard_after_backward:  # before the reduction allocates its buffers,
-                # so those can take the memory (FSDP2 reshards first too)
+            if release and not later:  # before the reduction allocates (FSDP2's order)
                 self.reshard() if full is self._full else self._release(full)
-            elif full is self._full:
+            elif not release and full is self._full:
                 self._enter(UnitState.KEPT)
-            elif full.live and (self._full is None or not self._full.live):
+            elif not release and full.live and (self._full is None or not self._full.live):
                 self._keep(full)
-        return reduce_gradients(self, full_grads)
+        reduced = reduce_gradients(self, full_grads)
+        if later:
+            self.reshard() if full is self._full else self._release(full)
+        return reduced
 
     def _keep(self, full: FullParams) -> None:
         """``reshard_after_backward=False`` after the backward of a forward other than the

@@ -50,3 +50,11 @@ class Capabilities:
     #: bprop receives zeros). Where True, a unit's ranks agree on which parameters some
     #: rank used, and the others get no gradient (gradients.py, "unused parameters").
     reports_unused_grads: bool = False
+    #: a unit's backward frees its full parameters after its gradient reduction started,
+    #: not before (FSDP2's order, which lets the reduction's buffers take the memory).
+    #: Where the allocator keeps every block it once held and carves smaller requests out of
+    #: free ones (MindSpore's CPU pool), a block freed first is split by the reduction's
+    #: half-size buffers, the gradient shard kept until the optimizer stays in it, and the
+    #: next unit's re-gather, as large as the block, takes new memory: 3.6 MiB more per
+    #: 16 MiB block in a step (docs/platforms.md, "Memory").
+    release_after_reduction: bool = False

@@ -95,7 +95,8 @@ class MindSporePlatform(MindSporeStateIO, MindSporeStorageRelease, MindSporeTens
         return Capabilities(device_type="cpu" if self._on_cpu else "npu",
                             can_release_storage=True, kernels_read_views=False,
                             pads_local_shards=True, returns_grads_from_backward=True,
-                            collectives_overlap_compute=not self._on_cpu)
+                            collectives_overlap_compute=not self._on_cpu,
+                            release_after_reduction=self._on_cpu)
 
     @property
     def _on_cpu(self) -> bool:
