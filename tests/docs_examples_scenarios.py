@@ -928,3 +928,15 @@ def tp_torch_own(backend, ctx):
             optimizer.zero_grad()
             out.append(float(loss.detach()))
     return {"losses": losses, "ref_losses": ref_losses}
+
+
+def api_fsdp2_rebind(backend, ctx):
+    """api.md's rebinding of ``torch.distributed.fsdp.fully_shard`` around code written for
+    FSDP2 (``...`` in the block; tests/test_fsdp2_rebound.py trains such code): ``hp``.
+    After the block, torch's own function is back under its public name."""
+    import torch.distributed.fsdp as fsdp
+
+    original = fsdp.fully_shard
+    yield {"hp": hp}
+    assert fsdp.fully_shard is original, "the block left torch's name rebound"
+    return {"restored": True}

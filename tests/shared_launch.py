@@ -214,7 +214,11 @@ def _record(backend: str, world_size: int, jobs: list, progress: Path,
             rest.append(j)
         else:
             raised = [r for r in ranks if (progress / f"{j.key}.{r}.failed").exists()]
-            how = (f"raised on ranks {raised}" if raised else
+            # each raising rank's own error: the rank the launch saw fail first may be a
+            # peer that was waiting for it, whose error says only that the peer left
+            errors = "".join(f"\n  rank {r}: {(progress / f'{j.key}.{r}.failed').read_text()}"
+                             for r in raised)
+            how = (f"raised on ranks {raised}{errors}\n" if raised else
                    "had not ended when the launch did" if j.key in started - ended else
                    "shared a launch that failed outside every job" if outside else
                    "did not run")
@@ -243,9 +247,10 @@ def run_jobs(calls: list, progress: str | None = None) -> dict:
         try:
             module_name, function_name = target.split(":")
             out[key] = getattr(importlib.import_module(module_name), function_name)(*args)
-        except BaseException:
-            if mark is not None:
-                open(f"{mark}.failed", "wb").close()
+        except BaseException as error:
+            if mark is not None:  # what it raised, for the job's own failure
+                with open(f"{mark}.failed", "w", encoding="utf-8") as file:
+                    file.write(f"{type(error).__name__}: {error}")
             raise
         finally:
             for name, value in saved.items():

@@ -181,6 +181,7 @@ RUNS: dict[str, Run] = {
     "docs/tensor-parallel.md#Checkpoints, state dicts and export#0":
         Run("tp_deferred_load", {MS: 2}),
     "docs/api.md#Tensor parallelism (torch)#0": Run("tp_torch_own", {TORCH: 4}, _losses_match),
+    "docs/api.md#Code written for FSDP2 (torch)#0": Run("api_fsdp2_rebind", {TORCH: 2}),
 }
 
 SIGNATURES = {
