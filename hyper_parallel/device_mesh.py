@@ -100,6 +100,18 @@ class DeviceMesh:
     def __repr__(self) -> str:
         return f"DeviceMesh({self.device_type!r}, shape={self.shape}, dims={self.mesh_dim_names})"
 
+    def __getattr__(self, name: str):
+        """Reached only for a name this mesh lacks, typically a framework's own function
+        given it in place of the framework's mesh (torch's ``parallelize_module`` asks for
+        ``get_coordinate``): the error says which mesh such a function takes."""
+        if name.startswith("__") or name == "native":
+            raise AttributeError(name)
+        raise AttributeError(
+            f"hyper_parallel's DeviceMesh has no attribute {name!r}: a framework's own "
+            f"function (torch's parallelize_module, DTensor, ...) takes the framework's "
+            f"mesh; pass it mesh.native (torch's DeviceMesh), or use hp.parallelize_module, "
+            f"which takes either")
+
 
 def _validate(mesh_shape, mesh_dim_names, world_size) -> tuple:
     shape = tuple(mesh_shape) if isinstance(mesh_shape, (tuple, list)) else (mesh_shape,)

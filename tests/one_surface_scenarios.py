@@ -45,4 +45,14 @@ def torch_styles() -> dict:
     grid = hp.init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     model = hp.parallelize_module(_model(), grid["tp"], {"0": hp.ColwiseParallel()})
     out["slice_of_hp_mesh"] = type(tensor_parallel_layout(model[0].weight)).__name__
+    # torch's own function given hp's mesh: the error says to pass mesh.native
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    try:
+        torch_parallelize(_model(), grid["tp"], {"0": ColwiseParallel()})
+        out["torch_function_hp_mesh"] = "nothing raised"
+    except AttributeError as error:
+        out["torch_function_hp_mesh"] = "names mesh.native" if "mesh.native" in str(error) \
+            else str(error)
+    torch_parallelize(_model(), grid["tp"].native, {"0": ColwiseParallel()})  # as it says
     return out

@@ -215,4 +215,5 @@ def test_torchs_own_styles_and_meshes_through_hp_parallelize_module():
     for rank, result in enumerate(results):
         assert result == {"dtensor_weight": "(Shard(dim=0),)", "unmatched_key": "KeyError",
                           "mixed_plan": "TypeError", "torch_mesh_hp_styles": "ParamLayout",
-                          "slice_of_hp_mesh": "ParamLayout"}, rank
+                          "slice_of_hp_mesh": "ParamLayout",
+                          "torch_function_hp_mesh": "names mesh.native"}, rank
