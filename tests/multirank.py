@@ -31,6 +31,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from hyper_parallel.launch import RankProcesses, find_free_port, rank_environment
@@ -113,3 +114,22 @@ def _load_result(workdir: Path, rank: int):
                           f"{_log_section(workdir, rank)}")
     with open(path, "rb") as file:
         return pickle.load(file)
+
+
+def run_plain_ranks(command: list, envs: list, logdir: Path, timeout_s: float) -> tuple:
+    """``command`` started once per rank as a user starts a script (plain ``python``, the
+    rendezvous variables in ``envs[rank]``, no harness entry): (each rank's exit code,
+    each rank's output). Every rank is ended by pid whatever happens; a rank still running
+    after ``timeout_s`` fails the call."""
+    logs = [open(Path(logdir) / f"rank{rank}.log", "wb") for rank in range(len(envs))]
+    ranks = RankProcesses([command] * len(envs), envs, cwd=REPO_ROOT, stdout=logs,
+                          stderr=[subprocess.STDOUT] * len(envs))
+    try:
+        deadline = time.monotonic() + timeout_s
+        codes = [proc.wait(max(1.0, deadline - time.monotonic())) for proc in ranks.procs]
+    finally:
+        ranks.terminate()
+        for log in logs:
+            log.close()
+    return codes, [(Path(logdir) / f"rank{rank}.log").read_text(errors="replace")
+                   for rank in range(len(envs))]

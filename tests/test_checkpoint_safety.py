@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 
 from hyper_parallel.checkpoint.save import UNPUBLISHED_EXIT_CODE
-from hyper_parallel.launch import RankProcesses, find_free_port, rank_environment
+from hyper_parallel.launch import find_free_port, rank_environment
 from tests.checkpoint_launches import checkpoint_dir, launch_crossing, launch_resuming, \
     launch_saving, workdir
 from tests.checkpoint_safety_scenarios import CORRUPTIONS, READ_FAILURES
 from tests.checkpoint_scenarios import _initial
-from tests.multirank import REPO_ROOT
+from tests.multirank import REPO_ROOT, run_plain_ranks
 
 BACKENDS = ["torch", "mindspore"]
 
@@ -250,18 +250,10 @@ def test_async_save_the_exit_could_not_publish_fails_the_job(backend, tmp_path):
     (tmp_path / "notes.txt").write_text("the user's\n", encoding="utf-8")
     port = find_free_port()
     envs = [rank_environment(rank, rank, 2, 2, "127.0.0.1", port, backend) for rank in range(2)]
-    logs = [open(tmp_path / f"rank{rank}.log", "wb") for rank in range(2)]
-    ranks = RankProcesses([[sys.executable, str(REPO_ROOT / "tests" / "async_exit_script.py"),
-                            str(path)]] * 2, envs, cwd=REPO_ROOT, stdout=logs,
-                          stderr=[subprocess.STDOUT] * 2)
-    try:
-        codes = [proc.wait(240) for proc in ranks.procs]
-    finally:
-        ranks.terminate()
-        for log in logs:
-            log.close()
-    for rank in range(2):
-        output = (tmp_path / f"rank{rank}.log").read_text(errors="replace")
+    codes, outputs = run_plain_ranks(
+        [sys.executable, str(REPO_ROOT / "tests" / "async_exit_script.py"), str(path)], envs,
+        tmp_path, 240)
+    for rank, output in enumerate(outputs):
         assert f"rank {rank}: the script's last line" in output, output[-3000:]
         assert codes[rank] == UNPUBLISHED_EXIT_CODE, f"rank {rank}: {codes}\n{output[-3000:]}"
         assert (f"hyper_parallel: ERROR: the asynchronous save to {path} was not published"

@@ -32,6 +32,15 @@ def _framework(backend: str, monkeypatch):
     return hp, hp.get_platform()
 
 
+def _split_logits(hp, platform):
+    """(2, 4) logits as a column-wise head with use_local_output=False hands them on (a
+    1-rank mesh without groups: nothing here reaches a collective)."""
+    from hyper_parallel import tensor_parallel as tp
+
+    mesh = hp.DeviceMesh("cpu", (1,), ("tp",), [None])
+    return tp.LayoutTensor(platform.from_numpy(np.zeros((2, 4), np.float32)), hp.Shard(1), mesh)
+
+
 def test_shard_takes_an_integer_dim_and_names_the_problem_otherwise():
     import hyper_parallel as hp
 
@@ -46,10 +55,7 @@ def test_shard_takes_an_integer_dim_and_names_the_problem_otherwise():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_framework_op_given_a_layout_tensor_names_the_way_out(monkeypatch, backend):
     hp, platform = _framework(backend, monkeypatch)
-    from hyper_parallel import tensor_parallel as tp
-
-    mesh = hp.DeviceMesh("cpu", (1,), ("tp",), [None])
-    logits = tp.LayoutTensor(platform.from_numpy(np.zeros((2, 4), np.float32)), hp.Shard(1), mesh)
+    logits = _split_logits(hp, platform)
     target = platform.from_numpy(np.zeros(2, np.int64 if backend == "torch" else np.int32))
     if backend == "torch":
         import torch
@@ -97,10 +103,7 @@ def test_cross_entropy_over_whole_logits_is_the_frameworks_own(monkeypatch, back
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_split_logits_outside_loss_parallel_name_the_context(monkeypatch, backend):
     hp, platform = _framework(backend, monkeypatch)
-    from hyper_parallel import tensor_parallel as tp
-
-    mesh = hp.DeviceMesh("cpu", (1,), ("tp",), [None])
-    logits = tp.LayoutTensor(platform.from_numpy(np.zeros((2, 4), np.float32)), hp.Shard(1), mesh)
+    logits = _split_logits(hp, platform)
     with pytest.raises(RuntimeError, match=r"only inside hp.loss_parallel\(\)"):
         hp.cross_entropy(logits, platform.from_numpy(np.zeros(2, np.int32)))
 

@@ -20,9 +20,8 @@ import sys
 
 import pytest
 
-from hyper_parallel.launch import NATIVE_LOG_VERBOSE, RankProcesses, find_free_port, \
-    rank_environment
-from tests.multirank import REPO_ROOT
+from hyper_parallel.launch import NATIVE_LOG_VERBOSE, find_free_port, rank_environment
+from tests.multirank import REPO_ROOT, run_plain_ranks
 
 DEMO = str(REPO_ROOT / "examples" / "train_mlp.py")
 
@@ -67,17 +66,8 @@ def _plain_python_demo(backend: str, tmp_path, levels: dict) -> list:
             for rank in range(2)]
     for env in envs:  # what a launcher sets, without hp-run's log settings
         env.pop(NATIVE_LOG_VERBOSE[0])
-    logs = [open(tmp_path / f"rank{rank}.log", "wb") for rank in range(2)]
-    ranks = RankProcesses([[sys.executable, DEMO]] * 2, envs, cwd=REPO_ROOT, stdout=logs,
-                          stderr=[subprocess.STDOUT] * 2)
-    try:
-        codes = [proc.wait(300) for proc in ranks.procs]
-    finally:
-        ranks.terminate()
-        for log in logs:
-            log.close()
-    output = [(tmp_path / f"rank{rank}.log").read_text(errors="replace").splitlines()
-              for rank in range(2)]
+    codes, outputs = run_plain_ranks([sys.executable, DEMO], envs, tmp_path, 300)
+    output = [text.splitlines() for text in outputs]
     assert codes == [0, 0], "\n".join(output[0][-40:] + output[1][-40:])
     return output
 
