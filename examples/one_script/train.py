@@ -176,9 +176,9 @@ def main(argv=None) -> None:
         result = train(framework, layout, args)
         with open(os.path.join(args.out, f"{layout}.rank{result['rank']}.json"), "w") as file:
             json.dump(result, file)
-        if result["rank"] == 0:
-            print(f"{layout:>7}: " + " ".join(f"{loss:.5f}" for loss in result["losses"]),
-                  flush=True)
+        if result["rank"] == 0:  # its loss on its own rows (all of them: single, tp)
+            print(f"{layout:>7}, rank 0's loss per step: "
+                  + " ".join(f"{loss:.5f}" for loss in result["losses"]), flush=True)
     hp.destroy_distributed()
 
 
