@@ -79,24 +79,31 @@ def test_cross_entropy_over_whole_logits_is_the_frameworks_own(monkeypatch, back
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((6, 5)).astype(np.float32)
     target = np.array([0, 4, 2, -100, 1, 3])
+    target = target if backend == "torch" else target.astype(np.int32)
     if backend == "torch":
         import torch
 
-        own = torch.nn.functional.cross_entropy(torch.from_numpy(logits),
-                                                torch.from_numpy(target)).numpy()
+        def own(smoothing):
+            return torch.nn.functional.cross_entropy(
+                torch.from_numpy(logits), torch.from_numpy(target),
+                label_smoothing=smoothing).numpy()
     else:
         import mindspore as ms
         from mindspore import ops
 
-        own = ops.cross_entropy(ms.Tensor(logits), ms.Tensor(target.astype(np.int32))).asnumpy()
-    target = target if backend == "torch" else target.astype(np.int32)
-    for context in (hp.loss_parallel, None):
-        if context is None:
-            loss = hp.cross_entropy(platform.from_numpy(logits), platform.from_numpy(target))
-        else:
-            with context():
-                loss = hp.cross_entropy(platform.from_numpy(logits), platform.from_numpy(target))
-        np.testing.assert_array_equal(platform.to_numpy(loss), own)
+        def own(smoothing):
+            return ops.cross_entropy(ms.Tensor(logits), ms.Tensor(target),
+                                     label_smoothing=smoothing).asnumpy()
+    for smoothing in (0.0, 0.1):
+        expected = own(smoothing)
+        for context in (hp.loss_parallel, None):
+            args = (platform.from_numpy(logits), platform.from_numpy(target))
+            if context is None:
+                loss = hp.cross_entropy(*args, label_smoothing=smoothing)
+            else:
+                with context():
+                    loss = hp.cross_entropy(*args, label_smoothing=smoothing)
+            np.testing.assert_array_equal(platform.to_numpy(loss), expected)
 
 
 @pytest.mark.timeout(120)

@@ -68,7 +68,7 @@ class TensorParallelSupport(abc.ABC):
 
     @abc.abstractmethod
     def framework_cross_entropy(self, logits: Any, target: Any, ignore_index: int,
-                                reduction: str) -> Any:
+                                reduction: str, label_smoothing: float = 0.0) -> Any:
         """The framework's own cross entropy of ``(N, C)`` logits and ``(N,)`` class ids
         (torch: ``F.cross_entropy``, which inside ``framework_loss_parallel`` also takes
         DTensor logits)."""

@@ -55,16 +55,17 @@ def cross_entropy(input: Any, target: Any, ignore_index: int = -100,
     same on every rank."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
-    if label_smoothing:
-        raise NotImplementedError("hp.cross_entropy: label_smoothing is not supported (nor is "
-                                  "it by torch's loss_parallel)")
     p = get_platform()
     if not isinstance(input, LayoutTensor):
         if not p.is_tensor(input):
             raise TypeError(f"hp.cross_entropy takes logits as a framework tensor or a "
                             f"LayoutTensor (a column-wise head with use_local_output=False); "
                             f"got {type(input).__name__}")
-        return p.framework_cross_entropy(input, target, ignore_index, reduction)
+        return p.framework_cross_entropy(input, target, ignore_index, reduction,
+                                         label_smoothing)
+    if label_smoothing:
+        raise NotImplementedError("hp.cross_entropy over split logits: label_smoothing is not "
+                                  "supported (nor is it by torch's loss_parallel)")
     if not _ENABLED.get():
         raise RuntimeError("hp.cross_entropy over logits split on the class dim (a "
                            "LayoutTensor) runs only inside hp.loss_parallel(); wrap the loss in "

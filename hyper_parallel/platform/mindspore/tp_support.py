@@ -30,8 +30,10 @@ class MindSporeTensorParallelSupport(TensorParallelSupport):
                     f"apply the activation in the model's construct")
         return None
 
-    def framework_cross_entropy(self, logits, target, ignore_index, reduction):
-        return ops.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+    def framework_cross_entropy(self, logits, target, ignore_index, reduction,
+                                label_smoothing=0.0):
+        return ops.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                                 label_smoothing=label_smoothing)
 
     def new_local_param(self, orig_param, local):
         return Parameter(local + 0, name=orig_param.name, requires_grad=orig_param.requires_grad)

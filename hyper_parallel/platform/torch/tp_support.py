@@ -25,9 +25,11 @@ class TorchTensorParallelSupport(TensorParallelSupport):
 
         return parallelize_module(module, native_mesh, plan, src_data_rank=src_data_rank)
 
-    def framework_cross_entropy(self, logits, target, ignore_index, reduction):
+    def framework_cross_entropy(self, logits, target, ignore_index, reduction,
+                                label_smoothing=0.0):
         return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index,
-                                                 reduction=reduction)
+                                                 reduction=reduction,
+                                                 label_smoothing=label_smoothing)
 
     def framework_loss_parallel(self):
         from torch.distributed.tensor.parallel import loss_parallel
