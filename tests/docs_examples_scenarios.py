@@ -330,23 +330,6 @@ def readme_quick_start(backend, ctx):
     return {"losses": losses, "ref_losses": reference_losses(backend, batches, opt="adamw")}
 
 
-def readme_hsdp(backend, ctx):
-    """README's HSDP block (torch): the quick start's names, ``model`` not yet sharded, and
-    ``K`` micro-batches of this rank's batch. Result: gathered parameters after its one
-    step, and the reference's."""
-    import torch
-
-    rank, world = _rank_world()
-    batch = global_batches(1, 2 * world)[0]
-    k = 2
-    x, y = torch_tensors(rank_slice(batch, rank, world))
-    namespace = {"torch": torch, "hp": hp, "model": torch_lm_class()(), "loss_fn": torch_loss,
-                 "K": k, "micro_batches": list(zip(x.chunk(k), y.chunk(k)))}
-    yield namespace
-    return {"params": gathered(namespace["model"]),
-            "ref": reference_params(backend, [batch], opt="adamw")}
-
-
 # ---------------------------------------------------------------------------- docs/api.md
 def api_expert_mesh(backend, ctx):
     """A unit ``block`` holding a mixture of experts ``moe`` (experts in ``moe.experts``).
@@ -403,7 +386,7 @@ def api_deferred_torch(backend, ctx):
 
     namespace = {"torch": torch, "hp": hp, "Transformer": torch_lm_class(), "cfg": 0}
     yield namespace
-    model, rank, world = namespace["model"], *_rank_world()
+    model, world = namespace["model"], _rank_world()[1]
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor) and p.device.type == "cpu", name
         assert p.to_local().shape[0] == -(-p.shape[0] // world), name
@@ -424,7 +407,7 @@ def api_deferred_mindspore(backend, ctx):
 
     namespace = {"hp": hp, "Transformer": Transformer, "cfg": 0}
     yield namespace
-    net, (rank, world) = namespace["net"], _rank_world()
+    net, world = namespace["net"], _rank_world()[1]
     for name, p in net.parameters_and_names():
         assert not p.has_init, f"{name} was never given values"
     for key, value in hp.get_state_dict(net).items():

@@ -143,8 +143,6 @@ RUNS: dict[str, Run] = {
         Run("readme_quick_start", {TORCH: 2}, _losses_match, last=True),
     "README.md#Quick start: MindSpore#0":
         Run("readme_quick_start", {MS: 2}, _losses_match, last=True),
-    "README.md#HSDP and gradient accumulation#0":
-        Run("readme_hsdp", {TORCH: 4}, _params_match(ADAMW_RTOL)),
     "docs/api.md#fully_shard#1": Run("api_expert_mesh", {TORCH: 4}),
     "docs/api.md#Deferred initialisation#0": Run("api_deferred_torch", {TORCH: 2}),
     "docs/api.md#Deferred initialisation#1": Run("api_deferred_mindspore", {MS: 2}),

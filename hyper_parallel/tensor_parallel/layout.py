@@ -74,22 +74,32 @@ def record_layout(param: Any, layout: ParamLayout) -> None:
 _PRODUCED_ATTR = "_hp_tensor_parallel_output"
 
 
-def mark_local(tensor: Any, placement: Placement, mesh: Any, producer: str) -> Any:
+def named(who: Any) -> str:
+    """How an error names ``who``: a text as it is, a (style, module) pair (style.py
+    ``style_on``) as ``ColwiseParallel on Linear``."""
+    if isinstance(who, str):
+        return who
+    style, module = who
+    return f"{type(style).__name__} on {type(module).__name__}"
+
+
+def mark_local(tensor: Any, placement: Placement, mesh: Any, producer: Any) -> Any:
     """``tensor``, a style's plain output in ``placement`` over ``mesh``, marked so ([Note:
-    a plain output remembers its layout])."""
-    setattr(tensor, _PRODUCED_ATTR, (placement, tuple(mesh.ranks), producer))
+    a plain output remembers its layout]); ``producer``: who made it (``named``)."""
+    setattr(tensor, _PRODUCED_ATTR, (placement, mesh.ranks, producer))
     return tensor
 
 
-def check_declared(tensor: Any, declared: Placement, mesh: Any, consumer: str) -> None:
+def check_declared(tensor: Any, declared: Placement, mesh: Any, consumer: Any) -> None:
     """ValueError where ``tensor`` is a style's plain output over ``mesh`` in another
-    placement than ``declared``, the layout ``consumer`` was told it is in."""
+    placement than ``declared``, the layout ``consumer`` (``named``) was told it is in."""
     produced = getattr(tensor, _PRODUCED_ATTR, None)
-    if produced is None or produced[1] != tuple(mesh.ranks):
+    if produced is None or produced[1] != mesh.ranks:
         return
     placement, _, producer = produced
     ndim = len(get_platform().shape(tensor))
     if normalized(placement, ndim) != normalized(declared, ndim):
+        consumer, producer = named(consumer), named(producer)
         raise ValueError(
             f"{consumer} is told its input is in {declared}, but the input is the output of "
             f"{producer}, which is in {placement}: taken as {declared} its rows or columns "

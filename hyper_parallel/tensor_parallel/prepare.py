@@ -27,7 +27,7 @@ def _checked(layouts, what: str):
 
 
 def _prepared_value(value, layout, desired, mesh, use_local_output, style):
-    """``value`` moved as ``style`` (a string naming it at work, for errors) moves it."""
+    """``value`` moved as ``style`` (a style at work, ``style_on``) moves it."""
     if layout is None:
         return value
     if not (isinstance(value, LayoutTensor) or get_platform().is_tensor(value)):

@@ -48,9 +48,11 @@ class ParallelStyle:
         raise NotImplementedError(f"{type(self).__name__} does not implement apply")
 
 
-def style_on(style: ParallelStyle, module: Any) -> str:
-    """How errors name a style at work: ``ColwiseParallel on Linear``."""
-    return f"{type(style).__name__} on {type(module).__name__}"
+def style_on(style: ParallelStyle, module: Any) -> tuple:
+    """A style at work on a module, as errors name it (``ColwiseParallel on Linear``,
+    layout.py ``named``): kept as the pair, and spelled only when an error is raised, as
+    the styles pass it on every forward."""
+    return (style, module)
 
 
 def param_in_forward(module: Any, attr: str) -> Any:
@@ -128,7 +130,7 @@ def check_even(module: Any, attr: str, dim: int, mesh: Any, style: str) -> None:
 
 
 def prepared(value: Any, given: Placement, desired: Placement | None, mesh: Any, *,
-             result_grads_whole: bool, consumer: str) -> Any:
+             result_grads_whole: bool, consumer: Any) -> Any:
     """An input as a style (``consumer``, for errors) receives it: a ``LayoutTensor`` keeps
     its own placement (``given`` is then ignored, as torch ignores it for a DTensor); a
     plain tensor is taken to be in ``given``, which must be the placement another style's
