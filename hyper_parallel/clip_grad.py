@@ -20,7 +20,10 @@ single-process norm of the full gradients:
 - units on different meshes reduce over their own groups, in the order their parameters
   come (the same on every rank, which passes the same parameters);
 - meshes that span different numbers of ranks are refused (``placement.ranks_spanned``):
-  the ranks a sub-mesh leaves out hold parameters of their own, which no rank sees;
+  the ranks a sub-mesh leaves out hold parameters of their own, which no rank sees; a
+  parameter split by tensor or expert parallelism spans its unit's mesh times its split
+  mesh (experts sharded inside an expert group and split over the expert ranks are seen
+  whole, each counted once);
 - padding rows of a padded local shard (MindSpore) are left out of the norm;
 - each gradient's norm is taken in float32 whatever its dtype, and the groups' sums are
   combined on the host in double precision.
@@ -99,9 +102,9 @@ def total_norm(platform: Platform, pairs: list, norm_type: float) -> float:
     gradient), the same on every rank: see the design note."""
     whole = []  # norms of gradients every rank holds whole
     by_groups: dict = {}  # ids of the groups -> ([(group, dim name)], norms of this rank's parts)
-    spans = ranks_spanned(fp.mesh_info for fp in map(fsdp_param_of, (p for p, _ in pairs))
+    spans = ranks_spanned(fp for fp in map(fsdp_param_of, (p for p, _ in pairs))
                           if fp is not None)
-    if len(spans) > 1:
+    if spans:
         raise NotImplementedError(
             f"the parameters are sharded over meshes spanning {spans[0]} and {spans[-1]} "
             f"ranks: the ranks a smaller mesh leaves out hold parameters of their own (other "

@@ -106,14 +106,15 @@ def held_params(platform: Platform, model: Any, key_map: Any = None,
 def _check_unit_meshes(platform: Platform, model: Any) -> None:
     """Parameter groups whose meshes span different numbers of ranks (a sub-mesh, as
     expert parallelism with other experts per rank builds, in one unit or in units of their
-    own) are refused: the ranks a sub-mesh leaves out keep copies of their own, which may
-    differ, and the lowest rank's would be stored for all (see [Note: one writer per
+    own, unless ``ExpertParallel`` split the experts over the ranks left out:
+    placement.py ``ranks_spanned``) are refused: the ranks a sub-mesh leaves out keep
+    copies of their own, which may differ, and the lowest rank's would be stored for all (see [Note: one writer per
     region])."""
     groups = [(name, group) for name, sub in platform.named_modules(model)
               if (state := sub.__dict__.get(STATE_ATTR)) is not None for group in state.groups]
-    sizes = ranks_spanned(group.mesh_info for _, group in groups)
-    if len(sizes) > 1:
-        small = next(name for name, group in groups if group.mesh_info.source.size() == sizes[0])
+    sizes = ranks_spanned(fp for _, group in groups for fp in group.params)
+    if sizes:
+        small = next(name for name, group in groups if group.mesh_info.source.size() < sizes[-1])
         raise CheckpointError(
             f"the fully_shard unit at {small or 'the root'!r} has a parameter group whose "
             f"mesh spans {sizes[0]} of {sizes[-1]} ranks of the model's other meshes: the "

@@ -95,10 +95,21 @@ def placement_mesh(platform: Platform, result: ShardPlacementResult, fqn: str) -
     return mesh
 
 
-def ranks_spanned(mesh_infos) -> list:
-    """The distinct numbers of ranks the meshes of ``mesh_infos`` (parameter groups) were
-    given over, ascending. More than one means parameters sharded over a sub-mesh whose
-    left-out ranks hold parameters of their own (expert parallelism with other experts per
-    rank, or copies that part ways), whose values and gradients no rank sees: checkpoints
-    and the total gradient norm refuse such a model rather than take one rank's for all."""
-    return sorted({info.source.size() for info in mesh_infos})
+def ranks_spanned(fsdp_params) -> list:
+    """``[]``, or the two numbers of ranks ``[smallest, largest]`` that show parameters no
+    rank sees whole: a parameter group sharded over a sub-mesh whose left-out ranks hold
+    parameters of their own (copies that part ways), whose values and gradients no rank
+    sees, so checkpoints and the total gradient norm refuse the model rather than take one
+    rank's for all. A parameter the core's tensor parallelism split spans its unit's ranks
+    times its tensor-parallel ranks, which hold its other blocks (expert parallelism:
+    experts sharded over the data-parallel ranks inside an expert group, split over the
+    expert ranks). Returns ``[smallest span, largest unit mesh]`` where a span falls short
+    of another unit's mesh."""
+    fsdp_params = list(fsdp_params)
+    if not fsdp_params:
+        return []
+    meshes = {fp.mesh_info.source.size() for fp in fsdp_params}
+    spans = {fp.mesh_info.source.size() * (fp.tensor_parallel_layout.mesh.size()
+                                           if fp.tensor_parallel_layout is not None else 1)
+             for fp in fsdp_params}
+    return [min(spans), max(meshes)] if min(spans) < max(meshes) else []

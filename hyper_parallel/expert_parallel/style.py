@@ -1,0 +1,114 @@
+"""``ExpertParallel``: the experts of a mixture-of-experts layer split over a 1-D mesh, each
+rank computing with its own, tokens sent to them and back (torchtitan's style, its name
+and its semantics).
+
+[Note: what the style splits]
+The experts module holds every expert in one 3-D parameter per projection,
+``(num_experts, ...)`` (torchtitan's ``GroupedExperts``: ``w1``, ``w2``, ``w3``), and is
+called ``experts(x, num_tokens_per_expert)`` with the rows of this rank's tokens grouped by
+expert. The style keeps ``num_experts / ep`` experts per rank: each 3-D parameter becomes
+its Shard(0) block over the mesh (``split_param``), recorded as tensor parallelism records
+a split (``ParamLayout``), so fully_shard shards the block, state dicts, checkpoints and
+export lay it out as a region of the whole ``(num_experts, ...)`` value, and
+``clip_grad_norm_`` reduces its norm over the mesh: every expert is counted once. Around
+the module's forward, the pre-hook dispatches the rows to their experts' ranks and the
+post-hook combines the results back (dispatch.py); the module itself computes with its
+local experts and the local counts, unchanged.
+
+[Note: data parallelism over the expert ranks]
+The expert ranks are data-parallel ranks too (torchtitan carves the expert dim out of
+``dp_shard``): each feeds its own tokens. A local expert's gradient therefore sums over
+the tokens of every rank of the mesh, where a dense parameter's gradient holds this rank's
+tokens only and is averaged by fully_shard over the data-parallel ranks. To train as one
+process on the whole batch, the experts' gradient is divided by the number of
+data-parallel ranks whose tokens it sums (torchtitan's gradient divide factor: the whole
+data-parallel size), e.g. ``fully_shard(experts, mesh=mesh["efsdp"])`` then
+``experts.set_gradient_divide_factor(dp_size)``; docs/expert-parallel.md has the plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hyper_parallel.expert_parallel.dispatch import combine, dispatch
+from hyper_parallel.platform import get_platform
+from hyper_parallel.tensor_parallel.placement import Shard
+from hyper_parallel.tensor_parallel.style import ParallelStyle, split_param
+
+
+def expert_params(module: Any) -> list:
+    """``[(name, shape)]`` of ``module``'s own parameters (grouped experts: 3-D or more,
+    one leading dim of experts)."""
+    p = get_platform()
+    return [(attr, tuple(p.shape(param))) for attr, param in p.direct_params(module)]
+
+
+class ExpertParallel(ParallelStyle):
+    """Split a grouped experts module's experts over the mesh; dispatch each token to its
+    expert's rank and combine the results back (all-to-all both ways)."""
+
+    def check(self, module: Any, mesh: Any) -> None:
+        params = expert_params(module)
+        flat = [(attr, shape) for attr, shape in params if len(shape) < 2]
+        if not params or flat:
+            holds = ", ".join(f"{a} {s}" for a, s in params) or "no parameters of its own"
+            raise ValueError(
+                f"ExpertParallel on {type(module).__name__}: it holds no grouped experts "
+                f"({holds}); apply it to the experts module, whose parameters are "
+                f"(num_experts, ...) tensors (torchtitan's GroupedExperts: w1, w2, w3), "
+                f"e.g. parallelize_module(moe.experts, mesh['ep'], ExpertParallel())")
+        counts = {shape[0] for _, shape in params}
+        if len(counts) != 1:
+            raise ValueError(
+                f"ExpertParallel on {type(module).__name__}: its parameters disagree on "
+                f"the number of experts (dim 0: {dict(params)}); every parameter of a "
+                f"grouped experts module holds one slice per expert")
+        experts = counts.pop()
+        if experts % mesh.size():
+            raise ValueError(
+                f"ExpertParallel on {type(module).__name__}: {experts} experts do not split "
+                f"evenly over the {mesh.size()} ranks of mesh dim "
+                f"{mesh.mesh_dim_names[0]!r}; choose an expert-parallel degree that "
+                f"divides the number of experts")
+
+    def apply(self, module: Any, mesh: Any) -> Any:
+        params = expert_params(module)
+        experts = params[0][1][0]
+        for attr, _ in params:
+            split_param(module, attr, Shard(0), mesh, self.src_data_rank)
+        in_flight = []  # per call of the module: its dispatch, until its combine
+
+        def pre(mod, args, kwargs):
+            x, counts, rest, others = _inputs(args, kwargs)
+            n = get_platform().shape(counts)
+            if tuple(n) != (experts,):
+                raise ValueError(f"ExpertParallel on {type(mod).__name__}: "
+                                 f"num_tokens_per_expert has shape {tuple(n)}; expected "
+                                 f"({experts},), one count per expert of the whole layer")
+            rows, local_counts, routed = dispatch(x, counts, mesh)
+            in_flight.append(routed)
+            return (rows, local_counts) + rest, others
+
+        def post(mod, args, kwargs, output):
+            return combine(output, in_flight.pop(), mesh)
+
+        get_platform().register_forward_hooks(module, pre, post)
+        return module
+
+    def __repr__(self) -> str:
+        return "ExpertParallel()"
+
+
+_NAMES = ("x", "num_tokens_per_expert")
+
+
+def _inputs(args: tuple, kwargs: dict) -> tuple:
+    """``(x, num_tokens_per_expert, other positional args, other keyword args)`` of an
+    experts module's call."""
+    given = tuple(args) + tuple(kwargs[k] for k in _NAMES[len(args):] if k in kwargs)
+    if len(given) < 2:
+        raise TypeError("an experts module under ExpertParallel is called "
+                        "experts(x, num_tokens_per_expert): the rows grouped by expert and "
+                        "the number of rows of each expert")
+    return given[0], given[1], tuple(given[2:]), {k: v for k, v in kwargs.items()
+                                                   if k not in _NAMES}
