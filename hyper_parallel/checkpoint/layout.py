@@ -108,8 +108,8 @@ def _check_unit_meshes(platform: Platform, model: Any) -> None:
     expert parallelism with other experts per rank builds, in one unit or in units of their
     own, unless ``ExpertParallel`` split the experts over the ranks left out:
     placement.py ``ranks_spanned``) are refused: the ranks a sub-mesh leaves out keep
-    copies of their own, which may differ, and the lowest rank's would be stored for all (see [Note: one writer per
-    region])."""
+    copies of their own, which may differ, and the lowest rank's would be stored for all
+    (see [Note: one writer per region])."""
     groups = [(name, group) for name, sub in platform.named_modules(model)
               if (state := sub.__dict__.get(STATE_ATTR)) is not None for group in state.groups]
     sizes = ranks_spanned(fp for _, group in groups for fp in group.params)
