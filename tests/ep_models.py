@@ -228,5 +228,6 @@ def mindspore_model(score: str = "softmax"):
 def mindspore_loss(model, x, target):
     import mindspore as ms
 
-    y, aux = model(ms.Tensor(x))
-    return ((y - ms.Tensor(target)) ** 2).mean() + AUX * aux
+    x, target = (ms.Tensor(v) if isinstance(v, np.ndarray) else v for v in (x, target))
+    y, aux = model(x)
+    return ((y - target) ** 2).mean() + AUX * aux

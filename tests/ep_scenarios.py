@@ -1,0 +1,152 @@
+"""Rank side of tests/test_expert_parallel.py: the MoE model of tests/ep_models.py trained
+with expert parallelism, and the same model trained in one process on the whole batch.
+
+The mesh is torchtitan's for expert parallelism carved out of data parallelism: every rank
+is a data-parallel rank (its own sequences); ``ep`` ranks split the experts
+(``hp.ExpertParallel`` on ``moe.experts`` over ``mesh["ep"]``), ``efsdp`` = world / ep
+ranks shard them (``fully_shard(experts, mesh=mesh["efsdp"])``, gradient divide factor the
+whole data-parallel size), and the dense parts are sharded over every rank (``fully_shard``
+over a 1-D mesh of the world). Each step clips the gradients (``hp.clip_grad_norm_``) and
+updates the router's expert bias from the counts summed over every rank
+(``hp.update_expert_bias``), as the one-process reference does on the whole batch.
+
+Each run returns plain numpy: the losses (each rank its own sequences' mean), the gradient
+norms, the whole parameters after each step (``get_full_state_dict``), the expert bias, the
+per-expert row counts of each rank's first dispatch, and the state a plain model loads from
+the expert-parallel checkpoint. The test compares.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import hyper_parallel as hp
+from tests.ep_models import (
+    LR, SEQS, batches, mindspore_loss, mindspore_model, torch_loss, torch_model)
+
+MAX_NORM = 1.0
+COEFF = 1e-3
+
+
+class Run:
+    """A model and its AdamW in one framework, trained on sequences ``rows`` of each batch."""
+
+    def __init__(self, backend: str, model, rows: slice, bias_mesh=None):
+        self.backend, self.model, self.rows, self.bias_mesh = backend, model, rows, bias_mesh
+        self.params = [p for _, p in _named(model)]
+        if backend == "torch":
+            import torch
+
+            self.opt = torch.optim.AdamW(self.params, lr=LR, foreach=False)
+        else:
+            import mindspore as ms
+            from mindspore.experimental import optim
+
+            self.opt = optim.AdamW(self.params, lr=LR)
+            self.grad_fn = ms.value_and_grad(
+                lambda x, t: mindspore_loss(model, x, t), None, self.opt.parameters)
+
+    def step(self, batch) -> tuple:
+        """(loss, gradient norm before clipping)."""
+        x, target = batch[0][self.rows], batch[1][self.rows]
+        if self.backend == "torch":
+            loss = torch_loss(self.model, x, target)
+            loss.backward()
+            norm = hp.clip_grad_norm_(self.params, MAX_NORM)
+            self.opt.step()
+            self.opt.zero_grad()
+            loss = float(loss.detach())
+        else:
+            import mindspore as ms
+
+            loss, grads = self.grad_fn(ms.Tensor(x), ms.Tensor(target))
+            grads, norm = hp.clip_grad_norm_(self.params, MAX_NORM, grads=grads)
+            self.opt(grads)
+            loss = float(loss.asnumpy())
+        moe = self.model.moe
+        hp.update_expert_bias(moe.expert_bias, moe.tokens_per_expert, self.bias_mesh,
+                              coeff=COEFF)
+        return loss, float(hp.get_platform().to_numpy(norm))
+
+    def full_state(self, optimizer: bool = False) -> dict:
+        full = hp.get_full_state_dict(self.model, self.opt if optimizer else None,
+                                      rank0_only=False)
+        return {_key(k): v for k, v in full.items()}
+
+    def train(self, steps: list) -> dict:
+        out = {"losses": [], "norms": [], "params": [], "bias": []}
+        for batch in steps:
+            loss, norm = self.step(batch)
+            out["losses"].append(loss)
+            out["norms"].append(norm)
+            out["params"].append(self.full_state())
+            out["bias"].append(hp.get_platform().to_numpy(self.model.moe.expert_bias).copy())
+        return out
+
+
+def _key(key: str) -> str:
+    return key.replace("_checkpoint_wrapped_module.", "")
+
+
+def _named(model) -> list:
+    platform = hp.get_platform()
+    return [(f"{prefix}.{attr}" if prefix else attr, p)
+            for prefix, sub in platform.named_modules(model)
+            for attr, p in platform.direct_params(sub)]
+
+
+def _model(backend: str, score: str):
+    return (torch_model if backend == "torch" else mindspore_model)(score)
+
+
+def _counts_seen(experts) -> list:
+    """Record the per-expert counts each call of ``experts`` is given (before dispatch)."""
+    seen = []
+    platform = hp.get_platform()
+
+    def pre(mod, args, kwargs):
+        seen.append([int(c) for c in platform.to_numpy(args[1])])
+
+    def post(mod, args, kwargs, output):
+        return None
+
+    platform.register_forward_hooks(experts, pre, post)
+    return seen
+
+
+def expert_parallel(backend: str, score: str, ep: int, directory: str | None) -> dict:
+    """One score function: the one-process reference and the expert-parallel run."""
+    world = hp.get_platform().world_size()
+    data = batches()
+    reference = Run(backend, _model(backend, score), slice(None)).train(data)
+    mesh = hp.init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    dp = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = _model(backend, score)
+    hp.parallelize_module(model.moe.experts, mesh["ep"], hp.ExpertParallel())
+    seen = _counts_seen(model.moe.experts)  # pre-hooks run newest first: before dispatch
+    hp.fully_shard(model.moe.experts, mesh=mesh["efsdp"])
+    model.moe.experts.set_gradient_divide_factor(world)
+    hp.fully_shard(model, mesh=dp)
+    rank = hp.get_platform().rank()
+    per_rank = SEQS // world
+    run = Run(backend, model, slice(rank * per_rank, (rank + 1) * per_rank), bias_mesh=dp)
+    out = {"reference": reference, "ep": run.train(data), "counts": seen[0]}
+    if directory is not None:
+        out.update(_checkpoint(backend, score, run, directory))
+    return out
+
+
+def _checkpoint(backend: str, score: str, run: Run, directory: str) -> dict:
+    """Saved at the expert degree of ``run``; loaded into a plain model (one process)."""
+    path = os.path.join(directory, f"ep-{backend}-{score}")
+    hp.save_checkpoint(path, run.model, run.opt)
+    plain = Run(backend, _model(backend, score), slice(None))
+    hp.load_checkpoint(path, plain.model, plain.opt)
+    return {"saved": run.full_state(optimizer=True), "loaded": plain.full_state(optimizer=True)}
+
+
+def run_all(backend: str, ep: int, directory: str) -> dict:
+    return {score: expert_parallel(backend, score, ep, directory if score == "softmax" else None)
+            for score in ("softmax", "sigmoid")}
