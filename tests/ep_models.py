@@ -204,7 +204,8 @@ def mindspore_model(score: str = "softmax"):
             self.tokens_per_expert += ops.stop_gradient(counts).astype(ms.float32)
             n = flat.shape[0]  # sorted by (expert, position): a stable sort by expert
             order = ops.argsort(flat.astype(ms.int32) * n + ms.Tensor(np.arange(n, dtype=np.int32)))
-            out = self.experts(h[mint.div(order, TOP_K, rounding_mode="floor")], counts)
+            token_of = ms.Tensor(np.repeat(np.arange(n // TOP_K, dtype=np.int32), TOP_K))
+            out = self.experts(h[token_of[order]], counts)
             unsorted = out[ops.argsort(order.astype(ms.int32))].reshape(-1, TOP_K, dim)
             y = (unsorted * weights.unsqueeze(-1)).sum(1) + self.shared(h)
             per_seq = ops.one_hot(chosen, EXPERTS, ms.Tensor(1.0), ms.Tensor(0.0)).reshape(
