@@ -135,7 +135,19 @@ def expert_parallel(backend: str, score: str, ep: int, directory: str | None) ->
     out = {"reference": reference, "ep": run.train(data), "counts": seen[0]}
     if directory is not None:
         out.update(_checkpoint(backend, score, run, directory))
+        out["after_fully_shard"] = _after_fully_shard(backend, score, mesh)
     return out
+
+
+def _after_fully_shard(backend: str, score: str, mesh) -> str:
+    """The error of ExpertParallel on experts fully_shard manages already."""
+    model = _model(backend, score)
+    hp.fully_shard(model.moe.experts, mesh=mesh["efsdp"])
+    try:
+        hp.parallelize_module(model.moe.experts, mesh["ep"], hp.ExpertParallel())
+    except ValueError as error:
+        return str(error)
+    return "applied"
 
 
 def _checkpoint(backend: str, score: str, run: Run, directory: str) -> dict:

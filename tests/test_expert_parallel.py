@@ -83,3 +83,76 @@ def test_ep2_checkpoint_loads_in_one_process(backend):
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
 def test_dp2_ep2_matches_one_process(backend, score):
     _check_parity(shared_launch.results("expert_parallel_dp2_ep2", backend), score)
+
+
+def _bad_input_model(backend: str):
+    """``moe.experts`` (grouped, 4 experts), ``proj`` (a linear layer), and ``moe.listed``:
+    a ModuleList / CellList of linear experts."""
+    from tests.ep_models import mindspore_model, torch_model
+
+    if backend == "torch":
+        from torch import nn
+
+        model = torch_model()
+        model.moe.listed = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+        return model
+    from mindspore import nn
+
+    model = mindspore_model()
+    model.moe.listed = nn.CellList([nn.Dense(4, 4) for _ in range(4)])
+    return model
+
+
+# (submodule, mesh size, expected error, what it says)
+BAD_INPUT = {
+    "experts_not_divisible": ("moe.experts", 3, ValueError,
+                              "4 experts do not split evenly over the 3 ranks of mesh dim 'ep'"),
+    "module_without_experts": ("proj", 2, ValueError, "it holds no grouped experts"),
+    "module_list_of_experts": ("moe.listed", 2, ValueError, "it holds no grouped experts"),
+    "mesh_not_1d": ("moe.experts", None, ValueError, "takes a 1-D mesh"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_bad_input_is_a_named_error_and_changes_nothing(monkeypatch, backend, case):
+    monkeypatch.setenv("HP_BACKEND", backend)
+    import hyper_parallel as hp
+    from hyper_parallel import tensor_parallel as tp
+    from tests.core_tp_models import forward_hook_count
+
+    platform = hp.get_platform()
+    model = _bad_input_model(backend)
+    where, size, error, message = BAD_INPUT[case]
+    shape, names = ((2, 2), ("efsdp", "ep")) if size is None else ((size,), ("ep",))
+    mesh = hp.DeviceMesh("cpu", shape, names, [None] * len(shape))  # no groups: no collective
+
+    def state():
+        return [(name, attr, id(param), platform.to_numpy(param).tobytes(),
+                 tp.tensor_parallel_layout(param), forward_hook_count(backend, sub))
+                for name, sub in platform.named_modules(model)
+                for attr, param in platform.direct_params(sub)]
+
+    before = state()
+    with pytest.raises(error) as raised:
+        hp.parallelize_module(model, mesh, {where: hp.ExpertParallel()})
+    assert message in str(raised.value)
+    assert state() == before
+
+
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_a_mesh_without_the_expert_dim_is_a_named_error(monkeypatch, backend):
+    monkeypatch.setenv("HP_BACKEND", backend)
+    import hyper_parallel as hp
+
+    mesh = hp.DeviceMesh("cpu", (2,), ("dp",), [None])
+    with pytest.raises(KeyError, match="mesh has no dim named 'ep'|got 'ep'"):
+        mesh["ep"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_expert_parallel_after_fully_shard_is_refused(backend):
+    refused = shared_launch.results("expert_parallel_ep2", backend)[0]["softmax"]["after_fully_shard"]
+    assert "is managed by fully_shard already" in refused, refused

@@ -37,8 +37,8 @@ from hyper_parallel.tensor_parallel.style import ParallelStyle, split_param
 
 
 def expert_params(module: Any) -> list:
-    """``[(name, shape)]`` of ``module``'s own parameters (grouped experts: 3-D or more,
-    one leading dim of experts)."""
+    """``[(name, shape)]`` of ``module``'s own parameters (grouped experts: weights of 3-D
+    or more, biases of 2-D, one leading dim of experts)."""
     p = get_platform()
     return [(attr, tuple(p.shape(param))) for attr, param in p.direct_params(module)]
 
@@ -49,8 +49,8 @@ class ExpertParallel(ParallelStyle):
 
     def check(self, module: Any, mesh: Any) -> None:
         params = expert_params(module)
-        flat = [(attr, shape) for attr, shape in params if len(shape) < 2]
-        if not params or flat:
+        if not any(len(shape) >= 3 for _, shape in params) or \
+                any(len(shape) < 2 for _, shape in params):
             holds = ", ".join(f"{a} {s}" for a, s in params) or "no parameters of its own"
             raise ValueError(
                 f"ExpertParallel on {type(module).__name__}: it holds no grouped experts "
