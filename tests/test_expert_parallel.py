@@ -110,7 +110,8 @@ BAD_INPUT = {
     "experts_not_divisible": ("moe.experts", 3, ValueError,
                               "4 experts do not split evenly over the 3 ranks of mesh dim 'ep'"),
     "module_without_experts": ("proj", 2, ValueError, "it holds no grouped experts"),
-    "module_list_of_experts": ("moe.listed", 2, ValueError, "it holds no grouped experts"),
+    "module_list_of_experts": ("moe.listed", 2, ValueError,
+                               "its experts are 4 modules of their own, the Hugging Face form"),
     "mesh_not_1d": ("moe.experts", None, ValueError, "takes a 1-D mesh"),
 }
 

@@ -13,7 +13,9 @@ export lay it out as a region of the whole ``(num_experts, ...)`` value, and
 ``clip_grad_norm_`` reduces its norm over the mesh: every expert is counted once. Around
 the module's forward, the pre-hook dispatches the rows to their experts' ranks and the
 post-hook combines the results back (dispatch.py); the module itself computes with its
-local experts and the local counts, unchanged.
+local experts and the local counts, unchanged. The Hugging Face form (a ``ModuleList`` of
+expert modules that the MoE layer loops over itself) gives neither a call to dispatch
+around nor a parameter holding every expert: it is refused, naming the grouped form.
 
 [Note: data parallelism over the expert ranks]
 The expert ranks are data-parallel ranks too (torchtitan carves the expert dim out of
@@ -43,12 +45,23 @@ def expert_params(module: Any) -> list:
     return [(attr, tuple(p.shape(param))) for attr, param in p.direct_params(module)]
 
 
+def _children(module: Any) -> list:
+    return [sub for name, sub in get_platform().named_modules(module) if name and "." not in name]
+
+
 class ExpertParallel(ParallelStyle):
     """Split a grouped experts module's experts over the mesh; dispatch each token to its
     expert's rank and combine the results back (all-to-all both ways)."""
 
     def check(self, module: Any, mesh: Any) -> None:
         params = expert_params(module)
+        if not params and _children(module):
+            raise ValueError(
+                f"ExpertParallel on {type(module).__name__}: it holds no grouped experts "
+                f"(its experts are {len(_children(module))} modules of their own, the "
+                f"Hugging Face form, which this style does not split); hold the experts "
+                f"as (num_experts, ...) parameters of one module (torchtitan's "
+                f"GroupedExperts: w1, w2, w3) and apply the style to it")
         if not any(len(shape) >= 3 for _, shape in params) or \
                 any(len(shape) < 2 for _, shape in params):
             holds = ", ".join(f"{a} {s}" for a, s in params) or "no parameters of its own"
