@@ -152,12 +152,20 @@ def _after_fully_shard(backend: str, score: str, mesh) -> str:
 
 
 def _checkpoint(backend: str, score: str, run: Run, directory: str) -> dict:
-    """Saved at the expert degree of ``run``; loaded into a plain model (one process)."""
+    """Saved at the expert degree of ``run``; loaded into a plain model (one process); and
+    exported (rank 0 reads the file back)."""
     path = os.path.join(directory, f"ep-{backend}-{score}")
     hp.save_checkpoint(path, run.model, run.opt)
     plain = Run(backend, _model(backend, score), slice(None))
     hp.load_checkpoint(path, plain.model, plain.opt)
-    return {"saved": run.full_state(optimizer=True), "loaded": plain.full_state(optimizer=True)}
+    exported = os.path.join(directory, f"export-{backend}-{score}")
+    hp.export_full(exported, run.model)
+    out = {"saved": run.full_state(optimizer=True), "loaded": plain.full_state(optimizer=True)}
+    if hp.get_platform().rank() == 0:
+        from safetensors.numpy import load_file
+
+        out["exported"] = dict(load_file(os.path.join(exported, "model.safetensors")))
+    return out
 
 
 def run_all(backend: str, ep: int, directory: str, scores: tuple = ("softmax",)) -> dict:

@@ -13,7 +13,7 @@ one process on the whole batch. Over 5 AdamW steps with ``hp.clip_grad_norm_``:
   reference's (the counts summed over the ranks);
 - the routing leaves experts without rows on some rank (checked, so the case is covered);
 - the checkpoint saved at ep2 loads into the plain model in one process: every value and
-  the optimizer state equal.
+  the optimizer state equal; ``export_full`` writes every expert, whole.
 
 Under ``-m slow`` a 4-rank launch runs the same at dp2 x ep2 (two expert groups, experts
 sharded over 2 ranks inside each, gradient divide factor 4), with softmax and sigmoid
@@ -76,6 +76,16 @@ def test_ep2_checkpoint_loads_in_one_process(backend):
         assert saved.keys() == loaded.keys()
         for key, value in saved.items():
             np.testing.assert_array_equal(loaded[key], value, err_msg=f"rank {rank}: {key}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_ep2_export_writes_every_expert(backend):
+    result = shared_launch.results("expert_parallel_ep2", backend)[0]["softmax"]
+    whole = result["saved"]
+    assert result["exported"].keys() == {k for k in whole if not k.startswith("optim")}
+    for key, value in result["exported"].items():
+        np.testing.assert_array_equal(value, whole[key], err_msg=key)
 
 
 @pytest.mark.slow
