@@ -180,6 +180,9 @@ RUNS: dict[str, Run] = {
         Run("tp_deferred_load", {MS: 2}),
     "docs/api.md#Tensor parallelism (torch)#0": Run("tp_torch_own", {TORCH: 4}, _losses_match),
     "docs/api.md#Code written for FSDP2 (torch)#0": Run("api_fsdp2_rebind", {TORCH: 2}),
+    "docs/expert-parallel.md#The plan#0":
+        Run("ep_plan", {TORCH: 2, MS: 2}, lambda per_rank: (
+            _losses_match(per_rank), _params_match(FP32_RTOL)(per_rank))),
 }
 
 SIGNATURES = {
@@ -191,6 +194,8 @@ SIGNATURES = {
     "docs/api.md#export_full#0", "docs/api.md#get_platform#0",
     "docs/checkpoints.md#Checkpoints#0",
     "docs/api.md#parallelize_module and the tensor-parallel styles#0",
+    "docs/expert-parallel.md#Load balancing by router bias#0",
+    "docs/api.md#ExpertParallel, update_expert_bias#0",
 }
 
 #: blocks that are whole scripts started by a launcher, as the doc says: id -> the test
