@@ -4,6 +4,7 @@
     python examples/train_lm.py --backend mindspore --nproc 2
     python examples/train_lm.py --nproc 4 --mesh 2x2 --dtype bf16  # HSDP, bf16 parameters
     python examples/train_lm.py --nproc 4 --tp 2                  # FSDP over 2 x tensor parallel 2
+    python examples/train_lm.py --nproc 2 --moe --ep 2            # experts split over 2 ranks
     python examples/train_lm.py --size 124m --nproc 8            # GPT-2-small sized
 
 The model (examples/lm/: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, with
@@ -56,6 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, metavar="N",
                         help="tensor-parallel degree: each layer split over N ranks, FSDP "
                              "(or --mesh's HSDP) over the nproc / N groups (default 1: none)")
+    parser.add_argument("--moe", action="store_true",
+                        help="a mixture of experts in place of each MLP (4 experts, top-2, "
+                             "router-bias balancing; built eagerly; no --export)")
+    parser.add_argument("--ep", type=int, default=1, metavar="N",
+                        help="with --moe: the experts split over N ranks, FSDP over all ranks "
+                             "(default 1: none)")
     parser.add_argument("--size", choices=sorted(SIZES), default="small",
                         help="model size (default small, ~13M parameters)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
@@ -100,7 +107,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"({SIZES[args.size]['seq']})")
     if args.backend == "mindspore" and args.dtype == "bf16":
         parser.error("--dtype bf16: MindSpore on CPU has no bfloat16 matmul; use --dtype fp16")
+    _check_experts(parser, args)
     return args
+
+
+def _check_experts(parser, args) -> None:
+    """``--moe`` / ``--ep`` (examples/lm/expert_parallel.py): the model is built eagerly
+    (its router bias is a constant of the build)."""
+    from examples.lm.expert_parallel import check_degree
+
+    if args.ep > 1 and not args.moe:
+        parser.error("--ep N splits the experts of --moe: add --moe")
+    problem = check_degree(args.nproc, args.ep, args.tp, args.mesh)
+    if problem:
+        parser.error(problem)
+    if args.moe and args.export:
+        parser.error("--export writes Hugging Face Llama's layout, which has no experts: "
+                     "leave it out with --moe")
+    args.eager_init = args.eager_init or args.moe
 
 
 def _mesh_shape(parser, args):
@@ -157,8 +181,13 @@ def rank_main(args: argparse.Namespace) -> None:
     mesh, tp_mesh = _meshes(hp, platform, args)
     mp_policy = hp.MixedPrecisionPolicy(param_dtype=DTYPES[args.dtype],
                                         reduce_dtype=DTYPES[args.dtype] and "float32")
+    ep_meshes = (None, None)
+    if args.moe:
+        from examples.lm.expert_parallel import expert_meshes
+
+        ep_meshes = expert_meshes(hp, platform.device_type(), world, args.ep)
     trainer = Trainer(args.size, mesh, mp_policy, not args.eager_init, args.lr,
-                      args.weight_decay, args.clip, tp_mesh)
+                      args.weight_decay, args.clip, tp_mesh, args.moe, ep_meshes)
     # a tensor-parallel group's ranks take the same rows: those of their data-parallel rank
     data_rank, data_world = rank // args.tp, world // args.tp
     corpus = ByteCorpus()
@@ -208,6 +237,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
 def _layout(args) -> str:
     data = f"HSDP {args.mesh}" if args.mesh else f"FSDP {args.nproc // args.tp}"
+    if args.moe:
+        data += f", MoE, EP {args.ep}"
     return data if args.tp == 1 else f"{data} x TP {args.tp}"
 
 

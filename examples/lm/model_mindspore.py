@@ -12,6 +12,7 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.common.initializer import initializer
 
 from examples.lm.config import EPS, SIZES, VOCAB, initial, rope_tables
+from examples.lm.expert_parallel import EXPERTS, TOP_K
 
 
 class RMSNorm(nn.Cell):
@@ -81,13 +82,61 @@ class MLP(nn.Cell):
         return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedExperts(nn.Cell):
+    """See model_torch.py's GroupedExperts."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        for name, shape in (("gate_proj", (EXPERTS, hidden, intermediate)),
+                            ("up_proj", (EXPERTS, hidden, intermediate)),
+                            ("down_proj", (EXPERTS, intermediate, hidden))):
+            setattr(self, name, Parameter(initializer("zeros", shape, ms.float32), name=name))
+
+    def construct(self, x, num_tokens_per_expert):
+        outs, start = [], 0
+        for e, n in enumerate(int(c) for c in num_tokens_per_expert.asnumpy()):
+            if n:
+                rows = x[start:start + n]
+                hidden = ops.silu(ops.matmul(rows, self.gate_proj[e])) * ops.matmul(rows, self.up_proj[e])
+                outs.append(ops.matmul(hidden, self.down_proj[e]))
+                start += n
+        return ops.cat(outs) if outs else x
+
+
+class MoE(nn.Cell):
+    """See model_torch.py's MoE (a stable sort by expert: sorted by expert, then position)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate = _linear(hidden, EXPERTS)
+        self.experts = GroupedExperts(hidden, intermediate // TOP_K)
+        self.expert_bias = mint.zeros(EXPERTS, dtype=ms.float32)  # constants, not parameters
+        self.tokens_per_expert = mint.zeros(EXPERTS, dtype=ms.float32)
+
+    def construct(self, x):
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        scores = ops.softmax(self.gate(h).astype(ms.float32), -1)
+        chosen = ops.topk(ops.stop_gradient(scores) + self.expert_bias, TOP_K, dim=-1)[1]
+        weights = ops.gather_elements(scores, 1, chosen).astype(h.dtype)
+        flat = chosen.reshape(-1)
+        counts = ops.bincount(flat, minlength=EXPERTS)
+        self.tokens_per_expert += ops.stop_gradient(counts).astype(ms.float32)
+        n = flat.shape[0]
+        order = ops.argsort(flat.astype(ms.int32) * n + Tensor(np.arange(n, dtype=np.int32)))
+        token_of = Tensor(np.repeat(np.arange(n // TOP_K, dtype=np.int32), TOP_K))
+        out = self.experts(h[token_of[order]], counts)
+        unsorted = out[ops.argsort(order.astype(ms.int32))].reshape(-1, TOP_K, shape[-1])
+        return (unsorted * weights.expand_dims(-1)).sum(1).reshape(shape)
+
+
 class DecoderLayer(nn.Cell):
-    def __init__(self, s: dict):
+    def __init__(self, s: dict, moe: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(s["hidden"])
         self.self_attn = Attention(s["hidden"], s["heads"], s["kv_heads"])
         self.post_attention_layernorm = RMSNorm(s["hidden"])
-        self.mlp = MLP(s["hidden"], s["intermediate"])
+        self.mlp = (MoE if moe else MLP)(s["hidden"], s["intermediate"])
 
     def construct(self, x, cos, sin, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
@@ -95,10 +144,10 @@ class DecoderLayer(nn.Cell):
 
 
 class Body(nn.Cell):
-    def __init__(self, s: dict):
+    def __init__(self, s: dict, moe: bool = False):
         super().__init__()
         self.embed_tokens = Embedding(VOCAB, s["hidden"])
-        self.layers = nn.CellList([DecoderLayer(s) for _ in range(s["layers"])])
+        self.layers = nn.CellList([DecoderLayer(s, moe) for _ in range(s["layers"])])
         self.norm = RMSNorm(s["hidden"])
         cos, sin = rope_tables(s["seq"], s["hidden"] // s["heads"])
         self.cos, self.sin = Tensor(cos), Tensor(sin)  # constants, not parameters
@@ -116,19 +165,19 @@ class Body(nn.Cell):
 
 
 class LlamaLM(nn.Cell):
-    def __init__(self, size: str):
+    def __init__(self, size: str, moe: bool = False):
         super().__init__()
         s = SIZES[size]
-        self.model = Body(s)
+        self.model = Body(s, moe)
         self.lm_head = _linear(s["hidden"], VOCAB)
 
     def construct(self, ids):
         return self.lm_head(self.model(ids))
 
 
-def build(size: str, platform) -> LlamaLM:
+def build(size: str, platform, moe: bool = False) -> LlamaLM:
     """``platform``: hyper_parallel's, whose module walk gives the qualified names."""
-    model = LlamaLM(size)
+    model = LlamaLM(size, moe)
     for module_name, sub in platform.named_modules(model):
         for attr, p in platform.direct_params(sub):
             name = f"{module_name}.{attr}" if module_name else attr

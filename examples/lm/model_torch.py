@@ -1,6 +1,7 @@
 """A Llama-style decoder in torch, with Hugging Face ``LlamaForCausalLM``'s parameter names
 (so ``hp.export_full`` of it loads with ``from_pretrained``): RMSNorm, rotary embeddings,
-grouped-query attention, SwiGLU."""
+grouped-query attention, SwiGLU; with ``moe`` a mixture of grouped SwiGLU experts in place
+of each MLP (examples/lm/expert_parallel.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples.lm.config import EPS, SIZES, VOCAB, initial, rope_tables
+from examples.lm.expert_parallel import EXPERTS, TOP_K
 
 
 class RMSNorm(nn.Module):
@@ -60,13 +62,61 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedExperts(nn.Module):
+    """SwiGLU experts held grouped, torchtitan's form: ``experts(x, num_tokens_per_expert)``
+    with the rows grouped by expert (an expert with no rows is skipped)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(EXPERTS, hidden, intermediate))
+        self.up_proj = nn.Parameter(torch.empty(EXPERTS, hidden, intermediate))
+        self.down_proj = nn.Parameter(torch.empty(EXPERTS, intermediate, hidden))
+
+    def forward(self, x, num_tokens_per_expert):
+        outs, start = [], 0
+        for e, n in enumerate(num_tokens_per_expert.tolist()):
+            if n:
+                rows = x[start:start + n]
+                hidden = F.silu(rows @ self.gate_proj[e]) * (rows @ self.up_proj[e])
+                outs.append(hidden @ self.down_proj[e])
+                start += n
+        return torch.cat(outs) if outs else x
+
+
+class MoE(nn.Module):
+    """Top-k softmax routing over grouped experts; the router's bias (outside autograd)
+    only picks experts, and the counts it is updated from accumulate here."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, EXPERTS, bias=False)
+        self.experts = GroupedExperts(hidden, intermediate // TOP_K)
+        self.register_buffer("expert_bias", torch.zeros(EXPERTS), persistent=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(EXPERTS), persistent=False)
+
+    def forward(self, x):
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        scores = self.gate(h).float().softmax(-1)
+        chosen = torch.topk(scores.detach() + self.expert_bias, TOP_K, dim=-1).indices
+        weights = scores.gather(1, chosen).to(h.dtype)
+        flat = chosen.reshape(-1)
+        counts = torch.bincount(flat, minlength=EXPERTS)
+        with torch.no_grad():
+            self.tokens_per_expert += counts
+        order = torch.sort(flat, stable=True).indices
+        out = self.experts(h[order // TOP_K], counts)
+        unsorted = out[torch.argsort(order)].reshape(-1, TOP_K, shape[-1])
+        return (unsorted * weights.unsqueeze(-1)).sum(1).reshape(shape)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, s: dict):
+    def __init__(self, s: dict, moe: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(s["hidden"])
         self.self_attn = Attention(s["hidden"], s["heads"], s["kv_heads"])
         self.post_attention_layernorm = RMSNorm(s["hidden"])
-        self.mlp = MLP(s["hidden"], s["intermediate"])
+        self.mlp = (MoE if moe else MLP)(s["hidden"], s["intermediate"])
 
     def forward(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -74,10 +124,10 @@ class DecoderLayer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, s: dict):
+    def __init__(self, s: dict, moe: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(VOCAB, s["hidden"])
-        self.layers = nn.ModuleList([DecoderLayer(s) for _ in range(s["layers"])])
+        self.layers = nn.ModuleList([DecoderLayer(s, moe) for _ in range(s["layers"])])
         self.norm = RMSNorm(s["hidden"])
         self.seq, self.head_dim = s["seq"], s["hidden"] // s["heads"]
         self.register_buffer("cos", torch.empty(self.seq, self.head_dim), persistent=False)
@@ -104,18 +154,18 @@ class Body(nn.Module):
 
 
 class LlamaLM(nn.Module):
-    def __init__(self, size: str):
+    def __init__(self, size: str, moe: bool = False):
         super().__init__()
         s = SIZES[size]
-        self.model = Body(s)
+        self.model = Body(s, moe)
         self.lm_head = nn.Linear(s["hidden"], VOCAB, bias=False)
 
     def forward(self, ids):
         return self.lm_head(self.model(ids))
 
 
-def build(size: str) -> LlamaLM:
-    model = LlamaLM(size)
+def build(size: str, moe: bool = False) -> LlamaLM:
+    model = LlamaLM(size, moe)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.from_numpy(initial(name, tuple(p.shape))))

@@ -13,6 +13,7 @@ from mindspore.nn.utils import no_init_parameters
 
 import hyper_parallel as hp
 from examples.lm.config import VOCAB, set_initial_values
+from examples.lm.expert_parallel import balance, forget_counts, shard_experts
 from examples.lm.model_mindspore import LlamaLM, build
 from examples.lm.progress import peak_resident_mb
 from examples.lm.tensor_parallel import lm_plan
@@ -20,23 +21,29 @@ from examples.lm.tensor_parallel import lm_plan
 
 class Trainer:
     def __init__(self, size: str, mesh, mp_policy, deferred: bool, lr: float,
-                 weight_decay: float, clip: float, tp_mesh=None):
+                 weight_decay: float, clip: float, tp_mesh=None, moe: bool = False,
+                 ep_meshes: tuple = (None, None)):
         """``mesh``: fully_shard's (None: all ranks); ``tp_mesh``: the tensor-parallel
-        ranks (None: no tensor parallelism), which needs the model built eagerly."""
+        ranks (None: no tensor parallelism), which needs the model built eagerly; ``moe``:
+        experts in place of the MLPs, split over ``ep_meshes`` (expert_parallel.py's
+        ``expert_meshes``; an expert split needs the model built eagerly)."""
         ms.set_context(mode=ms.PYNATIVE_MODE)
         if deferred:
             with no_init_parameters():  # parameters hold initializers, no values
-                model = LlamaLM(size)
+                model = LlamaLM(size, moe)
         else:
-            model = build(size, hp.get_platform())
+            model = build(size, hp.get_platform(), moe)
         if tp_mesh is not None:
             hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=4))
+        if ep_meshes[0] is not None:
+            shard_experts(hp, model, ep_meshes[0], mp_policy, hp.get_platform().world_size())
         for layer in model.model.layers:
             hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # materialises the shards
         if deferred:
             set_initial_values(model)
         self.model, self.clip, self.tensor_parallel = model, clip, tp_mesh is not None
+        self.moe, self.every = moe, ep_meshes[1]
         self.params = list(model.trainable_params())
         self.optimizer = AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.grad_fn = ms.value_and_grad(self._loss, None, self.params)
@@ -53,10 +60,15 @@ class Trainer:
         loss, grads = self.grad_fn(Tensor(ids.astype(np.int32)), Tensor(targets.astype(np.int32)))
         grads, norm = hp.clip_grad_norm_(self.params, self.clip, grads=grads)
         self.optimizer(grads)
+        if self.moe:
+            balance(hp, self.model, self.every)
         return float(loss.asnumpy()), float(norm.asnumpy())
 
     def evaluate(self, ids: np.ndarray, targets: np.ndarray) -> float:
-        return float(self._loss(Tensor(ids.astype(np.int32)), Tensor(targets.astype(np.int32))).asnumpy())
+        loss = self._loss(Tensor(ids.astype(np.int32)), Tensor(targets.astype(np.int32)))
+        if self.moe:
+            forget_counts(hp, self.model)
+        return float(loss.asnumpy())
 
     def mean_over_ranks(self, values: list) -> list:
         tensor = Tensor(np.array(values, np.float32))

@@ -10,6 +10,7 @@ import torch
 
 import hyper_parallel as hp
 from examples.lm.config import VOCAB, set_initial_values
+from examples.lm.expert_parallel import balance, forget_counts, shard_experts
 from examples.lm.model_torch import LlamaLM, build
 from examples.lm.progress import peak_resident_mb
 from examples.lm.tensor_parallel import lm_plan
@@ -17,18 +18,23 @@ from examples.lm.tensor_parallel import lm_plan
 
 class Trainer:
     def __init__(self, size: str, mesh, mp_policy, deferred: bool, lr: float,
-                 weight_decay: float, clip: float, tp_mesh=None):
+                 weight_decay: float, clip: float, tp_mesh=None, moe: bool = False,
+                 ep_meshes: tuple = (None, None)):
         """``mesh``: fully_shard's (None: all ranks); ``tp_mesh``: the tensor-parallel
-        ranks (None: no tensor parallelism), which needs the model built eagerly."""
+        ranks (None: no tensor parallelism), which needs the model built eagerly; ``moe``:
+        experts in place of the MLPs, split over ``ep_meshes`` (expert_parallel.py's
+        ``expert_meshes``; an expert split needs the model built eagerly)."""
         torch.manual_seed(0)
         self.device = torch.device(hp.get_platform().device_type())
         if deferred:
             with torch.device("meta"):
-                model = LlamaLM(size)
+                model = LlamaLM(size, moe)
         else:
-            model = build(size).to(self.device)
+            model = build(size, moe).to(self.device)
         if tp_mesh is not None:
             hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=3))
+        if ep_meshes[0] is not None:
+            shard_experts(hp, model, ep_meshes[0], mp_policy, hp.get_platform().world_size())
         for layer in model.model.layers:
             hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
@@ -37,6 +43,7 @@ class Trainer:
             model.model.init_rope()
             set_initial_values(model)
         self.model, self.clip, self.tensor_parallel = model, clip, tp_mesh is not None
+        self.moe, self.every = moe, ep_meshes[1]
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
     def _loss(self, ids: np.ndarray, targets: np.ndarray):
@@ -55,11 +62,16 @@ class Trainer:
         norm = hp.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad()
+        if self.moe:
+            balance(hp, self.model, self.every)
         return _value(loss), _value(norm)
 
     def evaluate(self, ids: np.ndarray, targets: np.ndarray) -> float:
         with torch.no_grad():
-            return _value(self._loss(ids, targets))
+            loss = _value(self._loss(ids, targets))
+        if self.moe:
+            forget_counts(hp, self.model)
+        return loss
 
     def mean_over_ranks(self, values: list) -> list:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)

@@ -1,0 +1,62 @@
+"""The example model's mixture of experts (``--moe``) and its expert parallelism (``--ep N``),
+written once for both frameworks.
+
+[Note: the plan]
+With ``--moe`` every decoder layer's MLP is a mixture of ``EXPERTS`` SwiGLU experts (top-
+``TOP_K`` softmax routing, no token dropped, experts held grouped: one ``(EXPERTS, ...)``
+parameter per projection) balanced by router bias (``hp.update_expert_bias`` after each
+step, the counts summed over every rank). With ``--ep N`` the experts are split over N
+ranks, torchtitan's mesh: every rank is a data-parallel rank with its own rows, the
+expert dim is carved out of them (``(nproc / N, N)``, dims ``efsdp`` x ``ep``), each
+layer's experts are a ``fully_shard`` unit over ``efsdp`` whose gradients are divided by
+the whole data-parallel size (they sum every rank's tokens), and the rest is sharded
+over every rank as without experts.
+"""
+
+from __future__ import annotations
+
+EXPERTS, TOP_K = 4, 2
+
+
+def check_degree(nproc: int, ep: int, tp: int, mesh: str | None) -> str | None:
+    """Why ``--ep ep`` cannot run (None if it can)."""
+    if ep < 1 or nproc % ep:
+        return f"--ep {ep} must divide --nproc {nproc}"
+    if EXPERTS % ep:
+        return f"--ep {ep} must divide the {EXPERTS} experts"
+    if ep > 1 and (tp > 1 or mesh):
+        return "--ep runs with FSDP over all ranks: leave out --tp and --mesh"
+    return None
+
+
+def expert_meshes(hp, device_type: str, nproc: int, ep: int) -> tuple:
+    """(the (efsdp, ep) mesh, or None without expert parallelism; a 1-D mesh of every rank,
+    over which the router's counts are summed)."""
+    every = hp.init_device_mesh(device_type, (nproc,), mesh_dim_names=("dp",))
+    if ep == 1:
+        return None, every
+    mesh = hp.init_device_mesh(device_type, (nproc // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    return mesh, every
+
+
+def shard_experts(hp, model, mesh, mp_policy, world: int) -> None:
+    """Split each layer's experts over ``mesh["ep"]`` and make them a unit over
+    ``mesh["efsdp"]`` (before the layers' units, which then leave them out)."""
+    for layer in model.model.layers:
+        hp.parallelize_module(layer.mlp.experts, mesh["ep"], hp.ExpertParallel())
+        hp.fully_shard(layer.mlp.experts, mesh=mesh["efsdp"], mp_policy=mp_policy)
+        layer.mlp.experts.set_gradient_divide_factor(world)
+
+
+def balance(hp, model, every) -> None:
+    """After an optimizer step: each layer's router bias against the step's counts."""
+    for layer in model.model.layers:
+        hp.update_expert_bias(layer.mlp.expert_bias, layer.mlp.tokens_per_expert, every)
+
+
+def forget_counts(hp, model) -> None:
+    """Zero the counts a forward outside training (validation) added."""
+    platform = hp.get_platform()
+    for layer in model.model.layers:
+        counts = layer.mlp.tokens_per_expert
+        platform.copy_into(counts, platform.zeros(platform.shape(counts), platform.dtype_of(counts)))

@@ -1,0 +1,65 @@
+"""examples/train_lm.py with a mixture of experts (``--moe``) split over the ranks
+(``--ep``): the example model with experts trains at ep2 what it trains in one process,
+on both frameworks.
+
+Every run is the example's own command line (tests/test_train_lm.py's ``_train``: tiny size,
+hp-run's ``--timeout``), ``STEPS`` AdamW steps with clipping and router-bias balancing.
+The launches (about 1 min each for MindSpore on 2 cores) run under ``-m slow``: in the
+default run tests/test_expert_parallel.py trains the same composition (experts split by
+``ExpertParallel`` and sharded inside the expert group, the rest over every rank) on both
+frameworks against one process. Checked:
+
+- on each framework, the ep2 losses equal its one-process losses to 1e-5 relative;
+- torch's and MindSpore's one-process runs agree to what the example's dense runs agree to
+  (tests/test_train_lm.py's tolerance is measured per session; here 1e-5 relative);
+- the command line's checks of ``--ep`` (no launch).
+"""
+
+import pytest
+
+from examples.train_lm import parse_args
+from tests.test_train_lm import _losses, _rel, _train
+
+STEPS = 5
+PARITY = 1e-5
+BACKENDS = ["torch", "mindspore"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("train_lm_ep")
+
+
+@pytest.fixture(scope="module")
+def runs(root):
+    return {(backend, nproc): _train(root / f"{backend}_{nproc}", backend, "--nproc", str(nproc),
+                                     "--moe", "--ep", str(nproc), "--steps", str(STEPS))
+            for backend in BACKENDS for nproc in (1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ep2_losses_equal_one_process(runs, backend):
+    one, ep2 = _losses(runs[(backend, 1)]), _losses(runs[(backend, 2)])
+    assert len(one) == STEPS and one[-1] < one[0], "the one-process run did not train"
+    assert _rel(ep2, one) <= PARITY, (ep2, one)
+    assert "MoE, EP 2" in runs[(backend, 2)][1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_torch_and_mindspore_agree(runs):
+    assert _rel(_losses(runs[("torch", 1)]), _losses(runs[("mindspore", 1)])) <= PARITY
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ep", "2"], "--ep N splits the experts of --moe: add --moe"),
+    (["--moe", "--ep", "3", "--nproc", "3", "--batch", "6"], "--ep 3 must divide the 4 experts"),
+    (["--moe", "--ep", "2", "--nproc", "4", "--tp", "2"], "leave out --tp and --mesh"),
+    (["--moe", "--export", "out"], "leave it out with --moe"),
+])
+def test_bad_expert_arguments_are_named(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
