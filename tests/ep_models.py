@@ -19,7 +19,8 @@ models write it (torchtitan's MoE): plain framework modules, nothing of hyper_pa
 ``expert_bias`` starts at ``-10`` for expert ``EMPTY``: no token chooses it, on any rank
 (an expert with no tokens), and the few tokens of a rank leave other experts empty there.
 The loss is the mean squared error against random targets plus ``AUX`` times the
-auxiliary loss.
+auxiliary loss. ``recompute``: the experts' forward runs again in backward (activation
+recompute: torch's ``checkpoint``, MindSpore's ``recompute``).
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ def batches(seed: int = 1) -> list:
 
 
 # ---------------------------------------------------------------- torch
-def torch_model(score: str = "softmax"):
+def torch_model(score: str = "softmax", recompute: bool = False):
     import torch
     import torch.nn.functional as F
     from torch import nn
+    from torch.utils.checkpoint import checkpoint
 
     class GroupedExperts(nn.Module):
         def __init__(self):
@@ -93,6 +95,7 @@ def torch_model(score: str = "softmax"):
             self.register_buffer("expert_bias", torch.from_numpy(initial_bias()),
                                  persistent=False)
             self.register_buffer("tokens_per_expert", torch.zeros(EXPERTS), persistent=False)
+            self.recompute = recompute
 
         def forward(self, x):
             seqs, seq, dim = x.shape
@@ -108,7 +111,10 @@ def torch_model(score: str = "softmax"):
             with torch.no_grad():
                 self.tokens_per_expert += counts
             order = torch.sort(flat, stable=True).indices
-            out = self.experts(h[order // TOP_K], counts)
+            if self.recompute:  # the experts' forward (dispatch and combine) run again
+                out = checkpoint(self.experts, h[order // TOP_K], counts, use_reentrant=False)
+            else:
+                out = self.experts(h[order // TOP_K], counts)
             unsorted = out[torch.argsort(order)].reshape(-1, TOP_K, dim)
             y = (unsorted * weights.unsqueeze(-1)).sum(1) + self.shared(h)
             per_seq = F.one_hot(chosen, EXPERTS).reshape(seqs, seq * TOP_K, EXPERTS).sum(1)
@@ -140,7 +146,7 @@ def torch_loss(model, x, target):
 
 
 # ---------------------------------------------------------------- MindSpore
-def mindspore_model(score: str = "softmax"):
+def mindspore_model(score: str = "softmax", recompute: bool = False):
     import mindspore as ms
     from mindspore import mint, nn, ops
 
@@ -205,7 +211,10 @@ def mindspore_model(score: str = "softmax"):
             n = flat.shape[0]  # sorted by (expert, position): a stable sort by expert
             order = ops.argsort(flat.astype(ms.int32) * n + ms.Tensor(np.arange(n, dtype=np.int32)))
             token_of = ms.Tensor(np.repeat(np.arange(n // TOP_K, dtype=np.int32), TOP_K))
-            out = self.experts(h[token_of[order]], counts)
+            if recompute:  # the experts' forward (dispatch and combine) run again
+                out = ms.recompute(self.experts, h[token_of[order]], counts)
+            else:
+                out = self.experts(h[token_of[order]], counts)
             unsorted = out[ops.argsort(order.astype(ms.int32))].reshape(-1, TOP_K, dim)
             y = (unsorted * weights.unsqueeze(-1)).sum(1) + self.shared(h)
             per_seq = ops.one_hot(chosen, EXPERTS, ms.Tensor(1.0), ms.Tensor(0.0)).reshape(

@@ -98,8 +98,10 @@ def _named(model) -> list:
             for attr, p in platform.direct_params(sub)]
 
 
-def _model(backend: str, score: str):
-    return (torch_model if backend == "torch" else mindspore_model)(score)
+def _model(backend: str, run: str):
+    """The model of ``run``: a score function, ``-recompute`` for activation recompute."""
+    score, _, variant = run.partition("-")
+    return (torch_model if backend == "torch" else mindspore_model)(score, variant == "recompute")
 
 
 def _counts_seen(experts) -> list:
@@ -117,14 +119,14 @@ def _counts_seen(experts) -> list:
     return seen
 
 
-def expert_parallel(backend: str, score: str, ep: int, directory: str | None) -> dict:
-    """One score function: the one-process reference and the expert-parallel run."""
+def expert_parallel(backend: str, name: str, ep: int, directory: str | None) -> dict:
+    """One run (``_model``): the one-process reference and the expert-parallel run."""
     world = hp.get_platform().world_size()
     data = batches()
-    reference = Run(backend, _model(backend, score), slice(None)).train(data)
+    reference = Run(backend, _model(backend, name), slice(None)).train(data)
     mesh = hp.init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     dp = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    model = _model(backend, score)
+    model = _model(backend, name)
     hp.parallelize_module(model.moe.experts, mesh["ep"], hp.ExpertParallel())
     seen = _counts_seen(model.moe.experts)  # pre-hooks run newest first: before dispatch
     hp.fully_shard(model.moe.experts, mesh=mesh["efsdp"])
@@ -135,14 +137,14 @@ def expert_parallel(backend: str, score: str, ep: int, directory: str | None) ->
     run = Run(backend, model, slice(rank * per_rank, (rank + 1) * per_rank), bias_mesh=dp)
     out = {"reference": reference, "ep": run.train(data), "counts": seen[0]}
     if directory is not None:
-        out.update(_checkpoint(backend, score, run, directory))
-        out["after_fully_shard"] = _after_fully_shard(backend, score, mesh)
+        out.update(_checkpoint(backend, name, run, directory))
+        out["after_fully_shard"] = _after_fully_shard(backend, name, mesh)
     return out
 
 
-def _after_fully_shard(backend: str, score: str, mesh) -> str:
+def _after_fully_shard(backend: str, name: str, mesh) -> str:
     """The error of ExpertParallel on experts fully_shard manages already."""
-    model = _model(backend, score)
+    model = _model(backend, name)
     hp.fully_shard(model.moe.experts, mesh=mesh["efsdp"])
     try:
         hp.parallelize_module(model.moe.experts, mesh["ep"], hp.ExpertParallel())
@@ -151,14 +153,14 @@ def _after_fully_shard(backend: str, score: str, mesh) -> str:
     return "applied"
 
 
-def _checkpoint(backend: str, score: str, run: Run, directory: str) -> dict:
+def _checkpoint(backend: str, name: str, run: Run, directory: str) -> dict:
     """Saved at the expert degree of ``run``; loaded into a plain model (one process); and
     exported (rank 0 reads the file back)."""
-    path = os.path.join(directory, f"ep-{backend}-{score}")
+    path = os.path.join(directory, f"ep-{backend}-{name}")
     hp.save_checkpoint(path, run.model, run.opt)
-    plain = Run(backend, _model(backend, score), slice(None))
+    plain = Run(backend, _model(backend, name), slice(None))
     hp.load_checkpoint(path, plain.model, plain.opt)
-    exported = os.path.join(directory, f"export-{backend}-{score}")
+    exported = os.path.join(directory, f"export-{backend}-{name}")
     hp.export_full(exported, run.model)
     out = {"saved": run.full_state(optimizer=True), "loaded": plain.full_state(optimizer=True)}
     if hp.get_platform().rank() == 0:
@@ -168,11 +170,11 @@ def _checkpoint(backend: str, score: str, run: Run, directory: str) -> dict:
     return out
 
 
-def run_all(backend: str, ep: int, directory: str, scores: tuple = ("softmax",)) -> dict:
-    """Each score function's runs (the first one's with the checkpoint), and the seconds
-    the job took on this rank."""
+def run_all(backend: str, ep: int, directory: str, runs: tuple = ("softmax",)) -> dict:
+    """Each run (a name function, ``-recompute`` for activation recompute; the first one
+    with the checkpoint) and the seconds the job took on this rank."""
     start = time.perf_counter()
-    out = {score: expert_parallel(backend, score, ep, directory if i == 0 else None)
-           for i, score in enumerate(scores)}
+    out = {run: expert_parallel(backend, run, ep, directory if i == 0 else None)
+           for i, run in enumerate(runs)}
     out["seconds"] = time.perf_counter() - start
     return out

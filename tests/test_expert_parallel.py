@@ -17,7 +17,8 @@ one process on the whole batch. Over 5 AdamW steps with ``hp.clip_grad_norm_``:
 
 Under ``-m slow`` a 4-rank launch runs the same at dp2 x ep2 (two expert groups, experts
 sharded over 2 ranks inside each, gradient divide factor 4), with softmax and sigmoid
-scores. Bad input fails before anything changes, in the test process on a mesh without
+scores, and with the experts' forward (dispatch and combine included) recomputed in
+backward. Bad input fails before anything changes, in the test process on a mesh without
 groups.
 """
 
@@ -30,14 +31,14 @@ from tests import shared_launch
 from tests.ep_models import EMPTY
 from tests.tolerance import FP32_RTOL, assert_close
 
-SCORES = ("softmax", "sigmoid")
+SLOW_RUNS = ("softmax", "sigmoid", "softmax-recompute")
 EP = 2
 
 shared_launch.register(__name__, "expert_parallel_ep2", EP, "tests.ep_scenarios:run_all",
                        lambda backend: (backend, EP, shared_launch.directory("ep2")),
                        timeout_s=300)
 shared_launch.register(__name__, "expert_parallel_dp2_ep2", 2 * EP, "tests.ep_scenarios:run_all",
-                       lambda backend: (backend, EP, shared_launch.directory("dp2-ep2"), SCORES),
+                       lambda backend: (backend, EP, shared_launch.directory("dp2-ep2"), SLOW_RUNS),
                        timeout_s=600, slow=True)
 
 
@@ -90,10 +91,10 @@ def test_ep2_export_writes_every_expert(backend):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("score", SCORES)
+@pytest.mark.parametrize("run", SLOW_RUNS)
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
-def test_dp2_ep2_matches_one_process(backend, score):
-    _check_parity(shared_launch.results("expert_parallel_dp2_ep2", backend), score)
+def test_dp2_ep2_matches_one_process(backend, run):
+    _check_parity(shared_launch.results("expert_parallel_dp2_ep2", backend), run)
     _print_seconds("expert_parallel_dp2_ep2", backend)
 
 
