@@ -77,9 +77,15 @@ class Run:
         return {_key(k): v for k, v in full.items()}
 
     def train(self, steps: list) -> dict:
+        """Per step: the loss, norm, whole parameters and expert bias; and the all-to-all
+        calls and bytes this rank sent over the "ep" dim in the first step."""
         out = {"losses": [], "norms": [], "params": [], "bias": []}
-        for batch in steps:
-            loss, norm = self.step(batch)
+        for i, batch in enumerate(steps):
+            with hp.track_comms() as window:
+                loss, norm = self.step(batch)
+            if i == 0:
+                out["all_to_all"] = (window.calls("all_to_all", dim="ep"),
+                                     window.nbytes("all_to_all", dim="ep"))
             out["losses"].append(loss)
             out["norms"].append(norm)
             out["params"].append(self.full_state())

@@ -12,6 +12,7 @@ one process on the whole batch. Over 5 AdamW steps with ``hp.clip_grad_norm_``:
   every step (``get_full_state_dict``: all experts); the expert bias moves as the
   reference's (the counts summed over the ranks);
 - the routing leaves experts without rows on some rank (checked, so the case is covered);
+- the all-to-all bytes of a step are those the routing implies (counted by the platform);
 - the checkpoint saved at ep2 loads into the plain model in one process: every value and
   the optimizer state equal; ``export_full`` writes every expert, whole.
 
@@ -28,7 +29,7 @@ import numpy as np
 import pytest
 
 from tests import shared_launch
-from tests.ep_models import EMPTY
+from tests.ep_models import DIM, EMPTY, EXPERTS
 from tests.tolerance import FP32_RTOL, assert_close
 
 SLOW_RUNS = ("softmax", "sigmoid", "softmax-recompute")
@@ -60,6 +61,22 @@ def _check_parity(per_rank: list, score: str) -> None:
                 assert_close(got[name], value, FP32_RTOL, f"rank {rank}, step {step}: {name}")
     counts = [run["counts"] for run in runs]
     assert all(c[EMPTY] == 0 for c in counts), counts
+    if not score.endswith("-recompute"):
+        _check_all_to_all_bytes(runs, counts)
+
+
+def _check_all_to_all_bytes(runs: list, counts: list) -> None:
+    """What each rank sent over "ep" in one step is what the routing implies: the counts
+    exchanged (int64), the rows it sends to its peers' experts and the rows its experts
+    return to them, forward and again in backward (float32 rows of DIM), in 5 calls."""
+    local = EXPERTS // EP
+    for rank, run in enumerate(runs):
+        group = range(rank - rank % EP, rank - rank % EP + EP)
+        mine = range(rank % EP * local, rank % EP * local + local)
+        sent = sum(n for e, n in enumerate(counts[rank]) if e not in mine)
+        returned = sum(counts[peer][e] for peer in group if peer != rank for e in mine)
+        expected = (EXPERTS - local) * 8 + 2 * (sent + returned) * DIM * 4
+        assert run["ep"]["all_to_all"] == (5, expected), (rank, run["ep"]["all_to_all"])
 
 
 @pytest.mark.timeout(600)
