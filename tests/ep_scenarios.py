@@ -34,8 +34,10 @@ COEFF = 1e-3
 class Run:
     """A model and its AdamW in one framework, trained on sequences ``rows`` of each batch."""
 
-    def __init__(self, backend: str, model, rows: slice, bias_mesh=None):
+    def __init__(self, backend: str, model, rows: slice, bias_mesh=None, micro: int = 1):
+        """``micro``: micro-batches per step, gradients accumulated (synced in the last)."""
         self.backend, self.model, self.rows, self.bias_mesh = backend, model, rows, bias_mesh
+        self.micro = micro
         self.params = [p for _, p in _named(model)]
         if backend == "torch":
             import torch
@@ -47,25 +49,33 @@ class Run:
 
             self.opt = optim.AdamW(self.params, lr=LR)
             self.grad_fn = ms.value_and_grad(
-                lambda x, t: mindspore_loss(model, x, t), None, self.opt.parameters)
+                lambda x, t: mindspore_loss(model, x, t) / micro, None, self.opt.parameters)
 
     def step(self, batch) -> tuple:
         """(loss, gradient norm before clipping)."""
-        x, target = batch[0][self.rows], batch[1][self.rows]
+        pieces = zip(np.array_split(batch[0][self.rows], self.micro),
+                     np.array_split(batch[1][self.rows], self.micro))
+        loss, grads = 0.0, None
+        for i, (x, target) in enumerate(pieces):
+            if self.micro > 1:
+                self.model.set_requires_gradient_sync(i == self.micro - 1)
+            if self.backend == "torch":
+                part = torch_loss(self.model, x, target) / self.micro
+                part.backward()
+                loss += float(part.detach())
+            else:
+                import mindspore as ms
+
+                part, got = self.grad_fn(ms.Tensor(x), ms.Tensor(target))
+                grads = got if grads is None else tuple(a + b for a, b in zip(grads, got))
+                loss += float(part.asnumpy())
         if self.backend == "torch":
-            loss = torch_loss(self.model, x, target)
-            loss.backward()
             norm = hp.clip_grad_norm_(self.params, MAX_NORM)
             self.opt.step()
             self.opt.zero_grad()
-            loss = float(loss.detach())
         else:
-            import mindspore as ms
-
-            loss, grads = self.grad_fn(ms.Tensor(x), ms.Tensor(target))
             grads, norm = hp.clip_grad_norm_(self.params, MAX_NORM, grads=grads)
             self.opt(grads)
-            loss = float(loss.asnumpy())
         moe = self.model.moe
         hp.update_expert_bias(moe.expert_bias, moe.tokens_per_expert, self.bias_mesh,
                               coeff=COEFF)
@@ -105,7 +115,8 @@ def _named(model) -> list:
 
 
 def _model(backend: str, run: str):
-    """The model of ``run``: a score function, ``-recompute`` for activation recompute."""
+    """The model of ``run``: a score function, ``-recompute`` for activation recompute
+    (``-accumulate``: the same model, trained on 2 micro-batches per step)."""
     score, _, variant = run.partition("-")
     return (torch_model if backend == "torch" else mindspore_model)(score, variant == "recompute")
 
@@ -140,7 +151,8 @@ def expert_parallel(backend: str, name: str, ep: int, directory: str | None) -> 
     hp.fully_shard(model, mesh=dp)
     rank = hp.get_platform().rank()
     per_rank = SEQS // world
-    run = Run(backend, model, slice(rank * per_rank, (rank + 1) * per_rank), bias_mesh=dp)
+    run = Run(backend, model, slice(rank * per_rank, (rank + 1) * per_rank), bias_mesh=dp,
+              micro=2 if name.endswith("-accumulate") else 1)
     out = {"reference": reference, "ep": run.train(data), "counts": seen[0]}
     if directory is not None:
         out.update(_checkpoint(backend, name, run, directory))
@@ -160,15 +172,22 @@ def _after_fully_shard(backend: str, name: str, mesh) -> str:
 
 
 def _checkpoint(backend: str, name: str, run: Run, directory: str) -> dict:
-    """Saved at the expert degree of ``run``; loaded into a plain model (one process); and
-    exported (rank 0 reads the file back)."""
+    """Saved at the expert degree of ``run``; loaded into a plain model (one process) and
+    into the model under plain FSDP over every rank; and exported (rank 0 reads the file
+    back)."""
     path = os.path.join(directory, f"ep-{backend}-{name}")
     hp.save_checkpoint(path, run.model, run.opt)
     plain = Run(backend, _model(backend, name), slice(None))
     hp.load_checkpoint(path, plain.model, plain.opt)
+    fsdp = _model(backend, name)  # plain FSDP over every rank, no expert parallelism
+    hp.fully_shard(fsdp, mesh=hp.init_device_mesh("cpu", (hp.get_platform().world_size(),),
+                                                   mesh_dim_names=("dp",)))
+    fsdp = Run(backend, fsdp, slice(None))
+    hp.load_checkpoint(path, fsdp.model, fsdp.opt)
     exported = os.path.join(directory, f"export-{backend}-{name}")
     hp.export_full(exported, run.model)
-    out = {"saved": run.full_state(optimizer=True), "loaded": plain.full_state(optimizer=True)}
+    out = {"saved": run.full_state(optimizer=True), "loaded": plain.full_state(optimizer=True),
+           "loaded_fsdp": fsdp.full_state(optimizer=True)}
     if hp.get_platform().rank() == 0:
         from safetensors.numpy import load_file
 

@@ -13,13 +13,14 @@ one process on the whole batch. Over 5 AdamW steps with ``hp.clip_grad_norm_``:
   reference's (the counts summed over the ranks);
 - the routing leaves experts without rows on some rank (checked, so the case is covered);
 - the all-to-all bytes of a step are those the routing implies (counted by the platform);
-- the checkpoint saved at ep2 loads into the plain model in one process: every value and
-  the optimizer state equal; ``export_full`` writes every expert, whole.
+- the checkpoint saved at ep2 loads into the plain model in one process and into the
+  model under plain FSDP over both ranks: every value and the optimizer state equal;
+  ``export_full`` writes every expert, whole.
 
 Under ``-m slow`` a 4-rank launch runs the same at dp2 x ep2 (two expert groups, experts
 sharded over 2 ranks inside each, gradient divide factor 4), with softmax and sigmoid
 scores, and with the experts' forward (dispatch and combine included) recomputed in
-backward. Bad input fails before anything changes, in the test process on a mesh without
+backward; and ep2 with gradients accumulated over 2 micro-batches. Bad input fails before anything changes, in the test process on a mesh without
 groups.
 """
 
@@ -41,6 +42,10 @@ shared_launch.register(__name__, "expert_parallel_ep2", EP, "tests.ep_scenarios:
 shared_launch.register(__name__, "expert_parallel_dp2_ep2", 2 * EP, "tests.ep_scenarios:run_all",
                        lambda backend: (backend, EP, shared_launch.directory("dp2-ep2"), SLOW_RUNS),
                        timeout_s=600, slow=True)
+shared_launch.register(__name__, "expert_parallel_ep2_accumulate", EP, "tests.ep_scenarios:run_all",
+                       lambda backend: (backend, EP, shared_launch.directory("ep2-acc"),
+                                        ("softmax-accumulate",)),
+                       timeout_s=300, slow=True)
 
 
 def _check_parity(per_rank: list, score: str) -> None:
@@ -61,7 +66,7 @@ def _check_parity(per_rank: list, score: str) -> None:
                 assert_close(got[name], value, FP32_RTOL, f"rank {rank}, step {step}: {name}")
     counts = [run["counts"] for run in runs]
     assert all(c[EMPTY] == 0 for c in counts), counts
-    if not score.endswith("-recompute"):
+    if "-" not in score:  # one forward and backward per step
         _check_all_to_all_bytes(runs, counts)
 
 
@@ -88,9 +93,10 @@ def test_ep2_matches_one_process(backend):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["torch", "mindspore"])
-def test_ep2_checkpoint_loads_in_one_process(backend):
+@pytest.mark.parametrize("into", ["loaded", "loaded_fsdp"])
+def test_ep2_checkpoint_loads_in_one_process_and_under_fsdp(backend, into):
     for rank, result in enumerate(shared_launch.results("expert_parallel_ep2", backend)):
-        saved, loaded = result["softmax"]["saved"], result["softmax"]["loaded"]
+        saved, loaded = result["softmax"]["saved"], result["softmax"][into]
         assert saved.keys() == loaded.keys()
         for key, value in saved.items():
             np.testing.assert_array_equal(loaded[key], value, err_msg=f"rank {rank}: {key}")
@@ -193,3 +199,12 @@ def _print_seconds(key: str, backend: str) -> None:
     """The seconds the slowest rank spent in the job (its cost in a shared launch)."""
     seconds = max(result["seconds"] for result in shared_launch.results(key, backend))
     print(f"{key} on {backend}: {seconds:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_ep2_gradient_accumulation_matches_one_process(backend):
+    """2 micro-batches per step, gradient sync in the last only."""
+    _check_parity(shared_launch.results("expert_parallel_ep2_accumulate", backend),
+                  "softmax-accumulate")
