@@ -10,7 +10,9 @@ models write it (torchtitan's MoE): plain framework modules, nothing of hyper_pa
   sigmoid); no token is dropped;
 - the chosen rows sorted by expert (stable), ``experts(rows, num_tokens_per_expert)`` (the
   grouped form: ``w1`` ``(E, DIM, HIDDEN)``, ``w2`` ``(E, HIDDEN, DIM)``, each expert's rows
-  a run, an expert with no rows skipped), the results weighted and summed per token;
+  a run; an expert with no rows computes an empty product, as torchtitan's grouped GEMM,
+  so every local expert's weights take part in backward), the results weighted and summed
+  per token;
 - a shared expert (a dense MLP) on every token;
 - the sequence-wise auxiliary load-balancing loss (DeepSeek-V3's: per sequence, ``E/(k S)``
   times the count of each expert times its mean score, averaged over the sequences), so
@@ -71,11 +73,10 @@ def torch_model(score: str = "softmax", recompute: bool = False):
         def forward(self, x, num_tokens_per_expert):
             outs, start = [], 0
             for e, n in enumerate(num_tokens_per_expert.tolist()):
-                if n:
-                    rows = x[start:start + n]
-                    outs.append(F.silu(rows @ self.w1[e]) @ self.w2[e])
-                    start += n
-            return torch.cat(outs) if outs else x
+                rows = x[start:start + n]  # no rows: an empty product, as a grouped GEMM's
+                outs.append(F.silu(rows @ self.w1[e]) @ self.w2[e])
+                start += n
+            return torch.cat(outs)
 
     class MLP(nn.Module):
         def __init__(self):
@@ -164,12 +165,13 @@ def mindspore_model(score: str = "softmax", recompute: bool = False):
         def construct(self, x, num_tokens_per_expert):
             outs, start = [], 0
             for e, n in enumerate(int(c) for c in num_tokens_per_expert.asnumpy()):
-                if n:
-                    rows = x[start:start + n]
-                    outs.append(mint.matmul(mint.nn.functional.silu(mint.matmul(rows, self.w1[e])),
-                                            self.w2[e]))
-                    start += n
-            return mint.cat(outs) if outs else x
+                # no rows: an empty product, as a grouped GEMM's, of a new empty tensor
+                # (MindSpore's gradient of a slice of an empty tensor fails)
+                rows = x[start:start + n] if n else mint.zeros((0, DIM), dtype=x.dtype)
+                outs.append(mint.matmul(mint.nn.functional.silu(mint.matmul(rows, self.w1[e])),
+                                        self.w2[e]))
+                start += n
+            return mint.cat(outs)
 
     def linear(name, n_in, n_out, bias):
         layer = mint.nn.Linear(n_in, n_out, bias=bias)

@@ -203,3 +203,29 @@ def run_all(backend: str, ep: int, directory: str, runs: tuple = ("softmax",)) -
            for i, run in enumerate(runs)}
     out["seconds"] = time.perf_counter() - start
     return out
+
+
+def starved(backend: str) -> dict:
+    """dp2 x ep2 where ranks 0 and 1 route only to experts 2 and 3 (their router bias, set
+    per rank, rules out 0 and 1): rank 0's experts receive no row, while rank 2, which holds
+    the same experts, computes with them. Against the same model and biases under plain
+    FSDP over the 4 ranks (no expert parallelism): each rank's losses and the whole
+    parameters after each step."""
+    platform = hp.get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    mesh = hp.init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
+    dp = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    bias = np.zeros(4, np.float32)
+    if rank < 2:
+        bias[:2] = -10.0
+    out = {}
+    for kind in ("ep", "fsdp"):
+        model = _model(backend, "softmax")
+        platform.copy_into(model.moe.expert_bias, platform.from_numpy(bias))
+        if kind == "ep":
+            hp.parallelize_module(model.moe.experts, mesh["ep"], hp.ExpertParallel())
+            hp.fully_shard(model.moe.experts, mesh=mesh["efsdp"])
+            model.moe.experts.set_gradient_divide_factor(world)
+        hp.fully_shard(model, mesh=dp)
+        out[kind] = Run(backend, model, slice(rank, rank + 1)).train(batches()[:3])
+    return out

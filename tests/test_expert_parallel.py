@@ -20,7 +20,9 @@ one process on the whole batch. Over 5 AdamW steps with ``hp.clip_grad_norm_``:
 Under ``-m slow`` a 4-rank launch runs the same at dp2 x ep2 (two expert groups, experts
 sharded over 2 ranks inside each, gradient divide factor 4), with softmax and sigmoid
 scores, and with the experts' forward (dispatch and combine included) recomputed in
-backward; and ep2 with gradients accumulated over 2 micro-batches. Bad input fails before anything changes, in the test process on a mesh without
+backward; ep2 with gradients accumulated over 2 micro-batches; and dp2 x ep2 where one
+rank's experts receive no row while another rank holding the same experts computes
+(against plain FSDP on the same routing). Bad input fails before anything changes, in the test process on a mesh without
 groups.
 """
 
@@ -42,6 +44,8 @@ shared_launch.register(__name__, "expert_parallel_ep2", EP, "tests.ep_scenarios:
 shared_launch.register(__name__, "expert_parallel_dp2_ep2", 2 * EP, "tests.ep_scenarios:run_all",
                        lambda backend: (backend, EP, shared_launch.directory("dp2-ep2"), SLOW_RUNS),
                        timeout_s=600, slow=True)
+shared_launch.register(__name__, "expert_parallel_starved", 2 * EP, "tests.ep_scenarios:starved",
+                       lambda backend: (backend,), timeout_s=300, slow=True)
 shared_launch.register(__name__, "expert_parallel_ep2_accumulate", EP, "tests.ep_scenarios:run_all",
                        lambda backend: (backend, EP, shared_launch.directory("ep2-acc"),
                                         ("softmax-accumulate",)),
@@ -208,3 +212,19 @@ def test_ep2_gradient_accumulation_matches_one_process(backend):
     """2 micro-batches per step, gradient sync in the last only."""
     _check_parity(shared_launch.results("expert_parallel_ep2_accumulate", backend),
                   "softmax-accumulate")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_a_rank_whose_experts_get_no_rows_trains_as_plain_fsdp(backend):
+    """dp2 x ep2, rank 0's experts without rows while rank 2's (the same experts) compute:
+    no rank waits for another, and each rank's losses and the parameters equal plain FSDP's
+    on the same routing."""
+    for rank, result in enumerate(shared_launch.results("expert_parallel_starved", backend)):
+        ep, fsdp = result["ep"], result["fsdp"]
+        assert_close(ep["losses"], fsdp["losses"], FP32_RTOL, f"rank {rank}: losses")
+        for step, expected in enumerate(fsdp["params"]):
+            for name, value in expected.items():
+                assert_close(ep["params"][step][name], value, FP32_RTOL,
+                             f"rank {rank}, step {step}: {name}")

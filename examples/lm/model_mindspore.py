@@ -95,12 +95,13 @@ class GroupedExperts(nn.Cell):
     def construct(self, x, num_tokens_per_expert):
         outs, start = [], 0
         for e, n in enumerate(int(c) for c in num_tokens_per_expert.asnumpy()):
-            if n:
-                rows = x[start:start + n]
-                hidden = ops.silu(ops.matmul(rows, self.gate_proj[e])) * ops.matmul(rows, self.up_proj[e])
-                outs.append(ops.matmul(hidden, self.down_proj[e]))
-                start += n
-        return ops.cat(outs) if outs else x
+            # no rows: an empty product, as a grouped GEMM's, of a new empty tensor
+            # (MindSpore's gradient of a slice of an empty tensor fails)
+            rows = x[start:start + n] if n else mint.zeros((0, x.shape[-1]), dtype=x.dtype)
+            hidden = ops.silu(ops.matmul(rows, self.gate_proj[e])) * ops.matmul(rows, self.up_proj[e])
+            outs.append(ops.matmul(hidden, self.down_proj[e]))
+            start += n
+        return ops.cat(outs)
 
 
 class MoE(nn.Cell):

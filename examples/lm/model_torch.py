@@ -64,7 +64,8 @@ class MLP(nn.Module):
 
 class GroupedExperts(nn.Module):
     """SwiGLU experts held grouped, torchtitan's form: ``experts(x, num_tokens_per_expert)``
-    with the rows grouped by expert (an expert with no rows is skipped)."""
+    with the rows grouped by expert (an expert with no rows computes an empty product, so
+    its weights take part in every backward, as with a grouped GEMM)."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -75,12 +76,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x, num_tokens_per_expert):
         outs, start = [], 0
         for e, n in enumerate(num_tokens_per_expert.tolist()):
-            if n:
-                rows = x[start:start + n]
-                hidden = F.silu(rows @ self.gate_proj[e]) * (rows @ self.up_proj[e])
-                outs.append(hidden @ self.down_proj[e])
-                start += n
-        return torch.cat(outs) if outs else x
+            rows = x[start:start + n]  # no rows: an empty product, as a grouped GEMM's
+            hidden = F.silu(rows @ self.gate_proj[e]) * (rows @ self.up_proj[e])
+            outs.append(hidden @ self.down_proj[e])
+            start += n
+        return torch.cat(outs)
 
 
 class MoE(nn.Module):

@@ -17,6 +17,17 @@ local experts and the local counts, unchanged. The Hugging Face form (a ``Module
 expert modules that the MoE layer loops over itself) gives neither a call to dispatch
 around nor a parameter holding every expert: it is refused, naming the grouped form.
 
+[Note: no rows here]
+A rank whose experts receive no row in a step still takes part in the backward of both
+all-to-alls: its peers wait for the gradients of the rows they sent. An experts module
+whose output does not depend on its empty input (it skips experts without rows, or builds
+their empty products from new tensors) would leave the dispatch out of autograd's graph on
+that rank, and its peers waiting; so the empty output is tied to the empty input (plus
+zero times it), which keeps the dispatch in the graph at no cost. Likewise the experts'
+``fully_shard`` unit: its peers inside the expert group wait in its gradient reduction,
+which runs only where backward reaches its parameters (MindSpore's backward does not
+through an empty product), so one element of each parameter joins the tie, times zero.
+
 [Note: data parallelism over the expert ranks]
 The expert ranks are data-parallel ranks too (torchtitan carves the expert dim out of
 ``dp_shard``): each feeds its own tokens. A local expert's gradient therefore sums over
@@ -35,7 +46,7 @@ from typing import Any
 from hyper_parallel.expert_parallel.dispatch import combine, dispatch
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel.placement import Shard
-from hyper_parallel.tensor_parallel.style import ParallelStyle, split_param
+from hyper_parallel.tensor_parallel.style import ParallelStyle, param_in_forward, split_param
 
 
 def expert_params(module: Any) -> list:
@@ -99,17 +110,30 @@ class ExpertParallel(ParallelStyle):
                                  f"num_tokens_per_expert has shape {tuple(n)}; expected "
                                  f"({experts},), one count per expert of the whole layer")
             rows, local_counts, routed = dispatch(x, counts, mesh)
-            in_flight.append(routed)
+            in_flight.append((routed, rows))
             return (rows, local_counts) + rest, others
 
         def post(mod, args, kwargs, output):
-            return combine(output, in_flight.pop(), mesh)
+            routed, rows = in_flight.pop()
+            if not sum(routed.output_splits):
+                output = _tied(mod, output, rows, params)  # [Note: no rows here]
+            return combine(output, routed, mesh)
 
         get_platform().register_forward_hooks(module, pre, post)
         return module
 
     def __repr__(self) -> str:
         return "ExpertParallel()"
+
+
+def _tied(module: Any, output: Any, rows: Any, params: list) -> Any:
+    """The empty ``output`` plus zero times the empty ``rows`` and one element of each
+    local expert parameter (as the module reads it now)."""
+    p = get_platform()
+    for attr, _ in params:
+        first = p.narrow(p.reshape(param_in_forward(module, attr), (-1,)), 0, 0, 1)
+        output = p.add(output, p.scale(first, 0.0))
+    return p.add(output, p.scale(rows, 0.0))
 
 
 _NAMES = ("x", "num_tokens_per_expert")
