@@ -228,3 +228,21 @@ def test_a_rank_whose_experts_get_no_rows_trains_as_plain_fsdp(backend):
             for name, value in expected.items():
                 assert_close(ep["params"][step][name], value, FP32_RTOL,
                              f"rank {rank}, step {step}: {name}")
+
+
+@pytest.mark.timeout(120)
+def test_mindspore_slice_of_an_empty_tensor_has_no_gradient():
+    """The MindSpore limit docs/expert-parallel.md names: the gradient of a slice of an
+    empty tensor fails on CPU (the test models build an empty expert's product from
+    ``mint.zeros`` instead). Fails once MindSpore fixes it, so the doc can drop the note."""
+    ms = pytest.importorskip("mindspore")
+    from mindspore import mint
+
+    weight = ms.Parameter(ms.Tensor(np.ones((4, 4), np.float32)), name="weight")
+
+    def loss(x):
+        empty = mint.matmul(x, weight)[0:0]
+        return (mint.matmul(empty[0:0], weight) ** 2).sum() + mint.matmul(x, weight).sum()
+
+    with pytest.raises(RuntimeError, match="StridedSliceGrad"):
+        ms.value_and_grad(loss, None, [weight])(ms.Tensor(np.ones((2, 4), np.float32)))
