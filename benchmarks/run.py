@@ -13,8 +13,9 @@ table and the JSON, the run goes on, and the exit code is 1. At the end: the hea
 ``full.png``); ``--quick`` is the smoke run the test suite executes: tiny models, 1 + 2
 rounds, one launch per workload and framework, written as ``quick.*``. It tests that the
 pipeline runs, not speed. After the grid: the step memory (not in ``--quick``), tensor
-parallelism against FSDP (tensor_parallel.py; the tiny model in ``--quick``) and the
-low-precision all-gather (low_precision.py; not in ``--quick``).
+parallelism against FSDP (tensor_parallel.py; the tiny model in ``--quick``), the
+low-precision all-gather (low_precision.py; not in ``--quick``) and expert parallelism
+against FSDP (expert_parallel.py; not in ``--quick``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import low_precision  # noqa: E402
 import report  # noqa: E402
 import step_memory  # noqa: E402
 import tensor_parallel  # noqa: E402
+import expert_parallel  # noqa: E402
 
 RANK_SCRIPTS = {"torch": "rank_torch.py", "mindspore": "rank_mindspore.py"}
 
@@ -80,6 +82,9 @@ def _parse_args(argv):
                              "never in --quick)")
     parser.add_argument("--no-tensor-parallel", dest="tensor_parallel", action="store_false",
                         help="skip tensor parallelism against FSDP (tensor_parallel.py)")
+    parser.add_argument("--no-expert-parallel", dest="expert_parallel", action="store_false",
+                        help="skip expert parallelism against FSDP (expert_parallel.py; never "
+                             "in --quick)")
     parser.add_argument("--no-low-precision", dest="low_precision", action="store_false",
                         help="skip the low-precision all-gather measurement (low_precision.py; "
                              "never in --quick)")
@@ -167,6 +172,20 @@ def _run_tensor_parallel(args) -> dict:
         return {"error": str(exc)}
 
 
+def _run_expert_parallel(args) -> dict:
+    """The example LM with experts at dp2 x ep2 against FSDP over 4 ranks, on each selected
+    framework (expert_parallel.py): size tiny, 4 rounds."""
+    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
+    print(f"expert parallelism: example LM tiny with experts, dp2 x ep2 against FSDP 4, "
+          f"{', '.join(backends)}", flush=True)
+    try:
+        return expert_parallel.measure(backends, "tiny", batch=8, seq=32, warmup=1,
+                                       rounds=args.rounds or 4, timeout_s=1800)
+    except launch_ranks.LaunchFailure as exc:
+        print(f"expert parallelism: FAILED: {str(exc).splitlines()[0]}", flush=True)
+        return {"error": str(exc)}
+
+
 def _run_config(index: int, total: int, cfg, t_run: float, bind_cores: bool,
                 ms_pipeline: str) -> dict:
     """One launch: every implementation of ``cfg`` in the same processes; its row."""
@@ -231,6 +250,8 @@ def main(argv=None) -> int:
         doc["wall_s"] = time.monotonic() - t_run
     if args.tensor_parallel:
         doc["tensor_parallel"] = _run_tensor_parallel(args)
+    if args.expert_parallel and not args.quick:
+        doc["expert_parallel"] = _run_expert_parallel(args)
     if args.low_precision and not args.quick:
         backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
         print(f"low-precision all-gather: {', '.join(backends)}, alternated rounds", flush=True)
@@ -248,6 +269,9 @@ def main(argv=None) -> int:
     if "tensor_parallel" in doc:
         print()
         print(doc["tensor_parallel"].get("error") or tensor_parallel.report(doc["tensor_parallel"]))
+    if "expert_parallel" in doc:
+        print()
+        print(doc["expert_parallel"].get("error") or expert_parallel.report(doc["expert_parallel"]))
     if "low_precision" in doc:
         print()
         print(low_precision.report(doc["low_precision"]))
@@ -259,7 +283,8 @@ def main(argv=None) -> int:
               "different versions of the library (see 'library' in the JSON)")
     print(f"total wall time {doc['wall_s']:.0f} s")
     failed = any("error" in row for row in rows) or any(
-        "error" in doc.get(part, {}) for part in ("step_memory", "tensor_parallel")) or \
+        "error" in doc.get(part, {}) for part in ("step_memory", "tensor_parallel",
+                                                  "expert_parallel")) or \
         any("error" in lp for lp in doc.get("low_precision", {}).values())
     return 1 if failed else 0
 
