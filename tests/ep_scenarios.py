@@ -195,12 +195,18 @@ def _checkpoint(backend: str, name: str, run: Run, directory: str) -> dict:
     return out
 
 
-def run_all(backend: str, ep: int, directory: str, runs: tuple = ("softmax",)) -> dict:
-    """Each run (a name function, ``-recompute`` for activation recompute; the first one
-    with the checkpoint) and the seconds the job took on this rank."""
+def run_all(backend: str, ep: int, directory: str, runs: tuple = ("softmax",),
+            other_saved: str | None = None) -> dict:
+    """Each run (``_model``'s names; the first one with the checkpoint), the model of
+    ``other_saved`` (the other framework's checkpoint of its first run) loaded into the
+    plain model here, and the seconds the job took on this rank."""
     start = time.perf_counter()
     out = {run: expert_parallel(backend, run, ep, directory if i == 0 else None)
            for i, run in enumerate(runs)}
+    if other_saved is not None:
+        plain = Run(backend, _model(backend, runs[0]), slice(None))
+        hp.load_checkpoint(other_saved, plain.model)
+        out["crossed"] = plain.full_state()
     out["seconds"] = time.perf_counter() - start
     return out
 

@@ -15,7 +15,8 @@ one process on the whole batch. Over 5 AdamW steps with ``hp.clip_grad_norm_``:
 - the all-to-all bytes of a step are those the routing implies (counted by the platform);
 - the checkpoint saved at ep2 loads into the plain model in one process and into the
   model under plain FSDP over both ranks: every value and the optimizer state equal;
-  ``export_full`` writes every expert, whole.
+  torch's loads into MindSpore's plain model, every value equal; ``export_full`` writes
+  every expert, whole.
 
 Under ``-m slow`` a 4-rank launch runs the same at dp2 x ep2 (two expert groups, experts
 sharded over 2 ranks inside each, gradient divide factor 4), with softmax and sigmoid
@@ -28,19 +29,36 @@ groups.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 import pytest
 
 from tests import shared_launch
+from tests.multirank import RankFailure
 from tests.ep_models import DIM, EMPTY, EXPERTS
 from tests.tolerance import FP32_RTOL, assert_close
 
 SLOW_RUNS = ("softmax", "sigmoid", "softmax-recompute")
 EP = 2
 
+def _ep2_args(backend: str) -> tuple:
+    """The ep2 job's arguments; MindSpore's also load torch's ep2 checkpoint, once it exists
+    (None without torch, or if its launch failed: the torch tests report that)."""
+    directory = shared_launch.directory("ep2")
+    torch_saved = None
+    if backend == "mindspore" and importlib.util.find_spec("torch") is not None:
+        try:
+            shared_launch.results("expert_parallel_ep2", "torch")
+            torch_saved = os.path.join(directory, "ep-torch-softmax")
+        except RankFailure:
+            torch_saved = None
+    return backend, EP, directory, ("softmax",), torch_saved
+
+
 shared_launch.register(__name__, "expert_parallel_ep2", EP, "tests.ep_scenarios:run_all",
-                       lambda backend: (backend, EP, shared_launch.directory("ep2")),
-                       timeout_s=300)
+                       _ep2_args, timeout_s=300)
 shared_launch.register(__name__, "expert_parallel_dp2_ep2", 2 * EP, "tests.ep_scenarios:run_all",
                        lambda backend: (backend, EP, shared_launch.directory("dp2-ep2"), SLOW_RUNS),
                        timeout_s=600, slow=True)
@@ -104,6 +122,17 @@ def test_ep2_checkpoint_loads_in_one_process_and_under_fsdp(backend, into):
         assert saved.keys() == loaded.keys()
         for key, value in saved.items():
             np.testing.assert_array_equal(loaded[key], value, err_msg=f"rank {rank}: {key}")
+
+
+@pytest.mark.timeout(900)
+def test_torchs_ep2_checkpoint_loads_on_mindspore():
+    pytest.importorskip("torch")
+    saved = shared_launch.results("expert_parallel_ep2", "torch")[0]["softmax"]["saved"]
+    for rank, result in enumerate(shared_launch.results("expert_parallel_ep2", "mindspore")):
+        crossed = result["crossed"]
+        assert crossed.keys() == {k for k in saved if not k.startswith("optim")}
+        for key, value in crossed.items():
+            np.testing.assert_array_equal(value, saved[key], err_msg=f"rank {rank}: {key}")
 
 
 @pytest.mark.timeout(600)
