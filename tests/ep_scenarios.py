@@ -116,7 +116,8 @@ def _named(model) -> list:
 
 def _model(backend: str, run: str):
     """The model of ``run``: a score function, ``-recompute`` for activation recompute
-    (``-accumulate``: the same model, trained on 2 micro-batches per step)."""
+    (``-accumulate``: the same model, trained on 2 micro-batches per step; ``-hsdp``: the
+    same, under HSDP with 2 replicas)."""
     score, _, variant = run.partition("-")
     return (torch_model if backend == "torch" else mindspore_model)(score, variant == "recompute")
 
@@ -141,14 +142,21 @@ def expert_parallel(backend: str, name: str, ep: int, directory: str | None) -> 
     world = hp.get_platform().world_size()
     data = batches()
     reference = Run(backend, _model(backend, name), slice(None)).train(data)
-    mesh = hp.init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     dp = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    if name.endswith("-hsdp"):  # 2 replicas: (replicate, efsdp, ep) and (replicate, shard)
+        mesh = hp.init_device_mesh("cpu", (2, world // 2 // ep, ep),
+                                   mesh_dim_names=("replicate", "efsdp", "ep"))
+        experts_mesh, dense_mesh = mesh["replicate", "efsdp"], hp.init_device_mesh(
+            "cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = hp.init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        experts_mesh, dense_mesh = mesh["efsdp"], dp
     model = _model(backend, name)
     hp.parallelize_module(model.moe.experts, mesh["ep"], hp.ExpertParallel())
     seen = _counts_seen(model.moe.experts)  # pre-hooks run newest first: before dispatch
-    hp.fully_shard(model.moe.experts, mesh=mesh["efsdp"])
+    hp.fully_shard(model.moe.experts, mesh=experts_mesh)
     model.moe.experts.set_gradient_divide_factor(world)
-    hp.fully_shard(model, mesh=dp)
+    hp.fully_shard(model, mesh=dense_mesh)
     rank = hp.get_platform().rank()
     per_rank = SEQS // world
     run = Run(backend, model, slice(rank * per_rank, (rank + 1) * per_rank), bias_mesh=dp,
@@ -156,14 +164,14 @@ def expert_parallel(backend: str, name: str, ep: int, directory: str | None) -> 
     out = {"reference": reference, "ep": run.train(data), "counts": seen[0]}
     if directory is not None:
         out.update(_checkpoint(backend, name, run, directory))
-        out["after_fully_shard"] = _after_fully_shard(backend, name, mesh)
+        out["after_fully_shard"] = _after_fully_shard(backend, name, mesh, experts_mesh)
     return out
 
 
-def _after_fully_shard(backend: str, name: str, mesh) -> str:
+def _after_fully_shard(backend: str, name: str, mesh, experts_mesh) -> str:
     """The error of ExpertParallel on experts fully_shard manages already."""
     model = _model(backend, name)
-    hp.fully_shard(model.moe.experts, mesh=mesh["efsdp"])
+    hp.fully_shard(model.moe.experts, mesh=experts_mesh)
     try:
         hp.parallelize_module(model.moe.experts, mesh["ep"], hp.ExpertParallel())
     except ValueError as error:
