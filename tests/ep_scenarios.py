@@ -151,12 +151,16 @@ def expert_parallel(backend: str, name: str, ep: int, directory: str | None) -> 
     else:
         mesh = hp.init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
         experts_mesh, dense_mesh = mesh["efsdp"], dp
+    policy = hp.MixedPrecisionPolicy()
+    if name.endswith("-lowp"):  # torch: bfloat16; MindSpore on CPU has no bfloat16 matmul
+        policy = hp.MixedPrecisionPolicy(
+            param_dtype="bfloat16" if backend == "torch" else "float16", reduce_dtype="float32")
     model = _model(backend, name)
     hp.parallelize_module(model.moe.experts, mesh["ep"], hp.ExpertParallel())
     seen = _counts_seen(model.moe.experts)  # pre-hooks run newest first: before dispatch
-    hp.fully_shard(model.moe.experts, mesh=experts_mesh)
+    hp.fully_shard(model.moe.experts, mesh=experts_mesh, mp_policy=policy)
     model.moe.experts.set_gradient_divide_factor(world)
-    hp.fully_shard(model, mesh=dense_mesh)
+    hp.fully_shard(model, mesh=dense_mesh, mp_policy=policy)
     rank = hp.get_platform().rank()
     per_rank = SEQS // world
     run = Run(backend, model, slice(rank * per_rank, (rank + 1) * per_rank), bias_mesh=dp,
