@@ -117,7 +117,8 @@ def _named(model) -> list:
 def _model(backend: str, run: str):
     """The model of ``run``: a score function, ``-recompute`` for activation recompute
     (``-accumulate``: the same model, trained on 2 micro-batches per step; ``-hsdp``: the
-    same, under HSDP with 2 replicas)."""
+    same, under HSDP with 2 replicas; ``-tp``: its dense layers split over 2 ranks;
+    ``-lowp``: in low precision)."""
     score, _, variant = run.partition("-")
     return (torch_model if backend == "torch" else mindspore_model)(score, variant == "recompute")
 
@@ -143,7 +144,12 @@ def expert_parallel(backend: str, name: str, ep: int, directory: str | None) -> 
     data = batches()
     reference = Run(backend, _model(backend, name), slice(None)).train(data)
     dp = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    if name.endswith("-hsdp"):  # 2 replicas: (replicate, efsdp, ep) and (replicate, shard)
+    tp = 2 if name.endswith("-tp") else 1
+    if tp > 1:  # (efsdp, ep, tp): tensor parallelism on the dense parts, each pair the same rows
+        mesh = hp.init_device_mesh("cpu", (world // tp // ep, ep, tp),
+                                   mesh_dim_names=("efsdp", "ep", "tp"))
+        experts_mesh, dense_mesh = mesh["efsdp"], mesh["efsdp", "ep"]
+    elif name.endswith("-hsdp"):  # 2 replicas: (replicate, efsdp, ep) and (replicate, shard)
         mesh = hp.init_device_mesh("cpu", (2, world // 2 // ep, ep),
                                    mesh_dim_names=("replicate", "efsdp", "ep"))
         experts_mesh, dense_mesh = mesh["replicate", "efsdp"], hp.init_device_mesh(
@@ -156,13 +162,17 @@ def expert_parallel(backend: str, name: str, ep: int, directory: str | None) -> 
         policy = hp.MixedPrecisionPolicy(
             param_dtype="bfloat16" if backend == "torch" else "float16", reduce_dtype="float32")
     model = _model(backend, name)
+    if tp > 1:
+        hp.parallelize_module(model, mesh["tp"], {
+            "proj": hp.ColwiseParallel(output_layouts=hp.Replicate()),
+            "moe.shared.w1": hp.ColwiseParallel(), "moe.shared.w2": hp.RowwiseParallel()})
     hp.parallelize_module(model.moe.experts, mesh["ep"], hp.ExpertParallel())
     seen = _counts_seen(model.moe.experts)  # pre-hooks run newest first: before dispatch
     hp.fully_shard(model.moe.experts, mesh=experts_mesh, mp_policy=policy)
-    model.moe.experts.set_gradient_divide_factor(world)
+    model.moe.experts.set_gradient_divide_factor(world // tp)
     hp.fully_shard(model, mesh=dense_mesh, mp_policy=policy)
-    rank = hp.get_platform().rank()
-    per_rank = SEQS // world
+    rank = hp.get_platform().rank() // tp  # its data-parallel rank
+    per_rank = SEQS // (world // tp)
     run = Run(backend, model, slice(rank * per_rank, (rank + 1) * per_rank), bias_mesh=dp,
               micro=2 if name.endswith("-accumulate") else 1)
     out = {"reference": reference, "ep": run.train(data), "counts": seen[0]}

@@ -21,8 +21,10 @@ one process on the whole batch. Over 5 AdamW steps with ``hp.clip_grad_norm_``:
 Under ``-m slow`` a 4-rank launch runs the same at dp2 x ep2 (two expert groups, experts
 sharded over 2 ranks inside each, gradient divide factor 4), with softmax and sigmoid
 scores, with the experts' forward (dispatch and combine included) recomputed in
-backward, and under HSDP (2 replicas: the experts on a (replicate 2, efsdp 1) mesh, the
-rest on (replicate 2, shard 2)); ep2 with gradients accumulated over 2 micro-batches; and dp2 x ep2 where one
+backward, under HSDP (2 replicas: the experts on a (replicate 2, efsdp 1) mesh, the
+rest on (replicate 2, shard 2)), with tensor parallelism on the dense layers (an
+(efsdp 1, ep 2, tp 2) mesh: ``proj`` and the shared expert split over ``tp``, experts over
+``ep``, fully_shard over the data-parallel dims), and in low precision; ep2 with gradients accumulated over 2 micro-batches; and dp2 x ep2 where one
 rank's experts receive no row while another rank holding the same experts computes
 (against plain FSDP on the same routing). Bad input fails before anything changes, in the test process on a mesh without
 groups.
@@ -41,7 +43,7 @@ from tests.multirank import RankFailure
 from tests.ep_models import DIM, EMPTY, EXPERTS
 from tests.tolerance import FP32_RTOL, LOW_PRECISION_RTOL, assert_close
 
-SLOW_RUNS = ("softmax", "sigmoid", "softmax-recompute", "softmax-hsdp")
+SLOW_RUNS = ("softmax", "sigmoid", "softmax-recompute", "softmax-hsdp", "softmax-tp")
 EP = 2
 
 def _ep2_args(backend: str) -> tuple:
