@@ -31,6 +31,8 @@ from hyper_parallel.tensor_parallel import (
     RowwiseParallel, SequenceParallel, Shard, cross_entropy, loss_parallel, parallelize_module,
 )
 
+from hyper_parallel.context_parallel import context_parallel, scaled_dot_product_attention
+
 interop.register()  # torch's platform with its ecosystem's adapters (interop/__init__.py)
 
 __version__ = "0.1.0"
@@ -47,4 +49,5 @@ __all__ = [
     "ColwiseParallel", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
     "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "cross_entropy",
     "loss_parallel", "parallelize_module",
+    "context_parallel", "scaled_dot_product_attention",
 ]
