@@ -30,7 +30,7 @@ class Trainer:
         else:
             model = build(size, hp.get_platform())
         if tp_mesh is not None:
-            hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=4))
+            hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=3))
         for layer in model.model.layers:
             hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # materialises the shards

@@ -107,9 +107,9 @@ def context_parallel(mesh: Any, *, buffers: Sequence[Any] | None = None,
         raise RuntimeError("hyper_parallel: a context_parallel context is already open; "
                            "close it before opening another")
     mesh = _checked_mesh(mesh)
-    cp, rank = mesh.size(), mesh.get_local_rank(0)
+    cp = mesh.size()
     length = _checked_buffers(buffers, seq_dims, no_restore, cp)
-    p = get_platform()
+    p, rank = get_platform(), mesh.get_local_rank(0)
     originals = [None if any(b is n for n in no_restore) else p.clone(b) for b in buffers]
     with p.no_grad():
         shares = [local_share(b, d, rank, cp) for b, d in zip(buffers, seq_dims)]
