@@ -99,3 +99,171 @@ def attention(backend: str) -> dict:
     rank, cp = mesh.get_local_rank(0), mesh.size()
     results = {f"{s}-{'causal' if c else 'full'}": run(mesh, s, c) for s, c in CASES}
     return {"positions": positions(rank, cp, S // (2 * cp)), "cases": results}
+
+
+# ---------------------------------------------------------------- training
+def _lm_batches() -> list:
+    """``STEPS`` (ids, targets) of the global batch: 2 rows of the tiny model's sequence."""
+    from examples.lm.config import SIZES, VOCAB
+
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, VOCAB, (STEPS, 2, SIZES[SIZE]["seq"] + 1))
+    return [(t[:, :-1].astype(np.int32), t[:, 1:].astype(np.int32)) for t in tokens]
+
+
+class _TorchSide:
+    def __init__(self):
+        import torch
+
+        from examples.lm.model_torch import build
+
+        self.torch, self.model = torch, build(SIZE)
+
+    def rope(self):
+        return [self.model.model.cos, self.model.model.sin]
+
+    def tensor(self, array):
+        return self.torch.from_numpy(array.astype(np.int64))
+
+    def optimizer(self):
+        return self.torch.optim.AdamW(self.model.parameters(), lr=LR, foreach=False)
+
+    def step(self, optimizer, ids, targets, context) -> float:
+        from examples.lm.config import VOCAB
+
+        with context:
+            loss = hp.cross_entropy(self.model(ids).reshape(-1, VOCAB), targets.reshape(-1))
+            loss.backward()
+        hp.clip_grad_norm_(self.model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss.detach())
+
+
+class _MindSporeSide:
+    def __init__(self):
+        import mindspore as ms
+
+        from examples.lm.model_mindspore import build
+
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        self.ms, self.model = ms, build(SIZE, hp.get_platform())
+
+    def rope(self):
+        return [self.model.model.cos, self.model.model.sin]
+
+    def tensor(self, array):
+        return self.ms.Tensor(array.astype(np.int32))
+
+    def optimizer(self):
+        from mindspore.experimental.optim import AdamW
+
+        self.params = list(self.model.trainable_params())
+        self.grad_fn = self.ms.value_and_grad(self._loss, None, self.params)
+        return AdamW(self.params, lr=LR)
+
+    def _loss(self, ids, targets):
+        from examples.lm.config import VOCAB
+
+        return hp.cross_entropy(self.model(ids).reshape(-1, VOCAB), targets.reshape(-1))
+
+    def step(self, optimizer, ids, targets, context) -> float:
+        with context:
+            loss, grads = self.grad_fn(ids, targets)
+        grads, _ = hp.clip_grad_norm_(self.params, 1.0, grads=grads)
+        optimizer(grads)
+        return float(loss.asnumpy())
+
+
+def _side(backend: str):
+    return _TorchSide() if backend == "torch" else _MindSporeSide()
+
+
+def training(backend: str, dp: int, strategies=("ring",)) -> dict:
+    """The tiny LM at (dp, cp = world / dp) per strategy, and in one process (every rank
+    computes the reference alike)."""
+    import contextlib
+
+    batches = _lm_batches()
+    reference = _side(backend)
+    optimizer = reference.optimizer()
+    ref_losses = [reference.step(optimizer, reference.tensor(ids), reference.tensor(targets),
+                                 contextlib.nullcontext()) for ids, targets in batches]
+    result = {"reference": {"losses": ref_losses, "params": hp.get_full_state_dict(reference.model)}}
+    mesh = _cp_mesh(dp, hp.get_platform().world_size() // dp)
+    rows = 2 // dp
+    first = mesh.get_local_rank("dp") * rows
+    for strategy in strategies:
+        side = _side(backend)
+        dims = hp.DataParallelMeshDims(shard=("dp", "cp"))
+        for layer in side.model.model.layers:
+            hp.fully_shard(layer, mesh=mesh, dp_mesh_dims=dims)
+        hp.fully_shard(side.model, mesh=mesh, dp_mesh_dims=dims)
+        optimizer = side.optimizer()
+        losses = []
+        for ids, targets in batches:
+            ids_t, targets_t = (side.tensor(a[first:first + rows].copy()) for a in (ids, targets))
+            context = hp.context_parallel(
+                mesh["cp"], buffers=[ids_t, targets_t] + side.rope(),
+                buffer_seq_dims=[1, 1, 0, 0], no_restore_buffers=[ids_t, targets_t],
+                strategy=strategy)
+            losses.append(side.step(optimizer, ids_t, targets_t, context))
+        result[strategy] = {"losses": losses, "params": hp.get_full_state_dict(side.model)}
+    return result
+
+
+# ---------------------------------------------------------------- bad input
+def _by_hand(q, k, v):
+    """Attention as a model might write it itself, not through scaled_dot_product_attention."""
+    p = hp.get_platform()
+    weights = p.exp(p.matmul(q, k.swapaxes(-1, -2)) / float(np.sqrt(D)))
+    return p.matmul(p.divide(weights, p.sum_dim(weights, -1)), v)
+
+
+def _refusal(mesh, arrays, call) -> dict:
+    """``call(buffers)`` inside a context over ``arrays``: its error, and whether the
+    buffers were whole again after the context closed."""
+    p = hp.get_platform()
+    buffers = [p.from_numpy(a.copy()) for a in arrays]
+    error = None
+    try:
+        with hp.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * len(buffers)):
+            call(buffers)
+    except (ValueError, NotImplementedError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    restored = all(np.array_equal(p.to_numpy(b), a) for b, a in zip(buffers, arrays))
+    return {"error": error, "restored": restored}
+
+
+def bad_attention(backend: str) -> dict:
+    """Attention calls the context refuses, and attention computed by hand under it."""
+    p = hp.get_platform()
+    mesh = _cp_mesh(1, p.world_size())["cp"]
+    arrays = _data()[:3]
+    whole = [p.from_numpy(a) for a in arrays]
+    sdpa = hp.scaled_dot_product_attention
+    rng = np.random.default_rng(3)
+    three_heads = [rng.standard_normal((B, 3, S, D)).astype(np.float32) for _ in range(3)]
+    result = {
+        "unsplit": _refusal(mesh, arrays, lambda b: sdpa(*whole, is_causal=True)),
+        "attn_mask": _refusal(mesh, arrays, lambda b: sdpa(*b, attn_mask=b[0])),
+        "by_hand": _refusal(mesh, arrays, lambda b: _by_hand(*b)),
+    }
+    buffers = [p.from_numpy(a.copy()) for a in three_heads]
+    try:
+        with hp.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 3,
+                                 strategy="all_to_all"):
+            sdpa(*buffers)
+        result["heads"] = None
+    except ValueError as exc:
+        result["heads"] = f"ValueError: {exc}"
+    # one call routed, one by hand: no error, and the by-hand rows see the local keys only
+    buffers = [p.from_numpy(a.copy()) for a in arrays]
+    with hp.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 3):
+        routed = p.to_numpy(sdpa(*buffers))
+        by_hand = p.to_numpy(_by_hand(*buffers))
+    rank, cp = mesh.get_local_rank(0), mesh.size()
+    result["mixed"] = {"routed": routed, "by_hand": by_hand,
+                       "reference": p.to_numpy(_by_hand(*whole)),
+                       "positions": positions(rank, cp, S // (2 * cp))}
+    return result
