@@ -267,3 +267,21 @@ def bad_attention(backend: str) -> dict:
                        "reference": p.to_numpy(_by_hand(*whole)),
                        "positions": positions(rank, cp, S // (2 * cp))}
     return result
+
+
+def torch_own_context_parallel(backend: str) -> str | None:
+    """torch's own ``context_parallel`` around its own attention on CPU: the error it
+    raises (None: it ran)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    q, k, v = (torch.from_numpy(a) for a in _data()[:3])
+    try:
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except NotImplementedError as exc:
+        return str(exc)
+    return None

@@ -41,6 +41,8 @@ shared_launch.register(__name__, "cp_bad_attention", 2, TARGET + "bad_attention"
                        lambda backend: (backend,), timeout_s=120)
 shared_launch.register(__name__, "cp_training_all_to_all", 2, TARGET + "training",
                        lambda backend: (backend, 1, ("all_to_all",)), timeout_s=240, slow=True)
+shared_launch.register(__name__, "cp_torch_own", 2, TARGET + "torch_own_context_parallel",
+                       lambda backend: (backend,), backends=("torch",), timeout_s=60, slow=True)
 shared_launch.register(__name__, "cp_training_dp2_cp2", 4, TARGET + "training",
                        lambda backend: (backend, 2, ("ring", "all_to_all")), timeout_s=900,
                        slow=True)
@@ -123,6 +125,15 @@ def test_attention_by_hand_under_the_context(backend):
     expected = mixed["reference"][:, :, mixed["positions"]]
     assert_close(mixed["routed"], expected, FP32_RTOL)
     assert np.abs(mixed["by_hand"] - expected).max() > 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torch_own_context_parallel_on_cpu():
+    """The reproducer of docs/context-parallel.md's limit: torch 2.13's own context_parallel
+    has no rule for the attention kernel torch runs on CPU."""
+    error = shared_launch.results("cp_torch_own", "torch")[0]
+    assert error is not None and "_scaled_dot_product_flash_attention_for_cpu" in error, error
 
 
 # ---------------------------------------------------------------- bad arguments
