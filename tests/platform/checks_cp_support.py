@@ -28,6 +28,12 @@ def check_replace_values(ctx):
     ids = p.from_numpy(np.arange(8, dtype=np.int64).reshape(2, 4))
     p.replace_values(ids, p.narrow(ids, 1, 2, 2))
     _same(_values(ctx, ids), np.array([[2, 3], [6, 7]]), "replace_values from its own slice")
+    tokens = p.from_numpy(np.arange(10, dtype=np.int64).reshape(1, 10))
+    inputs, targets = p.narrow(tokens, 1, 0, 9), p.narrow(tokens, 1, 1, 9)  # one memory
+    p.replace_values(inputs, p.narrow(inputs, 1, 0, 2) + 100)
+    _same(_values(ctx, inputs), np.array([[100, 101]]), "replace_values of a view")
+    _same(_values(ctx, targets), np.arange(1, 10).reshape(1, 9),
+          "replace_values wrote into memory another tensor shares")
 
 
 @local_check

@@ -12,9 +12,11 @@ from hyper_parallel.platform.cp_support import ContextParallelSupport
 
 class TorchContextParallelSupport(ContextParallelSupport):
     def replace_values(self, tensor, new):
+        # the tensor is pointed at new memory (set_) rather than written into (torch's own
+        # resize_ and copy_): buffers that share memory, such as ids and targets sliced from
+        # one token array, must not overwrite each other
         with torch.no_grad():
-            tensor.resize_(tuple(new.shape))
-            tensor.copy_(new)
+            tensor.set_(new.contiguous().clone())
 
     @contextlib.contextmanager
     def route_framework_attention(self, attention):
