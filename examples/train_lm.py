@@ -155,7 +155,8 @@ def _meshes(hp, platform, args) -> tuple:
     if cp:
         dims = hp.DataParallelMeshDims(shard=("shard", "cp"),
                                        replicate="replicate" if args.mesh else None)
-    return (mesh[data + cp] if args.tp > 1 else mesh, dims,
+    # joined dims take the whole mesh (dp_mesh_dims leaves the tensor-parallel dim out)
+    return (mesh[data] if args.tp > 1 and not cp else mesh, dims,
             mesh["tp"] if args.tp > 1 else None, mesh["cp"] if cp else None)
 
 
