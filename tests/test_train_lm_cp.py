@@ -1,0 +1,74 @@
+"""examples/train_lm.py under context parallelism (``--cp``): the example model trains what
+it trains in one process, on both frameworks, alone and with tensor parallelism, and its
+checkpoints do not depend on the context-parallel degree.
+
+Every run is the example's own command line (tests/test_train_lm.py's pattern: tiny size,
+hp-run's ``--timeout``), ``STEPS`` AdamW steps. All under ``-m slow``: in the default run
+tests/test_context_parallel.py trains the same model under fully_shard inside
+``hp.context_parallel`` at cp2 on both frameworks, and tests/test_docs_examples.py runs the
+plan of docs/context-parallel.md.
+
+- the one-process references, torch and MindSpore (``--nproc 1``);
+- cp2 on each framework (2 ranks), with a checkpoint after step K, and cp2 x tp2 (4 ranks):
+  losses and the last validation loss equal one process's to 1e-5 relative;
+- the MindSpore cp2 checkpoint resumed on torch at one rank (cp1): the history it carries
+  is the cp2 run's, and the resumed steps equal the one-process run's to 1e-5.
+"""
+
+import pytest
+
+from tests.test_train_lm import _losses, _train
+from tests.test_train_lm_tp import _check_parity
+
+pytest.importorskip("torch")
+pytest.importorskip("mindspore")
+
+STEPS, K = 5, 3
+BACKENDS = ["torch", "mindspore"]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("train_lm_cp")
+
+
+@pytest.fixture(scope="module")
+def references(root):
+    return {backend: _train(root / f"{backend}_1", backend, "--nproc", "1", "--steps", str(STEPS))
+            for backend in BACKENDS}
+
+
+@pytest.fixture(scope="module")
+def cp2(root):
+    return {backend: _train(root / f"{backend}_cp2", backend, "--nproc", "2", "--cp", "2",
+                            "--steps", str(STEPS), "--ckpt-every", str(K))
+            for backend in BACKENDS}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cp2_trains_as_one_process(references, cp2, backend):
+    run = cp2[backend]
+    assert "CP 2" in run[1]
+    _check_parity(run, references[backend], f"{backend} cp2")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cp2_tp2_trains_as_one_process(references, root, backend):
+    run = _train(root / f"{backend}_cp2_tp2", backend, "--nproc", "4", "--cp", "2", "--tp", "2",
+                 "--eager-init", "--steps", str(STEPS))
+    assert "CP 2 x TP 2" in run[1]
+    _check_parity(run, references[backend], f"{backend} cp2 x tp2")
+
+
+@pytest.mark.timeout(900)
+def test_a_cp2_checkpoint_resumes_at_cp1_on_the_other_framework(references, cp2, root):
+    checkpoint = root / "mindspore_cp2" / f"step-{K:05d}"
+    resumed, out = _train(root / "torch_from_cp2", "torch", "--nproc", "1",
+                          "--steps", str(STEPS), "--resume", str(checkpoint))
+    assert f"resumed at step {K}" in out
+    assert resumed["history"][:K] == cp2["mindspore"][0]["history"][:K]
+    _check_parity((resumed, out), references["torch"], "torch cp1 resumed from MindSpore cp2")
+    assert len(_losses((resumed, out))) == STEPS
