@@ -11,9 +11,11 @@ same values:
 
 They are stepped (AdamW, the same batches) in alternated rounds, one step each, the order
 reversed every round, after ``warmup`` rounds. Then each model's forward is run once more
-under the framework's saved-tensor hooks, which count the bytes autograd keeps for backward
-(the activations, and the weights a matmul keeps), and one ``cp2`` step is counted by
-``hp.comm_stats`` on the cp dim (the ring's sends).
+under the framework's saved-tensor hooks, which count the memory autograd keeps for
+backward (the activations, and the weights a matmul keeps): each memory once, however many
+operations save it or views of it (torch: the tensor's storage; MindSpore: its data
+pointer). One ``cp2`` step is counted by ``hp.comm_stats`` on the cp dim (the ring's
+sends).
 """
 
 from __future__ import annotations
@@ -66,10 +68,11 @@ class TorchModels:
     def step(self, kind, ids, targets, count_saved=False) -> tuple:
         torch = self.torch
         ids, targets = torch.from_numpy(ids.copy()), torch.from_numpy(targets.copy())
-        saved = [0]
+        saved = {}
 
         def pack(t):
-            saved[0] += t.numel() * t.element_size()
+            storage = t.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
             return t
 
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved \
@@ -80,7 +83,7 @@ class TorchModels:
             loss.backward()
         self.opts[kind].step()
         self.opts[kind].zero_grad(set_to_none=False)
-        return float(loss.detach()), saved[0]
+        return float(loss.detach()), sum(saved.values())
 
 
 class MindSporeModels:
@@ -93,7 +96,7 @@ class MindSporeModels:
         ms.set_context(mode=ms.PYNATIVE_MODE)
         ms.runtime.launch_blocking()  # as every MindSpore phase of run.py
         self.ms, self.mesh, self.models, self.opts, self.grad_fns = ms, mesh, {}, {}, {}
-        self.saved, self.counting = [0], False
+        self.saved, self.counting = {}, False
         for kind in KINDS:
             model = build(job["size"], hp.get_platform())
             if kind == "cp2":
@@ -106,7 +109,8 @@ class MindSporeModels:
 
     def _loss_fn(self, model):
         def pack(t):
-            self.saved[0] += t.nbytes
+            key = t.data_ptr()
+            self.saved[key] = max(self.saved.get(key, 0), t.nbytes)
             return t
 
         def loss(ids, targets):
@@ -119,7 +123,8 @@ class MindSporeModels:
     def step(self, kind, ids, targets, count_saved=False) -> tuple:
         ms = self.ms
         ids, targets = ms.Tensor(ids.astype(np.int32)), ms.Tensor(targets.astype(np.int32))
-        self.saved[0], self.counting = 0, count_saved
+        self.saved.clear()
+        self.counting = count_saved
         context = contextlib.nullcontext() if kind == "one" else hp.context_parallel(
             self.mesh, buffers=[ids, targets, self.models[kind].model.cos,
                                 self.models[kind].model.sin],
@@ -128,7 +133,7 @@ class MindSporeModels:
             loss, grads = self.grad_fns[kind](ids, targets)
         self.opts[kind](grads)
         self.counting = False
-        return float(loss.asnumpy()), self.saved[0]
+        return float(loss.asnumpy()), sum(self.saved.values())
 
 
 def run(job: dict, rank: int, world: int) -> dict:
