@@ -132,7 +132,8 @@ class _TorchSide:
         from examples.lm.config import VOCAB
 
         with context:
-            loss = hp.cross_entropy(self.model(ids).reshape(-1, VOCAB), targets.reshape(-1))
+            logits = self.model(ids).float()  # mixed precision: the loss in float32
+            loss = hp.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
             loss.backward()
         hp.clip_grad_norm_(self.model.parameters(), 1.0)
         optimizer.step()
@@ -165,7 +166,8 @@ class _MindSporeSide:
     def _loss(self, ids, targets):
         from examples.lm.config import VOCAB
 
-        return hp.cross_entropy(self.model(ids).reshape(-1, VOCAB), targets.reshape(-1))
+        logits = self.model(ids).astype(self.ms.float32)  # mixed precision: loss in float32
+        return hp.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
     def step(self, optimizer, ids, targets, context) -> float:
         with context:
@@ -179,9 +181,10 @@ def _side(backend: str):
     return _TorchSide() if backend == "torch" else _MindSporeSide()
 
 
-def training(backend: str, dp: int, strategies=("ring",)) -> dict:
-    """The tiny LM at (dp, cp = world / dp) per strategy, and in one process (every rank
-    computes the reference alike)."""
+def training(backend: str, dp: int, strategies=("ring",), param_dtype: str | None = None) -> dict:
+    """The tiny LM at (dp, cp = world / dp) per strategy, and in one process in float32
+    (every rank computes the reference alike); ``param_dtype``: fully_shard's mixed
+    precision (gradients reduced in float32)."""
     import contextlib
 
     batches = _lm_batches()
@@ -196,9 +199,11 @@ def training(backend: str, dp: int, strategies=("ring",)) -> dict:
     for strategy in strategies:
         side = _side(backend)
         dims = hp.DataParallelMeshDims(shard=("dp", "cp"))
+        policy = hp.MixedPrecisionPolicy(param_dtype=param_dtype,
+                                         reduce_dtype=param_dtype and "float32")
         for layer in side.model.model.layers:
-            hp.fully_shard(layer, mesh=mesh, dp_mesh_dims=dims)
-        hp.fully_shard(side.model, mesh=mesh, dp_mesh_dims=dims)
+            hp.fully_shard(layer, mesh=mesh, dp_mesh_dims=dims, mp_policy=policy)
+        hp.fully_shard(side.model, mesh=mesh, dp_mesh_dims=dims, mp_policy=policy)
         optimizer = side.optimizer()
         losses = []
         for ids, targets in batches:

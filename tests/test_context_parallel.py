@@ -15,9 +15,10 @@ The shared 2-rank launch per backend (tests/context_parallel_scenarios.py) runs:
   the last step to ``ADAMW_RTOL``;
 - what the context refuses inside a rank, and attention computed by hand.
 
-Under ``-m slow``: the same training with all-to-all attention at cp2, and at dp2 x cp2 on
-4 ranks with both strategies. Bad arguments of ``context_parallel`` fail before anything
-changes, here in the test process on a mesh without groups.
+Under ``-m slow``: the same training with all-to-all attention at cp2, at dp2 x cp2 on 4
+ranks with both strategies, and in fully_shard's mixed precision at cp2; and the reproducer
+of torch's own ``context_parallel`` failing on CPU. Bad arguments of ``context_parallel``
+fail before anything changes, here in the test process on a mesh without groups.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ import pytest
 
 import hyper_parallel as hp
 from tests import shared_launch
-from tests.tolerance import ADAMW_RTOL, FP32_RTOL, assert_close
+from tests.tolerance import ADAMW_RTOL, FP32_RTOL, LOW_PRECISION_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
 ATTENTION_CASES = [f"{s}-{m}" for s in ("ring", "all_to_all") for m in ("full", "causal")]
 TARGET = "tests.context_parallel_scenarios:"
+#: the parameter dtype of the mixed-precision case (MindSpore CPU has no bfloat16 matmul)
+LOW = {"torch": "bfloat16", "mindspore": "float16"}
 
 shared_launch.register(__name__, "cp_attention", 2, TARGET + "attention",
                        lambda backend: (backend,), timeout_s=120)
@@ -41,6 +44,9 @@ shared_launch.register(__name__, "cp_bad_attention", 2, TARGET + "bad_attention"
                        lambda backend: (backend,), timeout_s=120)
 shared_launch.register(__name__, "cp_training_all_to_all", 2, TARGET + "training",
                        lambda backend: (backend, 1, ("all_to_all",)), timeout_s=240, slow=True)
+shared_launch.register(__name__, "cp_training_low_precision", 2, TARGET + "training",
+                       lambda backend: (backend, 1, ("ring",), LOW[backend]), timeout_s=240,
+                       slow=True)
 shared_launch.register(__name__, "cp_torch_own", 2, TARGET + "torch_own_context_parallel",
                        lambda backend: (backend,), backends=("torch",), timeout_s=60, slow=True)
 shared_launch.register(__name__, "cp_training_dp2_cp2", 4, TARGET + "training",
@@ -85,6 +91,20 @@ def test_lm_trained_at_cp2_equals_one_process(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lm_trained_at_cp2_all_to_all_equals_one_process(backend):
     _check_training(shared_launch.results("cp_training_all_to_all", backend), "all_to_all")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lm_trained_at_cp2_in_mixed_precision(backend):
+    """fully_shard's mixed precision (bfloat16 on torch, float16 on MindSpore, gradients
+    reduced in float32) at cp2: the losses within the low precision's own tolerance of the
+    float32 one-process run, and not equal to it (the policy applied)."""
+    per_rank = shared_launch.results("cp_training_low_precision", backend)
+    reference = per_rank[0]["reference"]["losses"]
+    losses = np.mean([result["ring"]["losses"] for result in per_rank], 0)
+    assert_close(losses, reference, LOW_PRECISION_RTOL[LOW[backend]])
+    assert not np.allclose(losses, reference, rtol=1e-7, atol=0)
 
 
 @pytest.mark.slow
