@@ -122,6 +122,15 @@ class _TorchSide:
     def rope(self):
         return [self.model.model.cos, self.model.model.sin]
 
+    def recompute_attention(self):
+        """Each layer's attention recomputed in backward (non-reentrant checkpoint)."""
+        from torch.utils.checkpoint import checkpoint
+
+        for layer in self.model.model.layers:
+            attention = layer.self_attn
+            attention.forward = lambda x, cos, sin, f=attention.forward: checkpoint(
+                f, x, cos, sin, use_reentrant=False)
+
     def tensor(self, array):
         return self.torch.from_numpy(array.astype(np.int64))
 
@@ -181,10 +190,12 @@ def _side(backend: str):
     return _TorchSide() if backend == "torch" else _MindSporeSide()
 
 
-def training(backend: str, dp: int, strategies=("ring",), param_dtype: str | None = None) -> dict:
+def training(backend: str, dp: int, strategies=("ring",), param_dtype: str | None = None,
+             recompute: bool = False) -> dict:
     """The tiny LM at (dp, cp = world / dp) per strategy, and in one process in float32
     (every rank computes the reference alike); ``param_dtype``: fully_shard's mixed
-    precision (gradients reduced in float32)."""
+    precision (gradients reduced in float32); ``recompute``: the attention recomputed in
+    backward (inside the context)."""
     import contextlib
 
     batches = _lm_batches()
@@ -198,6 +209,8 @@ def training(backend: str, dp: int, strategies=("ring",), param_dtype: str | Non
     first = mesh.get_local_rank("dp") * rows
     for strategy in strategies:
         side = _side(backend)
+        if recompute:
+            side.recompute_attention()
         dims = hp.DataParallelMeshDims(shard=("dp", "cp"))
         policy = hp.MixedPrecisionPolicy(param_dtype=param_dtype,
                                          reduce_dtype=param_dtype and "float32")

@@ -16,7 +16,8 @@ The shared 2-rank launch per backend (tests/context_parallel_scenarios.py) runs:
 - what the context refuses inside a rank, and attention computed by hand.
 
 Under ``-m slow``: the same training with all-to-all attention at cp2, at dp2 x cp2 on 4
-ranks with both strategies, and in fully_shard's mixed precision at cp2; and the reproducer
+ranks with both strategies, in fully_shard's mixed precision at cp2, on torch with the
+attention recomputed in backward; and the reproducer
 of torch's own ``context_parallel`` failing on CPU. Bad arguments of ``context_parallel``
 fail before anything changes, here in the test process on a mesh without groups.
 """
@@ -47,6 +48,9 @@ shared_launch.register(__name__, "cp_training_all_to_all", 2, TARGET + "training
 shared_launch.register(__name__, "cp_training_low_precision", 2, TARGET + "training",
                        lambda backend: (backend, 1, ("ring",), LOW[backend]), timeout_s=240,
                        slow=True)
+shared_launch.register(__name__, "cp_training_recompute", 2, TARGET + "training",
+                       lambda backend: (backend, 1, ("ring",), None, True),
+                       backends=("torch",), timeout_s=240, slow=True)
 shared_launch.register(__name__, "cp_torch_own", 2, TARGET + "torch_own_context_parallel",
                        lambda backend: (backend,), backends=("torch",), timeout_s=60, slow=True)
 shared_launch.register(__name__, "cp_training_dp2_cp2", 4, TARGET + "training",
@@ -105,6 +109,14 @@ def test_lm_trained_at_cp2_in_mixed_precision(backend):
     losses = np.mean([result["ring"]["losses"] for result in per_rank], 0)
     assert_close(losses, reference, LOW_PRECISION_RTOL[LOW[backend]])
     assert not np.allclose(losses, reference, rtol=1e-7, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_lm_trained_at_cp2_with_recomputed_attention():
+    """torch: the attention recomputed in backward (non-reentrant checkpoint), backward
+    inside the context: the ring runs again, and the training is one process's."""
+    _check_training(shared_launch.results("cp_training_recompute", "torch"), "ring")
 
 
 @pytest.mark.slow

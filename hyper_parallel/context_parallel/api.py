@@ -18,14 +18,15 @@ counts the attention calls it routes: one that closes without error having route
 raises (the model's attention, if any, was computed by hand). A model that routes some
 attention calls and computes others by hand is not detected.
 
-The open context is kept in a ``ContextVar`` (one per thread), the only state here: a
-model's attention finds it without being handed it, as torch's replaced function does.
+The open context is the only state here, kept for the process (``_OPEN``, one at a time),
+as torch's replaced function is: a model's attention finds it without being handed it, also
+in a forward that autograd recomputes during backward (activation checkpointing), which a
+framework may run on a thread of its own; so backward runs inside the context.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -47,7 +48,8 @@ class _OpenContext:
     calls: int = 0
 
 
-_OPEN: contextvars.ContextVar = contextvars.ContextVar("hp_context_parallel", default=None)
+#: the open context, if any (at most one element)
+_OPEN: list = []
 
 
 def _checked_mesh(mesh: Any) -> Any:
@@ -103,7 +105,7 @@ def context_parallel(mesh: Any, *, buffers: Sequence[Any] | None = None,
     if strategy not in STRATEGIES:
         raise ValueError(f"hyper_parallel: context_parallel's strategy is one of {STRATEGIES}, "
                          f"got {strategy!r}")
-    if _OPEN.get() is not None:
+    if _OPEN:
         raise RuntimeError("hyper_parallel: a context_parallel context is already open; "
                            "close it before opening another")
     mesh = _checked_mesh(mesh)
@@ -116,12 +118,12 @@ def context_parallel(mesh: Any, *, buffers: Sequence[Any] | None = None,
         for buffer, share in zip(buffers, shares):
             p.replace_values(buffer, share)
     state = _OpenContext(mesh, strategy, None if length is None else length // cp)
-    token = _OPEN.set(state)
+    _OPEN.append(state)
     try:
         with p.route_framework_attention(scaled_dot_product_attention):
             yield
     finally:
-        _OPEN.reset(token)
+        _OPEN.clear()
         with p.no_grad():
             for buffer, original in zip(buffers, originals):
                 if original is not None:
@@ -161,7 +163,7 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: An
     p = get_platform()
     q_shape, k_shape = p.shape(query), p.shape(key)
     _refuse(attn_mask, dropout_p, enable_gqa, is_causal, q_shape[-2], k_shape[-2])
-    state = _OPEN.get()
+    state = _OPEN[0] if _OPEN else None
     if state is None:
         return plain_attention(query, key, value, is_causal, scale)
     if state.local_length is not None and q_shape[-2] != state.local_length:
