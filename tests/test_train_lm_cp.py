@@ -9,8 +9,9 @@ tests/test_context_parallel.py trains the same model under fully_shard inside
 plan of docs/context-parallel.md.
 
 - the one-process references, torch and MindSpore (``--nproc 1``);
-- cp2 on each framework (2 ranks), with a checkpoint after step K, and cp2 x tp2 (4 ranks):
-  losses and the last validation loss equal one process's to 1e-5 relative;
+- cp2 on each framework (2 ranks), with a checkpoint after step K, cp2 x tp2 and HSDP
+  2x1 x cp2 (4 ranks): losses and the last validation loss equal one process's to 1e-5
+  relative;
 - the MindSpore cp2 checkpoint resumed on torch at one rank (cp1): the history it carries
   is the cp2 run's, and the resumed steps equal the one-process run's to 1e-5.
 """
@@ -61,6 +62,15 @@ def test_cp2_tp2_trains_as_one_process(references, root, backend):
                  "--eager-init", "--steps", str(STEPS))
     assert "CP 2 x TP 2" in run[1]
     _check_parity(run, references[backend], f"{backend} cp2 x tp2")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hsdp_x_cp2_trains_as_one_process(references, root, backend):
+    run = _train(root / f"{backend}_hsdp_cp2", backend, "--nproc", "4", "--mesh", "2x1",
+                 "--cp", "2", "--steps", str(STEPS))
+    assert "HSDP 2x1 x CP 2" in run[1]
+    _check_parity(run, references[backend], f"{backend} HSDP 2x1 x cp2")
 
 
 @pytest.mark.timeout(900)
