@@ -203,7 +203,8 @@ def training(backend: str, dp: int, strategies=("ring",), param_dtype: str | Non
     optimizer = reference.optimizer()
     ref_losses = [reference.step(optimizer, reference.tensor(ids), reference.tensor(targets),
                                  contextlib.nullcontext()) for ids, targets in batches]
-    result = {"reference": {"losses": ref_losses, "params": hp.get_full_state_dict(reference.model)}}
+    result = {"reference": {"losses": ref_losses,
+                            "params": hp.get_full_state_dict(reference.model)}}
     mesh = _cp_mesh(dp, hp.get_platform().world_size() // dp)
     rows = 2 // dp
     first = mesh.get_local_rank("dp") * rows

@@ -209,3 +209,9 @@ def test_bad_arguments_fail_before_anything_changes(backend, monkeypatch):
     with pytest.raises(ValueError, match=r"mesh\['cp'\]"):
         with hp.context_parallel(two_d, buffers=[tensors[0]], buffer_seq_dims=[1]):
             pass
+    one = hp.DeviceMesh("cpu", (1,), ("cp",), [None])  # one rank: no group needed
+    with pytest.raises(RuntimeError, match="already open"):
+        with hp.context_parallel(one, buffers=[tensors[0]], buffer_seq_dims=[1]):
+            with hp.context_parallel(one):
+                raise AssertionError("a second context opened inside the first")
+    np.testing.assert_array_equal(p.to_numpy(tensors[0]), before[0])
