@@ -133,9 +133,9 @@ def _mesh_shape(parser, args):
     except ValueError:
         parser.error(f"--mesh {args.mesh!r}: expected RxS, e.g. 2x2")
     if replicas * shards * args.tp * args.cp != args.nproc:
-        parser.error(f"--mesh {args.mesh} x --cp {args.cp} x --tp {args.tp} has "
-                     f"{replicas * shards * args.tp * args.cp} "
-                     f"ranks but --nproc is {args.nproc}")
+        cp = f" x --cp {args.cp}" if args.cp > 1 else ""
+        parser.error(f"--mesh {args.mesh}{cp} x --tp {args.tp} has "
+                     f"{replicas * shards * args.tp * args.cp} ranks but --nproc is {args.nproc}")
     return (replicas, shards) + extra
 
 

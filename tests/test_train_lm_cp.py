@@ -3,7 +3,8 @@ it trains in one process, on both frameworks, alone and with tensor parallelism,
 checkpoints do not depend on the context-parallel degree.
 
 Every run is the example's own command line (tests/test_train_lm.py's pattern: tiny size,
-hp-run's ``--timeout``), ``STEPS`` AdamW steps. All under ``-m slow``: in the default run
+hp-run's ``--timeout``), ``STEPS`` AdamW steps. The runs are under ``-m slow`` (bad options
+are refused in the default run, before anything starts): in the default run
 tests/test_context_parallel.py trains the same model under fully_shard inside
 ``hp.context_parallel`` at cp2 on both frameworks, and tests/test_docs_examples.py runs the
 plan of docs/context-parallel.md.
@@ -16,8 +17,12 @@ plan of docs/context-parallel.md.
   is the cp2 run's, and the resumed steps equal the one-process run's to 1e-5.
 """
 
+import subprocess
+import sys
+
 import pytest
 
+from tests.multirank import REPO_ROOT
 from tests.test_train_lm import _losses, _train
 from tests.test_train_lm_tp import _check_parity
 
@@ -26,7 +31,6 @@ pytest.importorskip("mindspore")
 
 STEPS, K = 5, 3
 BACKENDS = ["torch", "mindspore"]
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +51,7 @@ def cp2(root):
             for backend in BACKENDS}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cp2_trains_as_one_process(references, cp2, backend):
@@ -55,6 +60,7 @@ def test_cp2_trains_as_one_process(references, cp2, backend):
     _check_parity(run, references[backend], f"{backend} cp2")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cp2_tp2_trains_as_one_process(references, root, backend):
@@ -64,6 +70,7 @@ def test_cp2_tp2_trains_as_one_process(references, root, backend):
     _check_parity(run, references[backend], f"{backend} cp2 x tp2")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hsdp_x_cp2_trains_as_one_process(references, root, backend):
@@ -73,6 +80,7 @@ def test_hsdp_x_cp2_trains_as_one_process(references, root, backend):
     _check_parity(run, references[backend], f"{backend} HSDP 2x1 x cp2")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_cp2_checkpoint_resumes_at_cp1_on_the_other_framework(references, cp2, root):
     checkpoint = root / "mindspore_cp2" / f"step-{K:05d}"
@@ -82,3 +90,18 @@ def test_a_cp2_checkpoint_resumes_at_cp1_on_the_other_framework(references, cp2,
     assert resumed["history"][:K] == cp2["mindspore"][0]["history"][:K]
     _check_parity((resumed, out), references["torch"], "torch cp1 resumed from MindSpore cp2")
     assert len(_losses((resumed, out))) == STEPS
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc", "2", "--cp", "2", "--seq", "30"], "--seq 30 must be a multiple of 2 x --cp = 4"),
+    (["--nproc", "2", "--cp", "3"], "--cp 3 x --tp 1 must divide --nproc 2"),
+    (["--nproc", "4", "--cp", "2", "--mesh", "2x2"], "--mesh 2x2 x --cp 2 x --tp 1 has 8 ranks"),
+])
+def test_bad_context_parallel_options_are_refused_before_anything_runs(tmp_path, argv, message):
+    out = tmp_path / "out"
+    command = [sys.executable, str(REPO_ROOT / "examples" / "train_lm.py"), "--backend", "torch",
+               "--size", "tiny", "--out", str(out), *argv]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+    assert not out.exists(), "a refused run wrote output"
