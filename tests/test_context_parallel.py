@@ -15,9 +15,9 @@ The shared 2-rank launch per backend (tests/context_parallel_scenarios.py) runs:
   the last step to ``ADAMW_RTOL``;
 - what the context refuses inside a rank, and attention computed by hand.
 
-Under ``-m slow``: the same training with all-to-all attention at cp2, at dp2 x cp2 on 4
-ranks with both strategies, in fully_shard's mixed precision at cp2, on torch with the
-attention recomputed in backward; and the reproducer
+Under ``-m slow``: the attention at cp4 (4 ranks); the same training with all-to-all
+attention at cp2, at dp2 x cp2 on 4 ranks with both strategies, in fully_shard's mixed
+precision at cp2, on torch with the attention recomputed in backward; and the reproducer
 of torch's own ``context_parallel`` failing on CPU. Bad arguments of ``context_parallel``
 fail before anything changes, here in the test process on a mesh without groups.
 """
@@ -39,6 +39,8 @@ LOW = {"torch": "bfloat16", "mindspore": "float16"}
 
 shared_launch.register(__name__, "cp_attention", 2, TARGET + "attention",
                        lambda backend: (backend,), timeout_s=120)
+shared_launch.register(__name__, "cp_attention_cp4", 4, TARGET + "attention",
+                       lambda backend: (backend,), timeout_s=300, slow=True)
 shared_launch.register(__name__, "cp_training", 2, TARGET + "training",
                        lambda backend: (backend, 1, ("ring",)), timeout_s=240)
 shared_launch.register(__name__, "cp_bad_attention", 2, TARGET + "bad_attention",
@@ -62,7 +64,19 @@ shared_launch.register(__name__, "cp_training_dp2_cp2", 4, TARGET + "training",
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_at_cp2_equals_one_process(backend, case):
-    per_rank = shared_launch.results("cp_attention", backend)
+    _check_attention(shared_launch.results("cp_attention", backend), case)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_at_cp4_equals_one_process(backend, case):
+    """Four ranks: eight chunks, three ring steps, every causal chunk pair kind on each."""
+    _check_attention(shared_launch.results("cp_attention_cp4", backend), case)
+
+
+def _check_attention(per_rank: list, case: str) -> None:
     reference = per_rank[0]["cases"][case]["reference"]
     for i, what in enumerate(("output", "query gradient", "key gradient", "value gradient")):
         whole = np.full_like(reference[i], np.nan)
