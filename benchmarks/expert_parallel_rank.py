@@ -85,8 +85,8 @@ def run(job: dict, rank: int, world: int) -> dict:
     policy = hp.MixedPrecisionPolicy()
 
     def trainer(fsdp_mesh, ep_mesh):
-        return Trainer(job["size"], fsdp_mesh, policy, False, 1e-4, 0.0, 1e9, None, True,
-                       (ep_mesh, every))
+        return Trainer(job["size"], fsdp_mesh, policy, False, 1e-4, 0.0, 1e9, moe=True,
+                       ep_meshes=(ep_mesh, every))
 
     trainers = {"fsdp4": trainer(None, None), "ep2": trainer(None, mesh),
                 "ep1": trainer(mesh["efsdp"], None)}

@@ -943,3 +943,31 @@ def ep_plan(backend, ctx):
     reference = Run(backend, _model(backend, "softmax"), slice(None)).train(steps)
     return {"losses": trained["losses"], "ref_losses": reference["losses"],
             "params": trained["params"][-1], "ref": reference["params"][-1]}
+
+
+# ---------------------------------------------------------------------------- docs/context-parallel.md
+def cp_usage(backend, ctx):
+    """context-parallel.md's plan on 2 ranks: ``hp``, ``model`` (examples/lm, tiny),
+    ``rope``, ``batches`` (3 steps of the whole batch, framework tensors) and
+    ``train_step`` (the framework's own AdamW step). Result: this rank's losses and the
+    one-process run's on the same batches."""
+    import contextlib
+
+    from tests.context_parallel_scenarios import _lm_batches, _side
+
+    side, batches = _side(backend), _lm_batches()[:3]
+    state = {}
+
+    def train_step(ids, targets):
+        if "optimizer" not in state:  # after fully_shard: over the sharded parameters
+            state["optimizer"] = side.optimizer()
+        return side.step(state["optimizer"], ids, targets, contextlib.nullcontext())
+
+    namespace = {"hp": hp, "model": side.model, "rope": side.rope(), "train_step": train_step,
+                 "batches": [(side.tensor(i), side.tensor(t)) for i, t in batches]}
+    yield namespace
+    reference = _side(backend)
+    optimizer = reference.optimizer()
+    ref_losses = [reference.step(optimizer, reference.tensor(i), reference.tensor(t),
+                                 contextlib.nullcontext()) for i, t in batches]
+    return {"losses": namespace["losses"], "ref_losses": ref_losses}

@@ -56,7 +56,7 @@ def test_torch_and_mindspore_agree(runs):
 @pytest.mark.parametrize("argv, message", [
     (["--ep", "2"], "--ep N splits the experts of --moe: add --moe"),
     (["--moe", "--ep", "3", "--nproc", "3", "--batch", "6"], "--ep 3 must divide the 4 experts"),
-    (["--moe", "--ep", "2", "--nproc", "4", "--tp", "2"], "leave out --tp and --mesh"),
+    (["--moe", "--ep", "2", "--nproc", "4", "--tp", "2"], "leave out --tp, --cp and --mesh"),
     (["--moe", "--export", "out"], "leave it out with --moe"),
 ])
 def test_bad_expert_arguments_are_named(capsys, argv, message):

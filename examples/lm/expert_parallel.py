@@ -18,14 +18,14 @@ from __future__ import annotations
 EXPERTS, TOP_K = 4, 2
 
 
-def check_degree(nproc: int, ep: int, tp: int, mesh: str | None) -> str | None:
+def check_degree(nproc: int, ep: int, tp: int, mesh: str | None, cp: int = 1) -> str | None:
     """Why ``--ep ep`` cannot run (None if it can)."""
     if ep < 1 or nproc % ep:
         return f"--ep {ep} must divide --nproc {nproc}"
     if EXPERTS % ep:
         return f"--ep {ep} must divide the {EXPERTS} experts"
-    if ep > 1 and (tp > 1 or mesh):
-        return "--ep runs with FSDP over all ranks: leave out --tp and --mesh"
+    if ep > 1 and (tp > 1 or cp > 1 or mesh):
+        return "--ep runs with FSDP over all ranks: leave out --tp, --cp and --mesh"
     return None
 
 
