@@ -7,6 +7,7 @@ initializer, so a build under ``no_init_parameters()`` allocates nothing until
 from __future__ import annotations
 
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.common.initializer import initializer
 
