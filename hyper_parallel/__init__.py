@@ -25,6 +25,7 @@ from hyper_parallel.fully_shard import (
     CastGather, GatherCodec, GatherContext, Int8RowGather, set_gather_codec,
 )
 from hyper_parallel import interop
+from hyper_parallel import pipelining
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel import (
     ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, Replicate,
@@ -47,4 +48,5 @@ __all__ = [
     "ColwiseParallel", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
     "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "cross_entropy",
     "loss_parallel", "parallelize_module",
+    "pipelining",
 ]

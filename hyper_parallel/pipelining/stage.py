@@ -1,0 +1,174 @@
+"""One pipeline stage: a module, its place in the pipeline, and its micro-batches' forwards
+and backwards (torch's ``PipelineStage``, written once over the platform).
+
+[Note: what a stage does per micro-batch]
+forward: receive the previous stage's activation (the first stage takes the step's
+inputs), run the module through ``platform.forward_for_later_backward`` (the last stage
+runs the loss too), send the output on. backward: receive the gradient of that output (the
+last stage starts from the loss, scaled by 1 / n_microbatches as torch's ``scale_grads``
+does), run the pending backward, send the input's gradient back. On MindSpore the
+parameter gradients each backward returns are summed into ``gradients()``; on torch they
+accumulate in ``.grad``.
+
+Units (``fully_shard``) inside the stage: every backward but the step's last runs with
+gradient sync off and ``is_last_backward`` off on the stage's outermost units, so the
+unsharded gradients accumulate and each unit reduce-scatters once per step, in the last
+backward (docs/api.md, "Pipelines").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.device_mesh import DeviceMesh
+from hyper_parallel.fully_shard import FSDPModule
+from hyper_parallel.pipelining.p2p import StageLink
+from hyper_parallel.platform import get_platform
+
+
+class PipelineStage:
+    """``submodule`` as stage ``stage_index`` of ``num_stages``; ``group``: the 1-D pp
+    ``DeviceMesh`` (``mesh["pp"]``; None: every rank), stage ``i`` on its pp rank
+    ``i % size``. ``input_args``/``output_args``: example tensors of the stage's input and
+    output per micro-batch, checked against the neighbours' (None: take what arrives)."""
+
+    def __init__(self, submodule: Any, stage_index: int, num_stages: int, device: Any = None,
+                 input_args: Any = None, output_args: Any = None, group: Any = None,
+                 dw_builder: Any = None):
+        if dw_builder is not None:
+            raise ValueError("dw_builder (zero-bubble schedules) is not supported: leave it "
+                             "None and use ScheduleGPipe, Schedule1F1B or "
+                             "ScheduleInterleaved1F1B")
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index {stage_index} is not in [0, {num_stages})")
+        mesh = _pp_mesh(group)
+        size, pp_rank = mesh.size(), mesh.get_local_rank(0)
+        if num_stages % size:
+            raise ValueError(f"{num_stages} stages do not fit the pp mesh of {size} ranks: "
+                             f"num_stages must be a multiple of the mesh's size")
+        if stage_index % size != pp_rank:
+            raise ValueError(f"stage {stage_index} belongs on pp rank {stage_index % size} "
+                             f"(stage i on pp rank i % {size}), not on this rank (pp rank "
+                             f"{pp_rank})")
+        self.submod, self.stage_index, self.num_stages = submodule, stage_index, num_stages
+        self.device, self.group_size, self.pp_rank = device, size, pp_rank
+        self.input_args, self.output_args = _single(input_args), _single(output_args)
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.link = StageLink(mesh.get_group(0), mesh.mesh_dim_names[0],
+                              None if self.is_first else (stage_index - 1) % size,
+                              None if self.is_last else (stage_index + 1) % size)
+        self._units = _outermost_units(submodule)
+        self._pending: dict = {}
+        self._grads: list | None = None
+        self._input: tuple | None = None   # (dtype name, shape) this step's activations
+        self._output: Any = None
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self) -> None:
+        self._pending.clear()
+        self._grads, self._input, self._output = None, None, None
+
+    def end_step(self) -> None:
+        self.link.wait_sends()
+        self._pending.clear()
+
+    def gradients(self) -> list:
+        """This step's gradients of the stage's trainable parameters, in their order: on
+        MindSpore the sum of what the step's backwards returned (what an optimizer
+        takes), on torch each parameter's ``.grad``."""
+        p = get_platform()
+        if p.capabilities.returns_grads_from_backward:
+            if self._grads is None:
+                raise RuntimeError("no backward ran on this stage since its last step: call "
+                                   "schedule.step(...) first")
+            return list(self._grads)
+        return [p.param_grad(q) for q in _trainable(self.submod)]
+
+    # ------------------------------------------------------------------ micro-batches
+    def forward_one_chunk(self, mb: int, args: tuple, kwargs: dict, target: Any,
+                          loss_fn: Any, keep_graph: bool) -> Any:
+        """Forward of micro-batch ``mb``; the loss on the last stage, else None."""
+        p = get_platform()
+        if self.is_first:
+            inputs, fn = [], (lambda: self.submod(*args, **kwargs))
+        else:
+            if self._input is None:
+                self._input = self.link.check_input(self.stage_index, self.input_args)
+            name, shape = self._input
+            inputs = [self.link.recv(shape, p.dtype(name), self.link.prev_peer)]
+            fn = self.submod
+        if self.is_last:
+            if loss_fn is None:
+                raise ValueError("the last stage needs a loss: pass loss_fn to the schedule")
+            module = fn
+            fn = (lambda *xs: loss_fn(module(*xs), target))
+        output, backward = p.forward_for_later_backward(self.submod, fn, inputs, keep_graph)
+        self._pending[mb] = (output, backward)
+        if self.is_last:
+            return output
+        if self._output is None:
+            self.link.check_output(self.stage_index, output, self.output_args)
+            self._output = output
+        self.link.send(output, self.link.next_peer)
+        return None
+
+    def backward_one_chunk(self, mb: int, last_backward: bool, loss_scale: float) -> None:
+        """Backward of micro-batch ``mb``; ``last_backward``: the step's last on this
+        stage (the units reduce their gradients in it)."""
+        p = get_platform()
+        output, backward = self._pending.pop(mb)
+        if self.is_last:
+            grad_output = _filled(output, loss_scale)
+        else:
+            grad_output = self.link.recv(p.shape(output), p.dtype_of(output),
+                                         self.link.next_peer)
+        for unit in self._units:
+            unit.set_requires_gradient_sync(last_backward)
+            unit.set_is_last_backward(last_backward)
+        input_grads, param_grads = backward(grad_output)
+        if param_grads is not None:
+            self._grads = (param_grads if self._grads is None
+                           else [p.add(a, b) for a, b in zip(self._grads, param_grads)])
+        if not self.is_first:
+            self.link.send(input_grads[0], self.link.prev_peer)
+
+
+def _pp_mesh(group: Any) -> DeviceMesh:
+    p = get_platform()
+    if group is None:
+        from hyper_parallel.device_mesh import init_device_mesh
+        return init_device_mesh(p.device_type(), (p.world_size(),), mesh_dim_names=("pp",))
+    if not isinstance(group, DeviceMesh) or group.ndim != 1:
+        raise TypeError(f"group must be a 1-D hp DeviceMesh (e.g. mesh['pp']) or None, got "
+                        f"{type(group).__name__}")
+    return group
+
+
+def _single(example: Any) -> Any:
+    if isinstance(example, (tuple, list)):
+        if len(example) != 1:
+            raise ValueError(f"a stage takes and returns one tensor between stages; got "
+                             f"{len(example)} example tensors")
+        return example[0]
+    return example
+
+
+def _outermost_units(module: Any) -> list:
+    """The units of ``module``'s tree that no other unit of it holds."""
+    named = [(n, m) for n, m in get_platform().named_modules(module) if isinstance(m, FSDPModule)]
+    return [m for n, m in named
+            if not any(o != n and (o == "" or n.startswith(o + ".")) for o, _ in named)]
+
+
+def _trainable(module: Any) -> list:
+    p = get_platform()
+    return [q for _, m in p.named_modules(module) for _, q in p.direct_params(m)
+            if p.param_requires_grad(q)]
+
+
+def _filled(like: Any, value: float) -> Any:
+    p = get_platform()
+    filled = p.from_numpy(np.full(p.shape(like), value, np.float32))
+    return p.cast(filled, p.dtype_of(like))
