@@ -111,6 +111,7 @@ class _Schedule:
         last_backward = [mb for kind, mb in order if kind == "B"][-1]
         step_losses = {}
         stage.begin_step()
+        failed = True
         try:
             for kind, mb in order:
                 if kind == "F":
@@ -119,8 +120,9 @@ class _Schedule:
                 else:
                     stage.backward_one_chunk(mb, mb == last_backward,
                                              1.0 / n if self.scale_grads else 1.0)
+            failed = False
         finally:
-            stage.end_step()
+            stage.end_step(failed)
         if stage.is_last and losses is not None:
             losses.extend(step_losses[mb] for mb in range(n))
 

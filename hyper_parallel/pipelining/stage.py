@@ -70,8 +70,13 @@ class PipelineStage:
         self._pending.clear()
         self._grads, self._input, self._output = None, None, None
 
-    def end_step(self) -> None:
+    def end_step(self, failed: bool) -> None:
+        """Wait for the step's sends; after a failure, drop the forwards still pending
+        (and what the framework's autograd holds of them) so that the next step starts
+        clean."""
         self.link.wait_sends()
+        if failed and self._pending:
+            get_platform().discard_aborted_autograd()
         self._pending.clear()
 
     def gradients(self) -> list:
