@@ -1,7 +1,7 @@
 """hp.pipelining (PipelineStage, ScheduleGPipe, Schedule1F1B) on both frameworks, against
 the same model trained whole in one process.
 
-Rank side: tests/pp_api_scenarios.py. One shared 2-rank launch per backend (pp 2, plain
+Rank side: tests/pipelining_scenarios.py. One shared 2-rank launch per backend (pp 2, plain
 stages: GPipe, 1F1B and a shape mismatch between the stages) and one 4-rank launch (pp 2
 x dp 2, every block and stage a unit over ``mesh["dp"]``). Checked: the mean of the last
 stage's per-micro-batch losses of each step and every stage's parameters after 3 SGD steps
@@ -17,17 +17,28 @@ import numpy as np
 import pytest
 
 from tests import shared_launch
-from tests.pp_api_scenarios import STEPS
+from tests.pipelining_scenarios import STEPS
 from tests.tolerance import FP32_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
 TWO = ["gpipe", "1f1b", "bad_shapes"]
 FOUR = ["gpipe", "1f1b"]
+#: at dp 2, what the default run trains (MindSpore's GPipe at dp 2 under ``-m slow``: its
+#: 2-rank GPipe and 4-rank 1F1B cover the paths it takes, at ~10 s more on 2 cores)
+FOUR_DEFAULT = {"torch": FOUR, "mindspore": ["1f1b"]}
 
-shared_launch.register(__name__, "pipelining", 2, "tests.pp_api_scenarios:run_cases",
+shared_launch.register(__name__, "pipelining", 2, "tests.pipelining_scenarios:run_cases",
                        lambda backend: (TWO,), timeout_s=300)
-shared_launch.register(__name__, "pipelining_dp", 4, "tests.pp_api_scenarios:run_cases",
-                       lambda backend: (FOUR, 2), timeout_s=400)
+shared_launch.register(__name__, "pipelining_dp", 4, "tests.pipelining_scenarios:run_cases",
+                       lambda backend: (FOUR_DEFAULT[backend], 2), timeout_s=400)
+shared_launch.register(__name__, "pipelining_dp_slow", 4, "tests.pipelining_scenarios:run_cases",
+                       lambda backend: (["gpipe"], 2), backends=("mindspore",), timeout_s=400,
+                       slow=True)
+# the overlapped gradient pipeline (what Ascend runs) under the schedules
+shared_launch.register(__name__, "pipelining_dp_overlapped", 4,
+                       "tests.pipelining_scenarios:run_cases", lambda backend: (FOUR, 2),
+                       backends=("mindspore",), env={"HP_SYNC_COLLECTIVES": "0"},
+                       timeout_s=600, slow=True)
 
 
 def _per_rank(key: str, backend: str, case: str) -> list:
@@ -55,11 +66,23 @@ def test_two_stages_match_single_process(backend, schedule):
     _check_parity(_per_rank("pipelining", backend, schedule), 2)
 
 
+def _four_cases():
+    for backend in BACKENDS:
+        for schedule in FOUR:
+            slow = schedule not in FOUR_DEFAULT[backend]
+            yield pytest.param(backend, schedule, "", marks=[pytest.mark.slow] if slow else [])
+    for schedule in FOUR:
+        yield pytest.param("mindspore", schedule, "overlapped", marks=[pytest.mark.slow])
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("schedule", FOUR)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_units_inside_stages_match_and_reduce_once_per_step(backend, schedule):
-    per_rank = _per_rank("pipelining_dp", backend, schedule)
+@pytest.mark.parametrize("backend,schedule,variant", list(_four_cases()))
+def test_units_inside_stages_match_and_reduce_once_per_step(backend, schedule, variant):
+    if variant:
+        key = "pipelining_dp_overlapped"
+    else:
+        key = "pipelining_dp" + ("" if schedule in FOUR_DEFAULT[backend] else "_slow")
+    per_rank = _per_rank(key, backend, schedule)
     _check_parity(per_rank, 4)
     for rank, r in enumerate(per_rank):
         assert r["units"] >= 2, f"rank {rank}: a stage should hold nested units"
@@ -82,7 +105,7 @@ def _one_rank(monkeypatch, backend):
     monkeypatch.setenv("HP_BACKEND", backend)
     import hyper_parallel as hp
     from tests.kit import get_kit
-    from tests.p2p_pipeline_scenarios import _stages
+    from tests.pipelining_scenarios import _stages
 
     kit = get_kit()
     module = _stages(kit)[0]

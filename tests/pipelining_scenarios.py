@@ -2,8 +2,8 @@
 Schedule1F1B) training a model cut in two stages, against the same model trained whole in
 one process on the same data.
 
-The model is tests/p2p_pipeline_scenarios.py's: stage 0 two blocks and a linear layer,
-stage 1 a block and the output layer, each initialised from its own seed on every rank.
+The model: stage 0 two blocks and a linear layer, stage 1 a block and the output layer,
+each initialised from its own seed on every rank.
 On 2 ranks (pp 2) each stage is a plain module; on 4 ranks (pp 2 x dp 2) each block and
 each stage is a unit (``fully_shard`` over ``mesh["dp"]``) and each dp rank feeds its half
 of the global batch. Per rank: the last stage's losses, the stage's gathered parameters
@@ -17,13 +17,23 @@ import numpy as np
 
 import hyper_parallel as hp
 from tests.kit import get_kit, make_batches
-from tests.p2p_pipeline_scenarios import D_IN, D_OUT, WIDTH, _stages
 from tests.scenarios import _named
 
 STEPS = 3
 MICRO_BATCHES = 4
 GLOBAL_BATCH = 16
+D_IN, WIDTH, D_OUT = 37, 16, 5
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def _stages(kit) -> list:
+    """The model, cut in two stages (initialised from the same seed on every rank)."""
+    first = kit.Stack([kit.Block(D_IN, 24, WIDTH), kit.Block(WIDTH, 16, WIDTH)],
+                      kit.linear(WIDTH, WIDTH))
+    last = kit.Stack([kit.Block(WIDTH, 20, WIDTH)], kit.linear(WIDTH, D_OUT))
+    kit.load(first, 0)
+    kit.load(last, 1)
+    return [first, last]
 
 
 def _mse(out, target):
