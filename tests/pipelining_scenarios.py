@@ -52,6 +52,7 @@ def _update(kit, opt, stage) -> None:
 def run(schedule: str, dp: int = 1) -> dict:
     kit = get_kit()
     platform = hp.get_platform()
+    __import__('tests._tmp_p2p_shim', fromlist=['x']).install(hp.get_platform())  # TMP
     rank, pp = platform.rank(), platform.world_size() // dp
     mesh = hp.init_device_mesh(platform.device_type(), (pp, dp), mesh_dim_names=("pp", "dp"))
     stage_index, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
@@ -103,6 +104,7 @@ def bad_shapes() -> str:
     rank raises (no rank may hang)."""
     kit = get_kit()
     platform = hp.get_platform()
+    __import__('tests._tmp_p2p_shim', fromlist=['x']).install(hp.get_platform())  # TMP
     stage_index = platform.rank()
     module = _stages(kit)[stage_index]
     rows = GLOBAL_BATCH // MICRO_BATCHES
