@@ -23,17 +23,26 @@ STEPS = 3
 MICRO_BATCHES = 4
 GLOBAL_BATCH = 16
 D_IN, WIDTH, D_OUT = 37, 16, 5
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+#: name -> (schedule, stages per rank)
+SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
+             "interleaved": ("ScheduleInterleaved1F1B", 2)}
 
 
-def _stages(kit) -> list:
-    """The model, cut in two stages (initialised from the same seed on every rank)."""
-    first = kit.Stack([kit.Block(D_IN, 24, WIDTH), kit.Block(WIDTH, 16, WIDTH)],
-                      kit.linear(WIDTH, WIDTH))
-    last = kit.Stack([kit.Block(WIDTH, 20, WIDTH)], kit.linear(WIDTH, D_OUT))
-    kit.load(first, 0)
-    kit.load(last, 1)
-    return [first, last]
+def _stages(kit, count: int = 2) -> list:
+    """The model, cut in ``count`` (2 or 4) stages, each initialised from its own seed
+    (the same on every rank)."""
+    if count == 2:
+        stages = [kit.Stack([kit.Block(D_IN, 24, WIDTH), kit.Block(WIDTH, 16, WIDTH)],
+                            kit.linear(WIDTH, WIDTH)),
+                  kit.Stack([kit.Block(WIDTH, 20, WIDTH)], kit.linear(WIDTH, D_OUT))]
+    else:
+        stages = [kit.Stack([kit.Block(D_IN, 24, WIDTH)], kit.linear(WIDTH, WIDTH)),
+                  kit.Stack([kit.Block(WIDTH, 16, WIDTH)], kit.linear(WIDTH, WIDTH)),
+                  kit.Stack([kit.Block(WIDTH, 20, WIDTH)], kit.linear(WIDTH, WIDTH)),
+                  kit.Stack([kit.Block(WIDTH, 12, WIDTH)], kit.linear(WIDTH, D_OUT))]
+    for seed, stage in enumerate(stages):
+        kit.load(stage, seed)
+    return stages
 
 
 def _mse(out, target):
@@ -49,53 +58,65 @@ def _update(kit, opt, stage) -> None:
         opt(tuple(stage.gradients()))
 
 
+def _full(kit, module, sharded: bool) -> dict:
+    if sharded:
+        return hp.gather_full_state_dict(module)
+    return {k: kit.to_numpy(v) for k, v in _named(kit, module).items()}
+
+
 def run(schedule: str, dp: int = 1) -> dict:
     kit = get_kit()
     platform = hp.get_platform()
-    __import__('tests._tmp_p2p_shim', fromlist=['x']).install(hp.get_platform())  # TMP
-    rank, pp = platform.rank(), platform.world_size() // dp
+    name, per_rank = SCHEDULES[schedule]
+    pp = platform.world_size() // dp
+    count = pp * per_rank
     mesh = hp.init_device_mesh(platform.device_type(), (pp, dp), mesh_dim_names=("pp", "dp"))
-    stage_index, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    module = _stages(kit)[stage_index]
-    if dp > 1:
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    indices = [pp_rank + k * pp for k in range(per_rank)]
+    modules = [_stages(kit, count)[i] for i in indices]
+    for module in modules if dp > 1 else ():
         for block in module.blocks:
             hp.fully_shard(block, mesh=mesh["dp"])
         hp.fully_shard(module, mesh=mesh["dp"])
-    units = sum(isinstance(m, hp.FSDPModule) for _, m in platform.named_modules(module))
-    stage = hp.pipelining.PipelineStage(module, stage_index, pp, platform.device_type(),
-                                        group=mesh["pp"])
-    sched = getattr(hp.pipelining, SCHEDULES[schedule])(stage, n_microbatches=MICRO_BATCHES,
-                                                        loss_fn=_mse)
-    opt = kit.optimizer([p for p in kit.params(module) if p.requires_grad])
+    units = sum(isinstance(m, hp.FSDPModule) for module in modules
+                for _, m in platform.named_modules(module))
+    stages = [hp.pipelining.PipelineStage(module, i, count, platform.device_type(),
+                                          group=mesh["pp"]) for module, i in zip(modules, indices)]
+    sched = getattr(hp.pipelining, name)(stages if per_rank > 1 else stages[0],
+                                         n_microbatches=MICRO_BATCHES, loss_fn=_mse)
+    opts = [kit.optimizer([p for p in kit.params(m) if p.requires_grad]) for m in modules]
+    has_first, has_last = 0 in indices, count - 1 in indices
 
-    reference = _stages(kit)
-    ref_model = kit.Stack([reference[0]], reference[1])
+    reference = _stages(kit, count)
+    ref_model = kit.Stack(reference[:-1], reference[-1])
     ref_opt = kit.optimizer(kit.params(ref_model))
     losses, ref_losses, reduce_scatters = [], [], []
     rows = GLOBAL_BATCH // dp
     for x, y in make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=5):
         mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
         step_losses = []
+        args = (kit.tensor(x[mine]),) if has_first else ()
+        kwargs = {"target": kit.tensor(y[mine]), "losses": step_losses} if has_last else {}
         with hp.track_comms() as comms:
-            if stage.is_first:
-                sched.step(kit.tensor(x[mine]))
-            else:
-                sched.step(target=kit.tensor(y[mine]), losses=step_losses)
-        _update(kit, opt, stage)
+            sched.step(*args, **kwargs)
+        for opt, stage in zip(opts, stages):
+            _update(kit, opt, stage)
         reduce_scatters.append(comms.calls("reduce_scatter"))
-        if stage.is_last:
+        if has_last:
             losses.append(float(np.mean([kit.to_numpy(v) for v in step_losses])))
         ref_losses.append(kit.train_step(ref_model, ref_opt, x, y))
 
-    full = (hp.gather_full_state_dict(module) if dp > 1
-            else {k: kit.to_numpy(v) for k, v in _named(kit, module).items()})
-    ref_full = {k: kit.to_numpy(v) for k, v in _named(kit, reference[stage_index]).items()}
+    diffs, names_match = [], True
+    for module, i in zip(modules, indices):
+        full = _full(kit, module, dp > 1)
+        ref_full = _full(kit, reference[i], False)
+        names_match &= sorted(full) == sorted(ref_full)
+        diffs += [float(np.abs(full[k] - ref_full[k]).max()) for k in ref_full]
     platform.barrier()
     return {
-        "stage": stage_index, "losses": losses if stage.is_last else None,
+        "pp_rank": pp_rank, "losses": losses if has_last else None,
         "ref_losses": ref_losses, "units": units, "reduce_scatters": reduce_scatters,
-        "names_match": sorted(full) == sorted(ref_full),
-        "param_diff": max(float(np.abs(full[k] - ref_full[k]).max()) for k in ref_full),
+        "names_match": names_match, "param_diff": max(diffs),
     }
 
 
@@ -104,7 +125,6 @@ def bad_shapes() -> str:
     rank raises (no rank may hang)."""
     kit = get_kit()
     platform = hp.get_platform()
-    __import__('tests._tmp_p2p_shim', fromlist=['x']).install(hp.get_platform())  # TMP
     stage_index = platform.rank()
     module = _stages(kit)[stage_index]
     rows = GLOBAL_BATCH // MICRO_BATCHES

@@ -1,12 +1,13 @@
-"""hp.pipelining (PipelineStage, ScheduleGPipe, Schedule1F1B) on both frameworks, against
-the same model trained whole in one process.
+"""hp.pipelining (PipelineStage, ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B) on
+both frameworks, against the same model trained whole in one process.
 
 Rank side: tests/pipelining_scenarios.py. One shared 2-rank launch per backend (pp 2, plain
-stages: GPipe, 1F1B and a shape mismatch between the stages) and one 4-rank launch (pp 2
-x dp 2, every block and stage a unit over ``mesh["dp"]``). Checked: the mean of the last
+stages: GPipe and 1F1B over two stages, interleaved 1F1B over four, two per rank, and a
+shape mismatch between the stages) and one 4-rank launch (pp 2 x dp 2, every block and
+stage a unit over ``mesh["dp"]``). Checked: the mean of the last
 stage's per-micro-batch losses of each step and every stage's parameters after 3 SGD steps
 against the reference (tests/tolerance.py), and at dp 2 one reduce-scatter per unit per
-step under both schedules (the schedule syncs gradients in each step's last backward only).
+step under every schedule (the schedule syncs gradients in each step's last backward only).
 Bad arguments fail before anything runs, in the test process, on a one-rank mesh without
 groups.
 """
@@ -21,10 +22,10 @@ from tests.pipelining_scenarios import STEPS
 from tests.tolerance import FP32_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
-TWO = ["gpipe", "1f1b", "bad_shapes"]
-FOUR = ["gpipe", "1f1b"]
-#: at dp 2, what the default run trains (MindSpore's GPipe at dp 2 under ``-m slow``: its
-#: 2-rank GPipe and 4-rank 1F1B cover the paths it takes, at ~10 s more on 2 cores)
+TWO = ["gpipe", "1f1b", "interleaved", "bad_shapes"]
+FOUR = ["gpipe", "1f1b", "interleaved"]
+#: at dp 2, what the default run trains (MindSpore's GPipe and interleaved 1F1B at dp 2
+#: under ``-m slow``: its 2-rank schedules and 4-rank 1F1B cover the paths they take)
 FOUR_DEFAULT = {"torch": FOUR, "mindspore": ["1f1b"]}
 
 shared_launch.register(__name__, "pipelining", 2, "tests.pipelining_scenarios:run_cases",
@@ -32,7 +33,8 @@ shared_launch.register(__name__, "pipelining", 2, "tests.pipelining_scenarios:ru
 shared_launch.register(__name__, "pipelining_dp", 4, "tests.pipelining_scenarios:run_cases",
                        lambda backend: (FOUR_DEFAULT[backend], 2), timeout_s=400)
 shared_launch.register(__name__, "pipelining_dp_slow", 4, "tests.pipelining_scenarios:run_cases",
-                       lambda backend: (["gpipe"], 2), backends=("mindspore",), timeout_s=400,
+                       lambda backend: (["gpipe", "interleaved"], 2), backends=("mindspore",),
+                       timeout_s=600,
                        slow=True)
 # the overlapped gradient pipeline (what Ascend runs) under the schedules
 shared_launch.register(__name__, "pipelining_dp_overlapped", 4,
@@ -47,8 +49,8 @@ def _per_rank(key: str, backend: str, case: str) -> list:
 
 def _check_parity(per_rank: list, world: int) -> None:
     dp = world // 2
-    assert [r["stage"] for r in per_rank] == [0] * dp + [1] * dp
-    last = [r for r in per_rank if r["stage"] == 1]
+    assert [r["pp_rank"] for r in per_rank] == [0] * dp + [1] * dp
+    last = [r for r in per_rank if r["pp_rank"] == 1]
     # each last-stage rank's losses are its share of the batch: their mean is the batch's
     mean_losses = np.mean([r["losses"] for r in last], axis=0)
     assert len(mean_losses) == STEPS >= 3
@@ -56,13 +58,14 @@ def _check_parity(per_rank: list, world: int) -> None:
     for rank, r in enumerate(per_rank):
         assert r["names_match"], f"rank {rank}: parameter names differ from the reference's"
         assert r["param_diff"] <= FP32_RTOL, \
-            f"rank {rank} (stage {r['stage']}): parameters differ by {r['param_diff']}"
+            f"rank {rank} (pp rank {r['pp_rank']}): parameters differ by {r['param_diff']}"
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_two_stages_match_single_process(backend, schedule):
+def test_two_ranks_match_single_process(backend, schedule):
+    """pp 2: two stages, or four (two per rank) under the interleaved schedule."""
     _check_parity(_per_rank("pipelining", backend, schedule), 2)
 
 
@@ -87,7 +90,7 @@ def test_units_inside_stages_match_and_reduce_once_per_step(backend, schedule, v
     for rank, r in enumerate(per_rank):
         assert r["units"] >= 2, f"rank {rank}: a stage should hold nested units"
         assert r["reduce_scatters"] == [r["units"]] * STEPS, \
-            f"rank {rank} (stage {r['stage']}): reduce-scatters per step " \
+            f"rank {rank} (pp rank {r['pp_rank']}): reduce-scatters per step " \
             f"{r['reduce_scatters']}, expected one per unit ({r['units']})"
 
 

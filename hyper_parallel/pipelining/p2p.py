@@ -1,21 +1,37 @@
-"""What crosses between two neighbouring stages: activations forward, their gradients
-back, and once per step a check that both sides agree on the activation's shape.
+"""What crosses between stages: activations forward, their gradients back, and once per
+step a check that both sides of each stage boundary agree on the activation's shape.
+
+[Note: one ordered stream per pair of ranks]
+Point-to-point messages between two ranks carry no tag: each arrives in the order it was
+sent. With several stages per rank (interleaved schedules) one pair of ranks carries
+several kinds of message (stage 0's activations and stage 2's gradients, say), sent in one
+rank's order and needed in the other's. Every rank knows every rank's order of actions
+(the schedule is a function of the pp rank), so ``Mailbox`` computes, for each peer, the
+sequence of messages that peer sends it (``expected``), and receives in that sequence,
+keeping the messages it does not need yet. Sends are asynchronous (their handles are
+waited at the end of the step), so a receive only ever waits for a message its peer sends
+before any message that would wait on this rank. A message between two stages of one rank
+is handed over without a send.
+
+Messages, per action of a rank (``(stage, "F" or "B", micro-batch)``):
+``F s mb``: on the first forward of ``s`` in the step, answer the header of stage ``s - 1``
+(``reply``), then take its activation; after the forward, on the first, send the header of
+``s`` (``hdr``: dtype and shape of its output) and wait for the reply; send the
+activation (``act``). ``B s mb``: take the gradient of the output from ``s + 1``
+(``grad``); after the backward, send the input's gradient to ``s - 1``.
 
 [Note: the shape check, on both ranks]
 A stage that receives a tensor of a shape it did not expect fails in its forward, and its
-neighbour, blocked in a send or a receive, would wait forever. So before the first
-activation of each step crosses, the sender sends a small header (its output's dtype and
-shape, and whether they match the ``output_args`` it was given) and the receiver answers
-with its verdict (whether they match the ``input_args`` it was given). Both ranks then
-raise the same ``ValueError`` naming the two stages and both shapes, or both go on; after
-the check the receiver allocates its buffers from the header, which is also how a stage
-given no shapes learns them (torch's shape inference, one header per step). Sends are
-asynchronous (their handles are waited at the end of the step); receives wait at once.
+neighbour, blocked in a receive, would wait forever. The header carries whether the
+output matches the sender's ``output_args``, the reply whether it matches the receiver's
+``input_args``: both ranks then raise the same ``ValueError`` naming both stages and
+both shapes, or both go on. A stage given no shapes takes the header's (torch's shape
+inference, one header per step and boundary).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -25,60 +41,81 @@ HEADER = 12                   # int32: verdict, dtype code, ndim, up to 9 dims
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32")
 
 
-class StageLink:
-    """The point-to-point side of one stage: its pp group and the pp ranks of the stages
-    before and after it (None at the ends)."""
+def messages_sent(order: list, rank_of: Callable[[int], int], num_stages: int) -> list:
+    """``[(destination rank, message id), ...]`` that a rank whose actions are ``order``
+    sends, in its order (the first note)."""
+    out, started = [], set()
+    for stage, kind, mb in order:
+        if kind == "F":
+            first = stage not in started
+            started.add(stage)
+            if stage > 0 and first:
+                out.append((rank_of(stage - 1), ("reply", stage - 1)))
+            if stage < num_stages - 1:
+                if first:
+                    out.append((rank_of(stage + 1), ("hdr", stage)))
+                out.append((rank_of(stage + 1), ("act", stage, mb)))
+        elif stage > 0:
+            out.append((rank_of(stage - 1), ("grad", stage, mb)))
+    return out
 
-    def __init__(self, group: Any, dim: str, prev_peer: int | None, next_peer: int | None):
-        self.group, self.dim = group, dim
-        self.prev_peer, self.next_peer = prev_peer, next_peer
-        self.sends: list = []
 
-    # ------------------------------------------------------------------ tensors
-    def send(self, tensor: Any, peer: int) -> None:
+class Mailbox:
+    """This rank's messages of one step: ``expected[peer]`` is what ``peer`` sends here, in
+    its order."""
+
+    def __init__(self, group: Any, dim: str, rank: int, expected: dict):
+        self.group, self.dim, self.rank = group, dim, rank
+        self._expected = {peer: list(ids) for peer, ids in expected.items()}
+        self._next = dict.fromkeys(expected, 0)
+        self._arrived: dict = {}
+        self._shapes: dict = {}     # ("act" or "grad", stage) -> (dtype name, shape)
+        self._sends: list = []
+
+    def send(self, peer: int, msg: tuple, tensor: Any) -> None:
         p = get_platform()
-        self.sends.append(p.send(p.contiguous(tensor), peer, self.group, dim=self.dim))
+        if msg[0] == "hdr":
+            self._shapes[("grad", msg[1] + 1)] = decode(tensor)[1]
+        if peer == self.rank:
+            self._store(msg, tensor)
+        else:
+            self._sends.append(p.send(p.contiguous(tensor), peer, self.group, dim=self.dim))
 
-    def recv(self, shape: tuple, dtype: Any, peer: int) -> Any:
-        return get_platform().recv(tuple(shape), dtype, peer, self.group, dim=self.dim).wait()
+    def get(self, peer: int, msg: tuple) -> Any:
+        """Message ``msg`` from ``peer``, receiving (and keeping) the ones it sent before."""
+        while msg not in self._arrived:
+            if peer == self.rank:
+                raise RuntimeError(f"pipeline message {msg} was never handed over")
+            sequence = self._expected[peer]
+            if self._next[peer] >= len(sequence):
+                raise RuntimeError(f"pipeline message {msg} is not in what pp rank {peer} "
+                                   f"sends this rank")
+            nxt = sequence[self._next[peer]]
+            self._next[peer] += 1
+            name, shape = self._shape_of(nxt)
+            p = get_platform()
+            self._store(nxt, p.recv(shape, p.dtype(name), peer, self.group,
+                                    dim=self.dim).wait())
+        return self._arrived.pop(msg)
 
-    def wait_sends(self) -> None:
-        sends, self.sends = self.sends, []
+    def finish(self) -> None:
+        sends, self._sends = self._sends, []
         for handle in sends:
             handle.wait()
 
-    # ------------------------------------------------------------------ the shape check
-    def check_output(self, stage_index: int, output: Any, expected: Any) -> None:
-        """Sender side: tell the next stage what ``output`` is; raise on either verdict."""
-        p = get_platform()
-        mine = _describe(output)
-        ok = expected is None or mine == _describe(expected)
-        self.send(_encode(ok, mine), self.next_peer)
-        verdict, theirs = _decode(self.recv((HEADER,), p.dtype("int32"), self.next_peer))
-        if not ok:
-            raise ValueError(_mismatch(stage_index, stage_index, mine, _describe(expected),
-                                       "its output_args"))
-        if not verdict:
-            raise ValueError(_mismatch(stage_index, stage_index + 1, mine, theirs,
-                                       "the input_args"))
+    def _store(self, msg: tuple, tensor: Any) -> None:
+        if msg[0] == "hdr":
+            self._shapes[("act", msg[1])] = decode(tensor)[1]
+        self._arrived[msg] = tensor
 
-    def check_input(self, stage_index: int, expected: Any) -> tuple:
-        """Receiver side: ``(dtype name, shape)`` the previous stage sends; raise (after
-        answering) if it is not what ``expected`` (this stage's input_args) describes."""
-        p = get_platform()
-        ok, theirs = _decode(self.recv((HEADER,), p.dtype("int32"), self.prev_peer))
-        wanted = theirs if expected is None else _describe(expected)
-        self.send(_encode(wanted == theirs, wanted), self.prev_peer)
-        if not ok:
-            raise ValueError(f"stage {stage_index - 1}'s output does not match its own "
-                             f"output_args (stage {stage_index - 1} names both)")
-        if wanted != theirs:
-            raise ValueError(_mismatch(stage_index - 1, stage_index, theirs, wanted,
-                                       "the input_args"))
-        return theirs
+    def _shape_of(self, msg: tuple) -> tuple:
+        if msg[0] in ("hdr", "reply"):
+            return "int32", (HEADER,)
+        return self._shapes[(msg[0], msg[1])]
 
 
-def _describe(tensor: Any) -> tuple:
+def describe(tensor: Any) -> tuple:
+    """``(dtype name, shape)`` of a tensor that crosses between stages."""
     p = get_platform()
     if not p.is_tensor(tensor):
         raise TypeError(f"a stage's output and input between stages must be one tensor, "
@@ -92,7 +129,7 @@ def _describe(tensor: Any) -> tuple:
     return names[0], tuple(int(d) for d in p.shape(tensor))
 
 
-def _encode(ok: bool, described: tuple) -> Any:
+def encode(ok: bool, described: tuple) -> Any:
     name, shape = described
     if len(shape) > HEADER - 3:
         raise ValueError(f"a tensor of {len(shape)} dims cannot cross between stages "
@@ -103,13 +140,14 @@ def _encode(ok: bool, described: tuple) -> Any:
     return get_platform().from_numpy(header)
 
 
-def _decode(tensor: Any) -> tuple:
+def decode(tensor: Any) -> tuple:
+    """``(verdict, (dtype name, shape))``."""
     header = get_platform().to_numpy(tensor).astype(int)
     ndim = int(header[2])
     return bool(header[0]), (DTYPES[header[1]], tuple(int(d) for d in header[3:3 + ndim]))
 
 
-def _mismatch(sender: int, receiver: int, sent: tuple, wanted: tuple, whose: str) -> str:
+def mismatch(sender: int, receiver: int, sent: tuple, wanted: tuple, whose: str) -> str:
     return (f"shape mismatch between pipeline stages {sender} and {receiver}: stage "
             f"{sender} sends {sent[0]} {list(sent[1])}, {whose} of stage {receiver} say "
             f"{wanted[0]} {list(wanted[1])}: give each stage input_args/output_args that "

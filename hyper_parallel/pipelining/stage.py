@@ -2,18 +2,18 @@
 and backwards (torch's ``PipelineStage``, written once over the platform).
 
 [Note: what a stage does per micro-batch]
-forward: receive the previous stage's activation (the first stage takes the step's
-inputs), run the module through ``platform.forward_for_later_backward`` (the last stage
-runs the loss too), send the output on. backward: receive the gradient of that output (the
-last stage starts from the loss, scaled by 1 / n_microbatches as torch's ``scale_grads``
-does), run the pending backward, send the input's gradient back. On MindSpore the
-parameter gradients each backward returns are summed into ``gradients()``; on torch they
-accumulate in ``.grad``.
+forward: take the previous stage's activation (the first stage takes the step's inputs),
+run the module through ``platform.forward_for_later_backward`` (the last stage runs the
+loss too), send the output on. backward: take the gradient of that output (the last stage
+starts from the loss, scaled by 1 / n_microbatches as torch's ``scale_grads`` does), run
+the pending backward, send the input's gradient back. What crosses, and in which order,
+is p2p.py's. On MindSpore the parameter gradients each backward returns are summed into
+``gradients()``; on torch they accumulate in ``.grad``.
 
 Units (``fully_shard``) inside the stage: every backward but the step's last runs with
 gradient sync off and ``is_last_backward`` off on the stage's outermost units, so the
 unsharded gradients accumulate and each unit reduce-scatters once per step, in the last
-backward (docs/api.md, "Pipelines").
+backward (docs/pipelining.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 
 from hyper_parallel.device_mesh import DeviceMesh
 from hyper_parallel.fully_shard import FSDPModule
-from hyper_parallel.pipelining.p2p import StageLink
+from hyper_parallel.pipelining.p2p import Mailbox, decode, describe, encode, mismatch
 from hyper_parallel.platform import get_platform
 
 
@@ -53,28 +53,26 @@ class PipelineStage:
                              f"(stage i on pp rank i % {size}), not on this rank (pp rank "
                              f"{pp_rank})")
         self.submod, self.stage_index, self.num_stages = submodule, stage_index, num_stages
-        self.device, self.group_size, self.pp_rank = device, size, pp_rank
+        self.device, self.group_size, self.group_rank = device, size, pp_rank
+        self.mesh = mesh
         self.input_args, self.output_args = _single(input_args), _single(output_args)
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self.link = StageLink(mesh.get_group(0), mesh.mesh_dim_names[0],
-                              None if self.is_first else (stage_index - 1) % size,
-                              None if self.is_last else (stage_index + 1) % size)
         self._units = _outermost_units(submodule)
         self._pending: dict = {}
         self._grads: list | None = None
-        self._input: tuple | None = None   # (dtype name, shape) this step's activations
-        self._output: Any = None
+        self._started = False
+
+    def rank_of(self, stage_index: int) -> int:
+        return stage_index % self.group_size
 
     # ------------------------------------------------------------------ per step
     def begin_step(self) -> None:
         self._pending.clear()
-        self._grads, self._input, self._output = None, None, None
+        self._grads, self._started = None, False
 
     def end_step(self, failed: bool) -> None:
-        """Wait for the step's sends; after a failure, drop the forwards still pending
-        (and what the framework's autograd holds of them) so that the next step starts
-        clean."""
-        self.link.wait_sends()
+        """After a failure, drop the forwards still pending (and what the framework's
+        autograd holds of them) so that the next step starts clean."""
         if failed and self._pending:
             get_platform().discard_aborted_autograd()
         self._pending.clear()
@@ -92,43 +90,42 @@ class PipelineStage:
         return [p.param_grad(q) for q in _trainable(self.submod)]
 
     # ------------------------------------------------------------------ micro-batches
-    def forward_one_chunk(self, mb: int, args: tuple, kwargs: dict, target: Any,
-                          loss_fn: Any, keep_graph: bool) -> Any:
+    def forward_one_chunk(self, mail: Mailbox, mb: int, args: tuple, kwargs: dict,
+                          target: Any, loss_fn: Any, keep_graph: bool) -> Any:
         """Forward of micro-batch ``mb``; the loss on the last stage, else None."""
         p = get_platform()
+        first_of_step, self._started = not self._started, True
+        i = self.stage_index
         if self.is_first:
             inputs, fn = [], (lambda: self.submod(*args, **kwargs))
         else:
-            if self._input is None:
-                self._input = self.link.check_input(self.stage_index, self.input_args)
-            name, shape = self._input
-            inputs = [self.link.recv(shape, p.dtype(name), self.link.prev_peer)]
-            fn = self.submod
+            if first_of_step:
+                self._answer_header(mail)
+            inputs, fn = [mail.get(self.rank_of(i - 1), ("act", i - 1, mb))], self.submod
         if self.is_last:
-            if loss_fn is None:
-                raise ValueError("the last stage needs a loss: pass loss_fn to the schedule")
             module = fn
             fn = (lambda *xs: loss_fn(module(*xs), target))
         output, backward = p.forward_for_later_backward(self.submod, fn, inputs, keep_graph)
         self._pending[mb] = (output, backward)
         if self.is_last:
             return output
-        if self._output is None:
-            self.link.check_output(self.stage_index, output, self.output_args)
-            self._output = output
-        self.link.send(output, self.link.next_peer)
+        if first_of_step:
+            self._send_header(mail, output)
+        mail.send(self.rank_of(i + 1), ("act", i, mb), output)
         return None
 
-    def backward_one_chunk(self, mb: int, last_backward: bool, loss_scale: float) -> None:
+    def backward_one_chunk(self, mail: Mailbox, mb: int, last_backward: bool,
+                           loss_scale: float) -> None:
         """Backward of micro-batch ``mb``; ``last_backward``: the step's last on this
         stage (the units reduce their gradients in it)."""
         p = get_platform()
         output, backward = self._pending.pop(mb)
+        i = self.stage_index
         if self.is_last:
-            grad_output = _filled(output, loss_scale)
+            grad_output = p.cast(p.from_numpy(np.full(p.shape(output), loss_scale, np.float32)),
+                                 p.dtype_of(output))
         else:
-            grad_output = self.link.recv(p.shape(output), p.dtype_of(output),
-                                         self.link.next_peer)
+            grad_output = mail.get(self.rank_of(i + 1), ("grad", i + 1, mb))
         for unit in self._units:
             unit.set_requires_gradient_sync(last_backward)
             unit.set_is_last_backward(last_backward)
@@ -137,7 +134,30 @@ class PipelineStage:
             self._grads = (param_grads if self._grads is None
                            else [p.add(a, b) for a, b in zip(self._grads, param_grads)])
         if not self.is_first:
-            self.link.send(input_grads[0], self.link.prev_peer)
+            mail.send(self.rank_of(i - 1), ("grad", i, mb), input_grads[0])
+
+    # ------------------------------------------------------------------ the shape check
+    def _send_header(self, mail: Mailbox, output: Any) -> None:
+        i, mine = self.stage_index, describe(output)
+        ok = self.output_args is None or mine == describe(self.output_args)
+        mail.send(self.rank_of(i + 1), ("hdr", i), encode(ok, mine))
+        verdict, theirs = decode(mail.get(self.rank_of(i + 1), ("reply", i)))
+        if not ok:
+            raise ValueError(mismatch(i, i, mine, describe(self.output_args),
+                                      "its output_args"))
+        if not verdict:
+            raise ValueError(mismatch(i, i + 1, mine, theirs, "the input_args"))
+
+    def _answer_header(self, mail: Mailbox) -> None:
+        i = self.stage_index
+        ok, theirs = decode(mail.get(self.rank_of(i - 1), ("hdr", i - 1)))
+        wanted = theirs if self.input_args is None else describe(self.input_args)
+        mail.send(self.rank_of(i - 1), ("reply", i - 1), encode(wanted == theirs, wanted))
+        if not ok:
+            raise ValueError(f"stage {i - 1}'s output does not match its own output_args "
+                             f"(stage {i - 1} names both)")
+        if wanted != theirs:
+            raise ValueError(mismatch(i - 1, i, theirs, wanted, "the input_args"))
 
 
 def _pp_mesh(group: Any) -> DeviceMesh:
@@ -171,9 +191,3 @@ def _trainable(module: Any) -> list:
     p = get_platform()
     return [q for _, m in p.named_modules(module) for _, q in p.direct_params(m)
             if p.param_requires_grad(q)]
-
-
-def _filled(like: Any, value: float) -> Any:
-    p = get_platform()
-    filled = p.from_numpy(np.full(p.shape(like), value, np.float32))
-    return p.cast(filled, p.dtype_of(like))
