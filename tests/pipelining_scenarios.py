@@ -84,6 +84,13 @@ def run(schedule: str, dp: int = 1) -> dict:
                                           group=mesh["pp"]) for module, i in zip(modules, indices)]
     sched = getattr(hp.pipelining, name)(stages if per_rank > 1 else stages[0],
                                          n_microbatches=MICRO_BATCHES, loss_fn=_mse)
+    peak = dict.fromkeys(indices, 0)  # the most micro-batches pending on a stage at once
+    for stage in stages:
+        def counted(*args, stage=stage, forward=stage.forward_one_chunk):
+            out = forward(*args)
+            peak[stage.stage_index] = max(peak[stage.stage_index], len(stage._pending))
+            return out
+        stage.forward_one_chunk = counted
     opts = [kit.optimizer([p for p in kit.params(m) if p.requires_grad]) for m in modules]
     has_first, has_last = 0 in indices, count - 1 in indices
 
@@ -116,7 +123,7 @@ def run(schedule: str, dp: int = 1) -> dict:
     return {
         "pp_rank": pp_rank, "losses": losses if has_last else None,
         "ref_losses": ref_losses, "units": units, "reduce_scatters": reduce_scatters,
-        "names_match": names_match, "param_diff": max(diffs),
+        "names_match": names_match, "param_diff": max(diffs), "peak_pending": peak,
     }
 
 

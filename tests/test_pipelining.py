@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests import shared_launch
-from tests.pipelining_scenarios import STEPS
+from tests.pipelining_scenarios import MICRO_BATCHES, STEPS
 from tests.tolerance import FP32_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
@@ -67,6 +67,19 @@ def _check_parity(per_rank: list, world: int) -> None:
 def test_two_ranks_match_single_process(backend, schedule):
     """pp 2: two stages, or four (two per rank) under the interleaved schedule."""
     _check_parity(_per_rank("pipelining", backend, schedule), 2)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_micro_batches_alive_per_stage(backend):
+    """Micro-batches whose backward is pending on a stage at once (their activations, or
+    on MindSpore their recomputed forwards' inputs, are alive): GPipe all of them, 1F1B
+    at most ``num_stages - stage`` (torch's warm-up)."""
+    for schedule, expected in (("gpipe", {0: MICRO_BATCHES, 1: MICRO_BATCHES}),
+                               ("1f1b", {0: 2, 1: 1})):
+        for r in _per_rank("pipelining", backend, schedule):
+            assert r["peak_pending"] == {r["pp_rank"]: expected[r["pp_rank"]]}, \
+                f"{schedule}, pp rank {r['pp_rank']}: {r['peak_pending']}"
 
 
 def _four_cases():
