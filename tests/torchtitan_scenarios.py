@@ -232,7 +232,8 @@ def _batches(data_parallel: int) -> list:
     return out
 
 
-def _step(model, loss_fn, optimizers, schedulers, inputs, labels, batch_mesh, loss_mesh):
+def _step(model, loss_fn, optimizers, schedulers, inputs, labels, batch_mesh, loss_mesh,
+          ep_enabled):
     """torchtitan's ``Trainer.train_step`` for one micro-batch without pipelining (its
     ``forward_backward_step`` and ``_forward_backward_body`` inlined): the loss is this rank's
     sum over the global number of valid tokens, clipped, stepped; returns the global loss
@@ -249,7 +250,7 @@ def _step(model, loss_fn, optimizers, schedulers, inputs, labels, batch_mesh, lo
     del pred
     loss.backward()
     grad_norm = dist_utils.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True,
-                                           pp_mesh=None, ep_enabled=False)
+                                           pp_mesh=None, ep_enabled=ep_enabled)
     optimizers.step()
     schedulers.step()
     global_loss = (dist_utils.dist_sum(loss.detach(), loss_mesh) if loss_mesh is not None
@@ -283,7 +284,8 @@ def train(model, batches, rows: slice, parallel_dims=None) -> dict:
     for inputs, labels in batches:
         with hp.track_comms() as comms:
             loss, norm = _step(model, loss_fn, optimizers, schedulers, inputs[rows],
-                               labels[rows], *meshes)
+                               labels[rows], *meshes,
+                               parallel_dims is not None and parallel_dims.ep_enabled)
         out["losses"].append(loss)
         out["grad_norms"].append(norm)
         out["reduce_scatters"].append(comms.calls("reduce_scatter"))
@@ -359,7 +361,8 @@ def run() -> dict:
 def run_moe() -> dict:
     """torchtitan's Qwen3-MoE (``_moe_config``) with its load balancing, float32, selective
     AC, on this rank's rows: under FSDP2 and hyper_parallel with "partial_dtensor", under
-    hyper_parallel with SPMD_DEFAULT, and the whole model on every row."""
+    hyper_parallel with SPMD_DEFAULT, both again with expert parallelism
+    (``expert_parallel_runs``), and the whole model on every row."""
     import_torchtitan()
     world = hp.get_platform().world_size()
     batches, rows = _batches(world), _rows(1)
@@ -369,5 +372,33 @@ def run_moe() -> dict:
         parallel_dims = _parallel_dims(spmd_backend, world)
         model = _sharded(impl, MOE_AC, MOE_MP, False, parallel_dims, initial, moe=True)
         out[key] = train(model, batches, rows, parallel_dims)
+    out.update(expert_parallel_runs(world, initial, batches, rows))
     out["reference"] = train(_whole(False, moe=True), batches, slice(None))
+    return out
+
+
+def expert_parallel_runs(world: int, initial: dict, batches: list, rows: slice) -> dict:
+    """Qwen3-MoE at ``expert_parallel_degree=2`` configured as torchtitan's Trainer does
+    (``update_from_config``, ``ParallelDims.from_config``): its ``ExpertParallel`` all-to-all
+    dispatch, the experts fully sharded over the ``efsdp`` ranks left in each expert group
+    through ``shard_placement_fn``'s per-parameter meshes (FSDP2's ``ShardPlacementResult``
+    with its ``mesh_info``), the rest over every rank, its gradient clipping over both
+    meshes (``ep_enabled``); under FSDP2 ("fsdp2_ep2") and hyper_parallel ("hp_ep2")."""
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims, utils as dist_utils
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.trainer import Trainer
+
+    config = Trainer.Config(
+        training=TrainingConfig(mixed_precision_param=MOE_MP, seq_len=SEQ,
+                                local_batch_size=LOCAL_BATCH),
+        parallelism=ParallelismConfig(expert_parallel_degree=2, spmd_backend="partial_dtensor"),
+        activation_checkpoint=SelectiveAC.Config())
+    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
+    out = {}
+    for impl in ("fsdp2", "hp"):
+        parallel_dims = ParallelDims.from_config(config.parallelism, world)
+        model = _sharded(impl, MOE_AC, MOE_MP, False, parallel_dims, initial, moe=True,
+                         trainer_config=config)
+        out[f"{impl}_ep2"] = train(model, batches, rows, parallel_dims)
     return out

@@ -21,6 +21,9 @@ SPMD_BACKEND = "partial_dtensor"
 # (activation checkpointing, mixed_precision_param): the debugmodel's setting, and float32
 # without activation checkpointing against the single-process reference
 CONFIGS = [("selective", "bfloat16"), ("none", "float32")]
+# Qwen3-MoE at expert_parallel_degree=2 over the 4 ranks: 2 expert groups of 2 ranks, each
+# expert fully sharded over the 2 "efsdp" ranks of its group (torchtitan_scenarios.py)
+MOE_EP = "moe-ep2"
 
 
 def trainer_config(ac: str, mp: str):
@@ -41,7 +44,7 @@ def trainer_config(ac: str, mp: str):
 
 def run() -> dict:
     """Each of CONFIGS under FSDP2 and under hyper_parallel on this rank's rows, and the
-    float32 whole model on every row."""
+    float32 whole model on every row; MOE_EP likewise, with the whole MoE model."""
     from torchtitan.distributed import ParallelDims, utils as dist_utils
 
     titan.import_torchtitan()
@@ -59,4 +62,8 @@ def run() -> dict:
                                    trainer_config=config)
             result[impl] = titan.train(model, batches, rows, parallel_dims)
         out[titan.config_name(ac, mp, False)] = result
+    moe_initial = {name: p.detach() for name, p in titan._whole(False, moe=True).named_parameters()}
+    batches, rows = titan._batches(world), titan._rows(1)
+    out[MOE_EP] = titan.expert_parallel_runs(world, moe_initial, batches, rows)
+    out[MOE_EP]["reference"] = titan.train(titan._whole(False, moe=True), batches, slice(None))
     return out

@@ -1,12 +1,20 @@
 """The collectives of the contract: one entry point per operation, each with a handle.
 
 [Note: one entry point per collective]
-``all_gather``, ``reduce_scatter``, ``all_reduce`` and ``barrier`` are implemented here,
-once, for every platform: each tells the desync check and the watchdog what is about to be
-issued (``_issuing``), calls the platform's own ``_all_gather``/... and counts what went on
-the wire (``CommStats``). Where a device lacks a collective, the platform composes it from
-what exists and names the op it really executed on the handle (``Handle.wire``); the core
-never knows. Every gradient collective SUMs; scaling is the core's (reduce_op.py).
+``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all`` and ``barrier`` are
+implemented here, once, for every platform: each tells the desync check and the watchdog
+what is about to be issued (``_issuing``), calls the platform's own ``_all_gather``/... and
+counts what went on the wire (``CommStats``). Where a device lacks a collective, the
+platform composes it from what exists and names the op it really executed on the handle
+(``Handle.wire``); the core never knows. Every gradient collective SUMs; scaling is the
+core's (reduce_op.py).
+
+[Note: point to point]
+``send`` and ``recv`` are asynchronous: a caller issues every send and receive of an
+exchange, then waits, so two ranks sending to each other never wait on each other. They
+tell the watchdog (a peer that never sends ends the waiting rank within its timeout) but
+are not cross-checked under HP_DEBUG=collectives: only the two ranks of the pair take
+part, and the check's exchange runs over the whole group.
 """
 
 from __future__ import annotations
@@ -92,6 +100,44 @@ class Collectives(abc.ABC):
         self._count("all_reduce", handle, self._nbytes(tensor), dim)
         return handle
 
+    def all_to_all(self, input: Any, input_splits: Sequence[int], output_splits: Sequence[int],
+                   group: Any, dim: str = "") -> Handle:
+        """Exchange slices of the 1-D ``input``: its ``input_splits[r]`` elements (in rank
+        order) go to rank r, and the result, a new 1-D tensor, holds the
+        ``output_splits[r]`` elements rank r sent this one, in rank order. Splits may be
+        uneven and zero. Synchronous: the handle is done."""
+        input_splits, output_splits = [int(n) for n in input_splits], [int(n) for n in output_splits]
+        size = self.group_size(group)
+        if len(input_splits) != size or len(output_splits) != size:
+            raise ValueError(f"hyper_parallel: all_to_all over {size} ranks needs {size} input "
+                             f"and output splits, got {len(input_splits)} and {len(output_splits)}")
+        if sum(input_splits) != int(np.prod(self.shape(input))):
+            raise ValueError(f"hyper_parallel: all_to_all's input splits {input_splits} do not "
+                             f"add up to the input's {int(np.prod(self.shape(input)))} elements")
+        # the sizes differ by rank, so the cross-check compares the op, not what is sent
+        self._issuing("all_to_all", dim, group, None)
+        handle = self._all_to_all(input, input_splits, output_splits, group)
+        sent = sum(input_splits) - input_splits[self.group_rank(group)]
+        self._count("all_to_all", handle, sent * self.element_size(self.dtype_of(input)), dim)
+        return handle
+
+    def send(self, tensor: Any, peer: int, group: Any, dim: str = "") -> Handle:
+        """Start sending ``tensor`` to rank ``peer`` of ``group``; ``wait()`` before changing
+        it. The peer receives it with ``recv`` of the same shape and dtype."""
+        self._check_peer("send", peer, group)
+        self._p2p_issuing("send", dim)
+        handle = self._send(self.contiguous(tensor), peer, group)
+        self._count("send", handle, self._nbytes(tensor), dim)
+        return handle
+
+    def recv(self, shape: Sequence[int], dtype: Any, peer: int, group: Any,
+             dim: str = "") -> Handle:
+        """Start receiving a tensor of ``shape`` and ``dtype`` from rank ``peer`` of
+        ``group``; the handle's result is that tensor."""
+        self._check_peer("recv", peer, group)
+        self._p2p_issuing("recv", dim)
+        return self._recv(tuple(int(n) for n in shape), dtype, peer, group)
+
     def barrier(self, group: Any = None) -> None:
         """Block until every rank of ``group`` (default: every rank) arrives."""
         self._issuing("barrier", "", group, None)
@@ -112,6 +158,19 @@ class Collectives(abc.ABC):
         """``all_reduce``'s collective (the caller counts and checks it)."""
 
     @abc.abstractmethod
+    def _all_to_all(self, input: Any, input_splits: list, output_splits: list,
+                    group: Any) -> Handle:
+        """``all_to_all``'s collective, finished (the caller counts and checks it)."""
+
+    @abc.abstractmethod
+    def _send(self, tensor: Any, peer: int, group: Any) -> Handle:
+        """Start sending a contiguous ``tensor`` to group rank ``peer``."""
+
+    @abc.abstractmethod
+    def _recv(self, shape: tuple, dtype: Any, peer: int, group: Any) -> Handle:
+        """Start receiving from group rank ``peer``; the handle's result is the tensor."""
+
+    @abc.abstractmethod
     def _barrier(self, group: Any) -> None:
         """``barrier``'s collective: returns once every rank of ``group`` arrived."""
 
@@ -127,6 +186,17 @@ class Collectives(abc.ABC):
         if watch is not None:
             watch.issued(op, dim)
         return False
+
+    def _check_peer(self, op: str, peer: int, group: Any) -> None:
+        size, me = self.group_size(group), self.group_rank(group)
+        if not 0 <= int(peer) < size or int(peer) == me:
+            raise ValueError(f"hyper_parallel: {op} to or from rank {peer} of a group of {size} "
+                             f"where this rank is {me}: the peer must be another rank of the group")
+
+    def _p2p_issuing(self, op: str, dim: str) -> None:
+        watch = watchdog.active()
+        if watch is not None:
+            watch.issued(op, dim)
 
     def _count(self, op: str, handle: Handle, nbytes: int, dim: str) -> None:
         self.comm_stats.record(op, handle.wire or op, nbytes, dim)

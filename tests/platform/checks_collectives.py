@@ -394,3 +394,64 @@ def check_comm_stats(ctx):
     _check(mixed.calls() == 3, f"track_comms window counts {mixed.calls()} calls, expected 3")
     _check(live_delta.summary() == mixed.summary(),
            f"live comm_stats delta {live_delta.summary()} != window {mixed.summary()}")
+
+
+def _routed(src: int, dst: int) -> np.ndarray:
+    """What rank ``src`` sends rank ``dst`` in the all-to-all checks: (src + dst) % 3
+    elements (some pairs none), each value naming its source, destination and index."""
+    return (100 * src + 10 * dst + np.arange((src + dst) % 3)).astype(np.float32)
+
+
+@collective_check()
+def check_all_to_all(ctx):
+    """Uneven and zero splits land in rank order, the input is left as it was, and CommStats
+    counts the bytes that left this rank (its own slice stays)."""
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    group = ctx.mesh1.get_group(0)
+    outgoing = np.concatenate([_routed(r, d) for d in range(w)])
+    source = _f32(ctx, outgoing)
+    with hp.track_comms() as window:
+        received = _waited(p.all_to_all(source, [(r + d) % 3 for d in range(w)],
+                                        [(s + r) % 3 for s in range(w)], group, dim="shard"),
+                           "all_to_all")
+    _same(_values(ctx, received), np.concatenate([_routed(s, r) for s in range(w)]),
+          f"all_to_all result on rank {r}")
+    _same(_values(ctx, source), outgoing, "all_to_all changed its input")
+    _only(window, "all_to_all", ctx.wire("all_to_all"), "shard",
+          4 * (outgoing.size - _routed(r, r).size), "all_to_all")
+    try:
+        p.all_to_all(source, [outgoing.size + 1] + [0] * (w - 1), [0] * w, group)
+    except ValueError as error:
+        _check("do not add up" in str(error), f"all_to_all's error on bad splits: {error}")
+    else:
+        raise AssertionError("all_to_all accepted splits that do not add up to its input")
+
+
+@collective_check()
+def check_send_recv(ctx):
+    """Each rank sends to the next and the previous rank at once (both started before any
+    wait: no rank waits on another), messages between a pair arrive in the order sent, the
+    sender's bytes are counted, and a rank cannot be its own peer."""
+    p, w, r = ctx.p, ctx.world, ctx.rank
+    group, f32 = ctx.mesh1.get_group(0), p.dtype("float32")
+    forward, backward = _arange(2, 3, start=10 * r), _arange(2, 3, start=-10 * r)
+    with hp.track_comms() as window:
+        handles = [p.send(_f32(ctx, forward), (r + 1) % w, group, dim="shard"),
+                   p.recv((2, 3), f32, (r - 1) % w, group, dim="shard"),
+                   p.send(_f32(ctx, backward), (r - 1) % w, group, dim="shard"),
+                   p.recv((2, 3), f32, (r + 1) % w, group, dim="shard")]
+        results = [_waited(handle, "send/recv") for handle in handles]
+    _same(_values(ctx, results[1]), _arange(2, 3, start=10 * ((r - 1) % w)),
+          "recv from the previous rank")
+    _same(_values(ctx, results[3]), _arange(2, 3, start=-10 * ((r + 1) % w)),
+          "recv from the next rank")
+    records = {key: (rec.calls, rec.nbytes) for key, rec in window.records.items()}
+    _check(records == {("send", "send", "shard"): (2, 48)},
+           f"send/recv: CommStats recorded {records}, expected two sends of 24 bytes")
+    for peer in (r, w):
+        try:
+            p.send(_f32(ctx, forward), peer, group)
+        except ValueError as error:
+            _check("another rank of the group" in str(error), f"send's error: {error}")
+        else:
+            raise AssertionError(f"send to rank {peer} from rank {r} of {w} was accepted")

@@ -50,13 +50,15 @@ def _mindspore_cpu_wire(op: str, dtype: str, group_size: int, world_group: bool)
     """MindSpore CPU (platform/mindspore/platform.py): mccl's flat all-gather serves only
     the world group and float32/float16/int32, a list all-gather stands in elsewhere; a
     reduce-scatter over two ranks is one all-gather of the chunk each peer owns, over more
-    an all-reduce."""
+    an all-reduce; an all-to-all is send/recv pairs."""
     gather = "all_gather" if world_group and dtype in ("float32", "float16", "int32") \
         else "all_gather_list"
     if op == "all_gather":
         return gather
     if op == "reduce_scatter":
         return gather if group_size == 2 else "all_reduce"
+    if op == "all_to_all":
+        return "send_recv"
     return op
 
 
@@ -214,6 +216,6 @@ def _arange(*shape, start: float = 0.0) -> np.ndarray:
 CHECK_MODULES = ("checks_tensors", "checks_tensor_ops", "checks_memory", "checks_parameters", "checks_gradients",
                  "checks_autograd",
                  "checks_state_io", "checks_process_groups", "checks_collectives",
-                 "checks_tp_support", "checks_units")
+                 "checks_autograd_collectives", "checks_tp_support", "checks_units")
 for _module in CHECK_MODULES:
     importlib.import_module(f"tests.platform.{_module}")

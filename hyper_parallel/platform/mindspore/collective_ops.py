@@ -1,7 +1,7 @@
 """The collectives of MindSporePlatform, where MindSpore's CPU kernels fall short.
 
 [Note: what MindSpore CPU lacks]
-- No reduce-scatter kernel on CPU (nor all-to-all, send/recv or reduce), so it is composed
+- No reduce-scatter kernel on CPU (nor all-to-all or reduce), so it is composed
   from what there is. Over two ranks: an exchange, one all-gather (see below) of the
   chunk the peer owns, plus the own chunk; each rank sends half its input, as a native
   reduce-scatter would, where an all-reduce sends all of it (docs/platforms.md has the
@@ -16,6 +16,9 @@
   float16 and int32 (bfloat16 among them), where a list ``all_gather`` and a
   concatenation stand in. Both allocate their output: ``all_gather(out=...)`` then copies it
   into the caller's buffer. On Ascend the native kernel is used.
+- No all-to-all kernel on CPU ("DistCommAllToAllVSingle unregistered"): it is made of
+  ``isend``/``irecv`` pairs, which move each element once, as a native all-to-all does
+  (wire "send_recv"). ``isend`` needs the world-group workaround below.
 """
 
 from __future__ import annotations
@@ -24,11 +27,21 @@ import mindspore as ms
 from mindspore import mint, ops
 from mindspore.communication import GlobalComm
 from mindspore.mint import distributed as msdist
+from mindspore.mint.distributed import distributed as msdist_impl
 
 from hyper_parallel.platform.collectives import Gathered, Handle
 
 # what mccl's flat all-gather (ops.AllGather) accepts on CPU; the list all_gather takes more
 _FLAT_GATHER_DTYPES = (ms.float32, ms.float16, ms.int32)
+
+
+def _register_world_rank_for_send() -> None:
+    """MindSpore 2.10's ``isend`` looks this rank up in the group "hccl_world_group" (a
+    default argument fixed at import) whatever group it is given; mccl names its world group
+    otherwise, so on CPU the lookup raises "The group hccl_world_group does not exist".
+    Recording the rank under that name is what the lookup needs (docs/platforms.md has the
+    reproducer); on Ascend the group exists and holds the same rank."""
+    msdist_impl._GROUP_RANK_CACHE.setdefault("hccl_world_group", msdist.get_rank())
 
 
 def _pieces_of(flat, group_size: int, numel: int) -> list:
@@ -38,7 +51,8 @@ def _pieces_of(flat, group_size: int, numel: int) -> list:
 
 class MindSporeCollectiveOps:
     """Mixed into MindSporePlatform: its ``_all_gather``, ``_reduce_scatter``,
-    ``_all_reduce`` and ``_barrier``, over the groups it makes."""
+    ``_all_reduce``, ``_all_to_all``, ``_send``, ``_recv`` and ``_barrier``, over the groups
+    it makes."""
 
     def _all_gather(self, input, group, group_size, async_op, out):
         numel = input.shape[0]
@@ -106,6 +120,51 @@ class MindSporeCollectiveOps:
     def _all_reduce(self, tensor, group, op, async_op):
         native = msdist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         return Handle(native, result=tensor)
+
+    def _all_to_all(self, input, input_splits, output_splits, group):
+        if not self._on_cpu:
+            output = mint.empty((sum(output_splits),), dtype=input.dtype)
+            msdist.all_to_all_single(output, input, output_split_sizes=output_splits,
+                                     input_split_sizes=input_splits, group=group)
+            return Handle(result=output)
+        return self._pairwise_all_to_all(input, input_splits, output_splits, group)
+
+    def _pairwise_all_to_all(self, input, input_splits, output_splits, group):
+        """All-to-all as point-to-point: at step s each rank sends to rank + s and receives
+        from rank - s, every transfer started before any is waited on; empty slices are
+        never sent. Each element crosses the wire once, as in a native all-to-all."""
+        size, me = len(input_splits), self.group_rank(group)
+        starts = [sum(input_splits[:r]) for r in range(size)]
+        received = [None] * size
+        received[me] = mint.narrow(input, 0, starts[me], input_splits[me])
+        pending = []
+        for step in range(1, size):
+            dst, src = (me + step) % size, (me - step) % size
+            if input_splits[dst]:
+                part = mint.narrow(input, 0, starts[dst], input_splits[dst]).contiguous()
+                pending.append(self._send(part, dst, group))
+            if output_splits[src]:
+                incoming = self._recv((output_splits[src],), input.dtype, src, group)
+                pending.append(incoming)
+                received[src] = incoming
+        for handle in pending:
+            handle.wait()
+        pieces = [part.result if isinstance(part, Handle) else part
+                  for part in received if part is not None]
+        output = ops.cat(pieces, 0) if pieces else mint.empty((0,), dtype=input.dtype)
+        return Handle(result=output, wire="send_recv")
+
+    def _send(self, tensor, peer, group):
+        group = GlobalComm.WORLD_COMM_GROUP if group is None else group
+        _register_world_rank_for_send()
+        native = msdist.isend(tensor, dst=msdist.get_global_rank(group, peer), group=group)
+        return Handle(native, result=tensor)
+
+    def _recv(self, shape, dtype, peer, group):
+        group = GlobalComm.WORLD_COMM_GROUP if group is None else group
+        buffer = mint.empty(shape, dtype=dtype)
+        native = msdist.irecv(buffer, src=msdist.get_global_rank(group, peer), group=group)
+        return Handle(native, result=buffer)
 
     def _barrier(self, group) -> None:
         # msdist.barrier returns before the peers arrive on CPU; reading the result of an

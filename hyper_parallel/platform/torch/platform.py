@@ -201,6 +201,19 @@ class TorchPlatform(TorchStateIO, TorchTensorParallelSupport, TorchStorageReleas
         work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
         return Handle(work, result=tensor)
 
+    def _all_to_all(self, input, input_splits, output_splits, group):
+        output = self.empty((sum(output_splits),), input.dtype)
+        dist.all_to_all_single(output, input.contiguous(), output_split_sizes=output_splits,
+                               input_split_sizes=input_splits, group=group)
+        return Handle(result=output)
+
+    def _send(self, tensor, peer, group):
+        return Handle(dist.isend(tensor, group=group, group_dst=peer), result=tensor)
+
+    def _recv(self, shape, dtype, peer, group):
+        buffer = self.empty(shape, dtype)
+        return Handle(dist.irecv(buffer, group=group, group_src=peer), result=buffer)
+
     def _barrier(self, group) -> None:
         # A gloo worker thread releases a finished collective a moment after wait() returns
         # in the caller. If that release frees a tensor Python made, it needs the GIL, and
