@@ -738,7 +738,6 @@ def pipelining_usage(backend, ctx):
     process on the whole batch."""
     script, framework = _one_script(backend)
     platform = hp.get_platform()
-    __import__('tests._tmp_p2p_shim', fromlist=['x']).install(hp.get_platform())  # TMP
     vocab = script.SIZES["vocab"]
     batches = [(platform.from_numpy(t[:, :-1]), platform.from_numpy(t[:, 1:]))
                for t in script.batches(3)]
