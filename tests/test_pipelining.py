@@ -22,29 +22,45 @@ from tests.pipelining_scenarios import MICRO_BATCHES, STEPS
 from tests.tolerance import FP32_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
-TWO = ["gpipe", "1f1b", "interleaved", "bad_shapes"]
-FOUR = ["gpipe", "1f1b", "interleaved"]
-#: at dp 2, what the default run trains (MindSpore's GPipe and interleaved 1F1B at dp 2
-#: under ``-m slow``: its 2-rank schedules and 4-rank 1F1B cover the paths they take)
-FOUR_DEFAULT = {"torch": FOUR, "mindspore": ["1f1b"]}
+TARGET = "tests.pipelining_scenarios:run_cases"
+CASES = {2: ["gpipe", "1f1b", "interleaved", "bad_shapes"], 4: ["gpipe", "1f1b", "interleaved"]}
+#: what the default run trains; the rest runs under ``-m slow``. MindSpore's schedules cost
+#: 5-8 s each on 2 shared cores: GPipe (every older forward recomputed) and the shape check
+#: at pp 2, 1F1B with units at pp 2 x dp 2 (and in docs/pipelining.md's block at pp 2); its
+#: interleaved runs reuse the message order torch's default runs check
+DEFAULT = {(2, "torch"): CASES[2], (2, "mindspore"): ["gpipe", "bad_shapes"],
+           (4, "torch"): CASES[4], (4, "mindspore"): ["1f1b"]}
+KEYS = {2: "pipelining", 4: "pipelining_dp"}
 
-shared_launch.register(__name__, "pipelining", 2, "tests.pipelining_scenarios:run_cases",
-                       lambda backend: (TWO,), timeout_s=300)
-shared_launch.register(__name__, "pipelining_dp", 4, "tests.pipelining_scenarios:run_cases",
-                       lambda backend: (FOUR_DEFAULT[backend], 2), timeout_s=400)
-shared_launch.register(__name__, "pipelining_dp_slow", 4, "tests.pipelining_scenarios:run_cases",
-                       lambda backend: (["gpipe", "interleaved"], 2), backends=("mindspore",),
-                       timeout_s=600,
-                       slow=True)
+for _world, _key in KEYS.items():
+    shared_launch.register(__name__, _key, _world, TARGET,
+                           lambda backend, w=_world: (DEFAULT[(w, backend)], w // 2),
+                           timeout_s=400)
+    shared_launch.register(__name__, _key + "_slow", _world, TARGET,
+                           lambda backend, w=_world: (
+                               [c for c in CASES[w] if c not in DEFAULT[(w, backend)]], w // 2),
+                           backends=("mindspore",), timeout_s=600, slow=True)
 # the overlapped gradient pipeline (what Ascend runs) under the schedules
-shared_launch.register(__name__, "pipelining_dp_overlapped", 4,
-                       "tests.pipelining_scenarios:run_cases", lambda backend: (FOUR, 2),
-                       backends=("mindspore",), env={"HP_SYNC_COLLECTIVES": "0"},
-                       timeout_s=600, slow=True)
+shared_launch.register(__name__, "pipelining_dp_overlapped", 4, TARGET,
+                       lambda backend: (CASES[4], 2), backends=("mindspore",),
+                       env={"HP_SYNC_COLLECTIVES": "0"}, timeout_s=600, slow=True)
 
 
-def _per_rank(key: str, backend: str, case: str) -> list:
+def _per_rank(world: int, backend: str, case: str, overlapped: bool = False) -> list:
+    if overlapped:
+        key = "pipelining_dp_overlapped"
+    else:
+        key = KEYS[world] + ("" if case in DEFAULT[(world, backend)] else "_slow")
     return [r[case] for r in shared_launch.results(key, backend)]
+
+
+def _cases(world: int, names: list, overlapped: bool = False):
+    for backend in BACKENDS:
+        for case in names:
+            slow = case not in DEFAULT[(world, backend)]
+            yield pytest.param(backend, case, False, marks=[pytest.mark.slow] if slow else [])
+    for case in names if overlapped else ():
+        yield pytest.param("mindspore", case, True, marks=[pytest.mark.slow])
 
 
 def _check_parity(per_rank: list, world: int) -> None:
@@ -62,43 +78,28 @@ def _check_parity(per_rank: list, world: int) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_two_ranks_match_single_process(backend, schedule):
+@pytest.mark.parametrize("backend,schedule,_", list(_cases(2, CASES[4])))
+def test_two_ranks_match_single_process(backend, schedule, _):
     """pp 2: two stages, or four (two per rank) under the interleaved schedule."""
-    _check_parity(_per_rank("pipelining", backend, schedule), 2)
+    _check_parity(_per_rank(2, backend, schedule), 2)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_micro_batches_alive_per_stage(backend):
+@pytest.mark.parametrize("backend,schedule,_", list(_cases(2, ["gpipe", "1f1b"])))
+def test_micro_batches_alive_per_stage(backend, schedule, _):
     """Micro-batches whose backward is pending on a stage at once (their activations, or
     on MindSpore their recomputed forwards' inputs, are alive): GPipe all of them, 1F1B
     at most ``num_stages - stage`` (torch's warm-up)."""
-    for schedule, expected in (("gpipe", {0: MICRO_BATCHES, 1: MICRO_BATCHES}),
-                               ("1f1b", {0: 2, 1: 1})):
-        for r in _per_rank("pipelining", backend, schedule):
-            assert r["peak_pending"] == {r["pp_rank"]: expected[r["pp_rank"]]}, \
-                f"{schedule}, pp rank {r['pp_rank']}: {r['peak_pending']}"
-
-
-def _four_cases():
-    for backend in BACKENDS:
-        for schedule in FOUR:
-            slow = schedule not in FOUR_DEFAULT[backend]
-            yield pytest.param(backend, schedule, "", marks=[pytest.mark.slow] if slow else [])
-    for schedule in FOUR:
-        yield pytest.param("mindspore", schedule, "overlapped", marks=[pytest.mark.slow])
+    expected = {"gpipe": {0: MICRO_BATCHES, 1: MICRO_BATCHES}, "1f1b": {0: 2, 1: 1}}[schedule]
+    for r in _per_rank(2, backend, schedule):
+        assert r["peak_pending"] == {r["pp_rank"]: expected[r["pp_rank"]]}, \
+            f"pp rank {r['pp_rank']}: {r['peak_pending']}"
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend,schedule,variant", list(_four_cases()))
-def test_units_inside_stages_match_and_reduce_once_per_step(backend, schedule, variant):
-    if variant:
-        key = "pipelining_dp_overlapped"
-    else:
-        key = "pipelining_dp" + ("" if schedule in FOUR_DEFAULT[backend] else "_slow")
-    per_rank = _per_rank(key, backend, schedule)
+@pytest.mark.parametrize("backend,schedule,overlapped", list(_cases(4, CASES[4], True)))
+def test_units_inside_stages_match_and_reduce_once_per_step(backend, schedule, overlapped):
+    per_rank = _per_rank(4, backend, schedule, overlapped)
     _check_parity(per_rank, 4)
     for rank, r in enumerate(per_rank):
         assert r["units"] >= 2, f"rank {rank}: a stage should hold nested units"
@@ -110,7 +111,7 @@ def test_units_inside_stages_match_and_reduce_once_per_step(backend, schedule, v
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_shape_mismatch_is_named_on_both_ranks(backend):
-    messages = _per_rank("pipelining", backend, "bad_shapes")
+    messages = _per_rank(2, backend, "bad_shapes")
     for rank, message in enumerate(messages):
         assert "shape mismatch between pipeline stages 0 and 1" in message, \
             f"rank {rank}: {message}"
