@@ -19,7 +19,7 @@ import pytest
 
 from tests import shared_launch
 from tests.pipelining_scenarios import MICRO_BATCHES, STEPS
-from tests.tolerance import FP32_RTOL, assert_close
+from tests.tolerance import ADAMW_RTOL, FP32_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
 TARGET = "tests.pipelining_scenarios:run_cases"
@@ -44,6 +44,17 @@ for _world, _key in KEYS.items():
 shared_launch.register(__name__, "pipelining_dp_overlapped", 4, TARGET,
                        lambda backend: (CASES[4], 2), backends=("mindspore",),
                        env={"HP_SYNC_COLLECTIVES": "0"}, timeout_s=600, slow=True)
+
+
+# 3-D: the one_script transformer at (pp 2, dp, tp 2), Schedule1F1B, 5 AdamW steps
+# (tests/pipelining_3d_scenarios.py); pp 2 x tp 2 on torch in the default run
+THREE_D = "tests.pipelining_3d_scenarios:run"
+shared_launch.register(__name__, "pipelining_tp", 4, THREE_D, lambda backend: (backend, 1),
+                       backends=("torch",), timeout_s=300)
+shared_launch.register(__name__, "pipelining_tp_slow", 4, THREE_D, lambda backend: (backend, 1),
+                       backends=("mindspore",), timeout_s=600, slow=True)
+shared_launch.register(__name__, "pipelining_3d", 8, THREE_D, lambda backend: (backend, 2),
+                       timeout_s=900, slow=True)
 
 
 def _per_rank(world: int, backend: str, case: str, overlapped: bool = False) -> list:
@@ -106,6 +117,29 @@ def test_units_inside_stages_match_and_reduce_once_per_step(backend, schedule, o
         assert r["reduce_scatters"] == [r["units"]] * STEPS, \
             f"rank {rank} (pp rank {r['pp_rank']}): reduce-scatters per step " \
             f"{r['reduce_scatters']}, expected one per unit ({r['units']})"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend,world", [
+    pytest.param("torch", 4), pytest.param("mindspore", 4, marks=[pytest.mark.slow]),
+    pytest.param("torch", 8, marks=[pytest.mark.slow]),
+    pytest.param("mindspore", 8, marks=[pytest.mark.slow])])
+def test_tensor_parallel_inside_stages(backend, world):
+    """pp 2 x tp 2 (4 ranks) and pp 2 x dp 2 x tp 2 (8 ranks): the last stage's losses
+    (their mean over its dp ranks; its tp ranks compute the same) to float32 rounding,
+    and every stage's gathered parameters after 5 AdamW steps (tests/tolerance.py)."""
+    key = {(4, "torch"): "pipelining_tp", (4, "mindspore"): "pipelining_tp_slow"}.get(
+        (world, backend), "pipelining_3d")
+    per_rank = shared_launch.results(key, backend)
+    half = world // 2
+    assert [r["pp_rank"] for r in per_rank] == [0] * half + [1] * half
+    mean = np.mean([r["losses"] for r in per_rank if r["pp_rank"] == 1], axis=0)
+    assert len(mean) == 5
+    assert_close(mean, per_rank[0]["ref_losses"], FP32_RTOL)
+    for rank, r in enumerate(per_rank):
+        assert r["names_match"], f"rank {rank}: parameter names differ from the reference's"
+        assert r["param_rel_diff"] <= ADAMW_RTOL, \
+            f"rank {rank}: parameters differ by {r['param_rel_diff']} relative"
 
 
 @pytest.mark.timeout(600)
