@@ -4,9 +4,11 @@ head: tests/docs_examples_scenarios.py's ``_lm_stages``), each stage split by th
 tensor-parallel plan of examples/one_script (the keys naming its own modules) over
 ``mesh["tp"]``, then its blocks and itself units over ``mesh["dp"]``, and trained by
 ``hp.pipelining.Schedule1F1B`` over ``mesh["pp"]``: mesh (pp 2, dp, tp 2). The last stage's
-loss is ``hp.cross_entropy`` over the vocabulary-split logits inside ``hp.loss_parallel()``.
-Against the unsplit model trained in one process on the whole batch with the same AdamW:
-the last stage's losses and every stage's gathered parameters."""
+loss is ``hp.cross_entropy`` over the vocabulary-split logits inside ``hp.loss_parallel()``;
+the gradients are clipped to ``MAX_NORM`` by ``hp.clip_grad_norm_(..., pp_mesh=mesh["pp"])``
+(the norm over every stage, shard and tensor-parallel block). Against the unsplit model
+trained in one process on the whole batch with the same AdamW and clipping: the last
+stage's losses, every stage's gathered parameters, and the norms (equal on every rank)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tests.docs_examples_scenarios import _lm_stages
 
 STEPS = 5
 MICRO_BATCHES = 2
+MAX_NORM = 0.5
 
 
 def _plan_for(module, plan: dict) -> dict:
@@ -55,7 +58,7 @@ def run(backend: str, dp: int) -> dict:
     def reference_loss(ids, targets):
         return hp.cross_entropy(reference(ids).reshape(-1, vocab), targets.reshape(-1))
 
-    losses, ref_losses = [], []
+    losses, ref_losses, norms = [], [], []
     rows = script.BATCH // dp
     for tokens in script.batches(STEPS):
         mine = tokens[dp_rank * rows:(dp_rank + 1) * rows]
@@ -66,18 +69,22 @@ def run(backend: str, dp: int) -> dict:
             schedule.step(target=platform.from_numpy(mine[:, 1:]), losses=step_losses)
             losses.append(float(np.mean([platform.to_numpy(v) for v in step_losses])))
         if backend == "torch":
+            norm = hp.clip_grad_norm_(module.parameters(), MAX_NORM, pp_mesh=mesh["pp"])
             opt.step()
             opt.zero_grad()
         else:
-            opt(tuple(stage.gradients()))
+            grads, norm = hp.clip_grad_norm_(module.trainable_params(), MAX_NORM,
+                                             grads=stage.gradients(), pp_mesh=mesh["pp"])
+            opt(grads)
+        norms.append(float(platform.to_numpy(norm)))
         ref_losses.append(framework.train_step(
             reference, ref_opt, reference_loss, platform.from_numpy(tokens[:, :-1]),
-            platform.from_numpy(tokens[:, 1:]), 1e9, hp.clip_grad_norm_))
+            platform.from_numpy(tokens[:, 1:]), MAX_NORM, hp.clip_grad_norm_))
     full = {k: np.asarray(v) for k, v in hp.gather_full_state_dict(module).items()}
     ref = {k: np.asarray(v) for k, v in
            hp.gather_full_state_dict(_lm_stages(backend, reference)[pp_rank]).items()}
     platform.barrier()
     return {"pp_rank": pp_rank, "losses": losses if stage.is_last else None,
-            "ref_losses": ref_losses, "names_match": sorted(full) == sorted(ref),
+            "ref_losses": ref_losses, "norms": norms, "names_match": sorted(full) == sorted(ref),
             "param_rel_diff": max(float(np.abs(full[k] - ref[k]).max()
                                         / max(np.abs(ref[k]).max(), 1e-30)) for k in ref)}

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests import shared_launch
+from tests.pipelining_3d_scenarios import MAX_NORM
 from tests.pipelining_scenarios import MICRO_BATCHES, STEPS
 from tests.tolerance import ADAMW_RTOL, FP32_RTOL, assert_close
 
@@ -125,9 +126,11 @@ def test_units_inside_stages_match_and_reduce_once_per_step(backend, schedule, o
     pytest.param("torch", 8, marks=[pytest.mark.slow]),
     pytest.param("mindspore", 8, marks=[pytest.mark.slow])])
 def test_tensor_parallel_inside_stages(backend, world):
-    """pp 2 x tp 2 (4 ranks) and pp 2 x dp 2 x tp 2 (8 ranks): the last stage's losses
-    (their mean over its dp ranks; its tp ranks compute the same) to float32 rounding,
-    and every stage's gathered parameters after 5 AdamW steps (tests/tolerance.py)."""
+    """pp 2 x tp 2 (4 ranks) and pp 2 x dp 2 x tp 2 (8 ranks), gradients clipped across
+    stages: the last stage's losses (their mean over its dp ranks; its tp ranks compute
+    the same) to float32 rounding, every stage's gathered parameters after 5 AdamW steps
+    (tests/tolerance.py), and the clipping norm, the same on every rank and above
+    max_norm (it clipped)."""
     key = {(4, "torch"): "pipelining_tp", (4, "mindspore"): "pipelining_tp_slow"}.get(
         (world, backend), "pipelining_3d")
     per_rank = shared_launch.results(key, backend)
@@ -137,6 +140,8 @@ def test_tensor_parallel_inside_stages(backend, world):
     assert len(mean) == 5
     assert_close(mean, per_rank[0]["ref_losses"], FP32_RTOL)
     for rank, r in enumerate(per_rank):
+        assert_close(r["norms"], per_rank[0]["norms"], FP32_RTOL, err_msg=f"rank {rank}'s norms")
+        assert min(r["norms"]) > MAX_NORM, f"rank {rank}: nothing clipped ({r['norms']})"
         assert r["names_match"], f"rank {rank}: parameter names differ from the reference's"
         assert r["param_rel_diff"] <= ADAMW_RTOL, \
             f"rank {rank}: parameters differ by {r['param_rel_diff']} relative"
