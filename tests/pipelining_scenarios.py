@@ -25,7 +25,12 @@ GLOBAL_BATCH = 16
 D_IN, WIDTH, D_OUT = 37, 16, 5
 #: name -> (schedule, stages per rank)
 SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
-             "interleaved": ("ScheduleInterleaved1F1B", 2)}
+             "interleaved": ("ScheduleInterleaved1F1B", 2),
+             # low-precision parameters in the units (float32 reduction and activations
+             # between the stages): bfloat16 on torch, float16 on MindSpore (no bfloat16
+             # matmul on its CPU)
+             "1f1b_mixed": ("Schedule1F1B", 1)}
+LOW = {"torch": "bfloat16", "mindspore": "float16"}
 
 
 def _stages(kit, count: int = 2) -> list:
@@ -74,10 +79,15 @@ def run(schedule: str, dp: int = 1) -> dict:
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     indices = [pp_rank + k * pp for k in range(per_rank)]
     modules = [_stages(kit, count)[i] for i in indices]
+    mixed = schedule.endswith("_mixed")
+    inner = hp.MixedPrecisionPolicy(param_dtype=LOW[kit.name], reduce_dtype="float32") \
+        if mixed else hp.MixedPrecisionPolicy()
+    outer = hp.MixedPrecisionPolicy(param_dtype=LOW[kit.name], reduce_dtype="float32",
+                                    output_dtype="float32") if mixed else inner
     for module in modules if dp > 1 else ():
         for block in module.blocks:
-            hp.fully_shard(block, mesh=mesh["dp"])
-        hp.fully_shard(module, mesh=mesh["dp"])
+            hp.fully_shard(block, mesh=mesh["dp"], mp_policy=inner)
+        hp.fully_shard(module, mesh=mesh["dp"], mp_policy=outer)
     units = sum(isinstance(m, hp.FSDPModule) for module in modules
                 for _, m in platform.named_modules(module))
     stages = [hp.pipelining.PipelineStage(module, i, count, platform.device_type(),
