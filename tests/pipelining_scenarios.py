@@ -29,7 +29,9 @@ SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
              # low-precision parameters in the units (float32 reduction and activations
              # between the stages): bfloat16 on torch, float16 on MindSpore (no bfloat16
              # matmul on its CPU)
-             "1f1b_mixed": ("Schedule1F1B", 1)}
+             "1f1b_mixed": ("Schedule1F1B", 1),
+             # HSDP in the stages: the dp ranks replicate, (replicate 2, shard 1)
+             "1f1b_hsdp": ("Schedule1F1B", 1)}
 LOW = {"torch": "bfloat16", "mindspore": "float16"}
 
 
@@ -75,8 +77,14 @@ def run(schedule: str, dp: int = 1) -> dict:
     name, per_rank = SCHEDULES[schedule]
     pp = platform.world_size() // dp
     count = pp * per_rank
-    mesh = hp.init_device_mesh(platform.device_type(), (pp, dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    if schedule.endswith("_hsdp"):
+        mesh = hp.init_device_mesh(platform.device_type(), (pp, dp, 1),
+                                   mesh_dim_names=("pp", "replicate", "shard"))
+        dp_mesh, dp_rank = mesh["replicate", "shard"], mesh.get_local_rank("replicate")
+    else:
+        mesh = hp.init_device_mesh(platform.device_type(), (pp, dp), mesh_dim_names=("pp", "dp"))
+        dp_mesh, dp_rank = mesh["dp"], mesh.get_local_rank("dp")
+    pp_rank = mesh.get_local_rank("pp")
     indices = [pp_rank + k * pp for k in range(per_rank)]
     modules = [_stages(kit, count)[i] for i in indices]
     mixed = schedule.endswith("_mixed")
@@ -86,8 +94,8 @@ def run(schedule: str, dp: int = 1) -> dict:
                                     output_dtype="float32") if mixed else inner
     for module in modules if dp > 1 else ():
         for block in module.blocks:
-            hp.fully_shard(block, mesh=mesh["dp"], mp_policy=inner)
-        hp.fully_shard(module, mesh=mesh["dp"], mp_policy=outer)
+            hp.fully_shard(block, mesh=dp_mesh, mp_policy=inner)
+        hp.fully_shard(module, mesh=dp_mesh, mp_policy=outer)
     units = sum(isinstance(m, hp.FSDPModule) for module in modules
                 for _, m in platform.named_modules(module))
     stages = [hp.pipelining.PipelineStage(module, i, count, platform.device_type(),
@@ -107,7 +115,7 @@ def run(schedule: str, dp: int = 1) -> dict:
     reference = _stages(kit, count)
     ref_model = kit.Stack(reference[:-1], reference[-1])
     ref_opt = kit.optimizer(kit.params(ref_model))
-    losses, ref_losses, reduce_scatters = [], [], []
+    losses, ref_losses, reduce_scatters, all_reduces = [], [], [], []
     rows = GLOBAL_BATCH // dp
     for x, y in make_batches(STEPS, GLOBAL_BATCH, D_IN, D_OUT, seed=5):
         mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
@@ -119,6 +127,7 @@ def run(schedule: str, dp: int = 1) -> dict:
         for opt, stage in zip(opts, stages):
             _update(kit, opt, stage)
         reduce_scatters.append(comms.calls("reduce_scatter"))
+        all_reduces.append(comms.calls("all_reduce"))
         if has_last:
             losses.append(float(np.mean([kit.to_numpy(v) for v in step_losses])))
         ref_losses.append(kit.train_step(ref_model, ref_opt, x, y))
@@ -133,6 +142,7 @@ def run(schedule: str, dp: int = 1) -> dict:
     return {
         "pp_rank": pp_rank, "losses": losses if has_last else None,
         "ref_losses": ref_losses, "units": units, "reduce_scatters": reduce_scatters,
+        "all_reduces": all_reduces,
         "names_match": names_match, "param_diff": max(diffs), "peak_pending": peak,
     }
 

@@ -25,7 +25,7 @@ from tests.tolerance import ADAMW_RTOL, FP32_RTOL, LOW_PRECISION_RTOL, assert_cl
 BACKENDS = ["torch", "mindspore"]
 TARGET = "tests.pipelining_scenarios:run_cases"
 CASES = {2: ["gpipe", "1f1b", "interleaved", "bad_shapes"],
-         4: ["gpipe", "1f1b", "interleaved", "1f1b_mixed"]}
+         4: ["gpipe", "1f1b", "interleaved", "1f1b_mixed", "1f1b_hsdp"]}
 #: what the default run trains; the rest runs under ``-m slow``. MindSpore's schedules cost
 #: 5-8 s each on 2 shared cores: GPipe (every older forward recomputed) and the shape check
 #: at pp 2, 1F1B with units at pp 2 x dp 2 (and in docs/pipelining.md's block at pp 2); its
@@ -114,15 +114,20 @@ def test_micro_batches_alive_per_stage(backend, schedule, _):
 def test_units_inside_stages_match_and_reduce_once_per_step(backend, schedule, overlapped):
     """``1f1b_mixed``: the units' parameters in bfloat16 (torch) or float16 (MindSpore),
     reduced in float32, float32 between the stages: against the float32 reference within
-    tests/tolerance.py's low-precision tolerance."""
+    tests/tolerance.py's low-precision tolerance. ``1f1b_hsdp``: the dp ranks replicate
+    (replicate 2, shard 1): one all-reduce per unit per step and no reduce-scatter."""
     per_rank = _per_rank(4, backend, schedule, overlapped)
     rtol = LOW_PRECISION_RTOL[LOW[backend]] if schedule.endswith("_mixed") else FP32_RTOL
     _check_parity(per_rank, 4, rtol)
+    hsdp = schedule.endswith("_hsdp")
     for rank, r in enumerate(per_rank):
         assert r["units"] >= 2, f"rank {rank}: a stage should hold nested units"
-        assert r["reduce_scatters"] == [r["units"]] * STEPS, \
-            f"rank {rank} (pp rank {r['pp_rank']}): reduce-scatters per step " \
-            f"{r['reduce_scatters']}, expected one per unit ({r['units']})"
+        counts = (r["all_reduces"], r["reduce_scatters"])
+        expected = ([r["units"]] * STEPS, [0] * STEPS)
+        assert counts == (expected if hsdp else expected[::-1]), \
+            f"rank {rank} (pp rank {r['pp_rank']}): (all-reduces, reduce-scatters) per step " \
+            f"{counts}, expected one {'all-reduce' if hsdp else 'reduce-scatter'} per unit " \
+            f"({r['units']})"
 
 
 @pytest.mark.timeout(900)
