@@ -23,7 +23,9 @@ from hyper_parallel.launch import RankProcesses, find_free_port, rank_environmen
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO_ROOT / "tests" / "fault_script.py")
 TIMEOUT_S = 5.0
-SLACK_S = 5.0  # the watchdog's sampling interval, process exit, a loaded CPU
+# the watchdog's sampling interval, process exit, a loaded CPU (11.8 s seen with four test
+# runs sharing 2 cores); the error message, not the time, shows which timeout ended the rank
+SLACK_S = 20.0
 START_LIMIT_S = 120.0  # start-up and the steps before the fault
 ERROR = re.compile(r"hyper_parallel: rank 0 of 2: (all_gather|reduce_scatter|all_reduce) of "
                    r"unit '(root|blocks\.[01])' over the ('\w+' mesh dimension's|default) group "
