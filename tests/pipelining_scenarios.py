@@ -132,6 +132,16 @@ def run(schedule: str, dp: int = 1) -> dict:
             losses.append(float(np.mean([kit.to_numpy(v) for v in step_losses])))
         ref_losses.append(kit.train_step(ref_model, ref_opt, x, y))
 
+    # a held-out batch, forwards only (schedule.eval), against the reference's forward
+    x, y = make_batches(1, GLOBAL_BATCH, D_IN, D_OUT, seed=11)[0]
+    mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
+    eval_losses = []
+    args = (kit.tensor(x[mine]),) if has_first else ()
+    kwargs = {"target": kit.tensor(y[mine]), "losses": eval_losses} if has_last else {}
+    sched.eval(*args, **kwargs)
+    with platform.no_grad():
+        ref_eval = float(kit.to_numpy(_mse(ref_model(kit.tensor(x)), kit.tensor(y))))
+
     diffs, names_match = [], True
     for module, i in zip(modules, indices):
         full = _full(kit, module, dp > 1)
@@ -141,6 +151,8 @@ def run(schedule: str, dp: int = 1) -> dict:
     platform.barrier()
     return {
         "pp_rank": pp_rank, "losses": losses if has_last else None,
+        "eval_loss": float(np.mean([kit.to_numpy(v) for v in eval_losses])) if has_last else None,
+        "ref_eval_loss": ref_eval,
         "ref_losses": ref_losses, "units": units, "reduce_scatters": reduce_scatters,
         "all_reduces": all_reduces,
         "names_match": names_match, "param_diff": max(diffs), "peak_pending": peak,

@@ -84,6 +84,8 @@ def _check_parity(per_rank: list, world: int, rtol: float = FP32_RTOL) -> None:
     mean_losses = np.mean([r["losses"] for r in last], axis=0)
     assert len(mean_losses) == STEPS >= 3
     assert_close(mean_losses, per_rank[0]["ref_losses"], rtol)
+    # schedule.eval on a held-out batch after training: the trained reference's loss
+    assert_close(np.mean([r["eval_loss"] for r in last]), per_rank[0]["ref_eval_loss"], rtol)
     for rank, r in enumerate(per_rank):
         assert r["names_match"], f"rank {rank}: parameter names differ from the reference's"
         assert r["param_diff"] <= rtol, \

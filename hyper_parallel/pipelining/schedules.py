@@ -120,15 +120,30 @@ class _Schedule:
             raise ValueError("the last stage computes the loss: pass loss_fn")
         self._stages = {s.stage_index: s for s in stages}
         self._n_microbatches, self._loss_fn, self.scale_grads = n_microbatches, loss_fn, scale_grads
+        self._has_backward = True
 
     def _rank_order(self, rank: int) -> list:
         raise NotImplementedError
 
+    def _actions(self, rank: int) -> list:
+        order = self._rank_order(rank)
+        return order if self._has_backward else [a for a in order if a[1] == "F"]
+
+    def eval(self, *args, target: Any = None, losses: list | None = None, **kwargs) -> None:
+        """``step`` with forwards only (no graph recorded, no gradient): the losses of a
+        held-out batch, as torch's ``eval``."""
+        self._has_backward = False
+        try:
+            self.step(*args, target=target, losses=losses, **kwargs)
+        finally:
+            self._has_backward = True
+
     def step(self, *args, target: Any = None, losses: list | None = None,
-             return_outputs: bool = True, **kwargs) -> None:
+             return_outputs: bool = True, loss_kwargs: dict | None = None, **kwargs) -> None:
         """One step: the first stage cuts ``args``/``kwargs`` into micro-batches, the last
-        one ``target`` and appends each micro-batch's loss to ``losses``. Parameter
-        gradients accumulate as one backward of the whole batch would give them."""
+        one ``target`` and appends each micro-batch's loss (``loss_fn(output, target,
+        **loss_kwargs)``) to ``losses``. Parameter gradients accumulate as one backward of
+        the whole batch would give them."""
         del return_outputs  # outputs are not merged: the last stage's losses are
         n = self._n_microbatches
         some = next(iter(self._stages.values()))
@@ -141,22 +156,28 @@ class _Schedule:
         arg_mbs, kwarg_mbs = (split_args_kwargs_into_chunks(args, kwargs, n) if has_first
                               else ([()] * n, [{}] * n))
         targets = split_target(target, n) if has_last else [None] * n
-        order = self._rank_order(some.group_rank)
-        keep = (graphs_to_keep(order)
-                if get_platform().capabilities.backward_of_latest_forward_only
-                else dict.fromkeys(((s, mb) for s, kind, mb in order), True))
+        order = self._actions(some.group_rank)
+        if not self._has_backward:
+            keep = dict.fromkeys(((s, mb) for s, kind, mb in order), None)
+        elif get_platform().capabilities.backward_of_latest_forward_only:
+            keep = graphs_to_keep(order)
+        else:
+            keep = dict.fromkeys(((s, mb) for s, kind, mb in order), True)
+        loss_fn = self._loss_fn
+        if loss_kwargs:
+            loss_fn = (lambda output, target: self._loss_fn(output, target, **loss_kwargs))
         last_backward = {s: mb for s, kind, mb in order if kind == "B"}
         mail = Mailbox(some.mesh.get_group(0), some.mesh.mesh_dim_names[0], some.group_rank,
                        self._expected(some))
         step_losses, failed = {}, True
         for stage in self._stages.values():
-            stage.begin_step()
+            stage.begin_step(self._has_backward)
         try:
             for s, kind, mb in order:
                 stage = self._stages[s]
                 if kind == "F":
                     step_losses[mb] = stage.forward_one_chunk(
-                        mail, mb, arg_mbs[mb], kwarg_mbs[mb], targets[mb], self._loss_fn,
+                        mail, mb, arg_mbs[mb], kwarg_mbs[mb], targets[mb], loss_fn,
                         keep[(s, mb)])
                 else:
                     stage.backward_one_chunk(mail, mb, mb == last_backward[s],
@@ -173,7 +194,7 @@ class _Schedule:
         """``{peer: what it sends this rank, in its order}``."""
         me, expected = stage.group_rank, {}
         for peer in range(stage.group_size):
-            sent = messages_sent(self._rank_order(peer), stage.rank_of, stage.num_stages)
+            sent = messages_sent(self._actions(peer), stage.rank_of, stage.num_stages)
             expected[peer] = [msg for dst, msg in sent if dst == me]
         return expected
 

@@ -66,9 +66,12 @@ class PipelineStage:
         return stage_index % self.group_size
 
     # ------------------------------------------------------------------ per step
-    def begin_step(self) -> None:
+    def begin_step(self, training: bool = True) -> None:
+        """``training``: a step with backwards, which starts this step's gradients."""
         self._pending.clear()
-        self._grads, self._started = None, False
+        self._started = False
+        if training:
+            self._grads = None
 
     def end_step(self, failed: bool) -> None:
         """After a failure, drop the forwards still pending (and what the framework's
@@ -91,8 +94,9 @@ class PipelineStage:
 
     # ------------------------------------------------------------------ micro-batches
     def forward_one_chunk(self, mail: Mailbox, mb: int, args: tuple, kwargs: dict,
-                          target: Any, loss_fn: Any, keep_graph: bool) -> Any:
-        """Forward of micro-batch ``mb``; the loss on the last stage, else None."""
+                          target: Any, loss_fn: Any, keep_graph: bool | None) -> Any:
+        """Forward of micro-batch ``mb``; the loss on the last stage, else None.
+        ``keep_graph`` None: no backward follows (``eval``), nothing is recorded."""
         p = get_platform()
         first_of_step, self._started = not self._started, True
         i = self.stage_index
@@ -105,8 +109,13 @@ class PipelineStage:
         if self.is_last:
             module = fn
             fn = (lambda *xs: loss_fn(module(*xs), target))
-        output, backward = p.forward_for_later_backward(self.submod, fn, inputs, keep_graph)
-        self._pending[mb] = (output, backward)
+        if keep_graph is None:
+            with p.no_grad():
+                output = fn(*inputs)
+        else:
+            output, backward = p.forward_for_later_backward(self.submod, fn, inputs,
+                                                            keep_graph)
+            self._pending[mb] = (output, backward)
         if self.is_last:
             return output
         if first_of_step:
