@@ -31,7 +31,9 @@ SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
              # matmul on its CPU)
              "1f1b_mixed": ("Schedule1F1B", 1),
              # HSDP in the stages: the dp ranks replicate, (replicate 2, shard 1)
-             "1f1b_hsdp": ("Schedule1F1B", 1)}
+             "1f1b_hsdp": ("Schedule1F1B", 1),
+             # on torch: the stage given torch's own 1-D DeviceMesh
+             "1f1b_torch_mesh": ("Schedule1F1B", 1)}
 LOW = {"torch": "bfloat16", "mindspore": "float16"}
 
 
@@ -98,8 +100,12 @@ def run(schedule: str, dp: int = 1) -> dict:
         hp.fully_shard(module, mesh=dp_mesh, mp_policy=outer)
     units = sum(isinstance(m, hp.FSDPModule) for module in modules
                 for _, m in platform.named_modules(module))
+    group = mesh["pp"]
+    if schedule.endswith("_torch_mesh"):  # torch's own DeviceMesh, as torch users pass it
+        from torch.distributed.device_mesh import init_device_mesh
+        group = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))["pp"]
     stages = [hp.pipelining.PipelineStage(module, i, count, platform.device_type(),
-                                          group=mesh["pp"]) for module, i in zip(modules, indices)]
+                                          group=group) for module, i in zip(modules, indices)]
     sched = getattr(hp.pipelining, name)(stages if per_rank > 1 else stages[0],
                                          n_microbatches=MICRO_BATCHES, loss_fn=_mse)
     peak = dict.fromkeys(indices, 0)  # the most micro-batches pending on a stage at once

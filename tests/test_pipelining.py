@@ -30,7 +30,7 @@ CASES = {2: ["gpipe", "1f1b", "interleaved", "bad_shapes"],
 #: 5-8 s each on 2 shared cores: GPipe (every older forward recomputed) and the shape check
 #: at pp 2, 1F1B with units at pp 2 x dp 2 (and in docs/pipelining.md's block at pp 2); its
 #: interleaved runs reuse the message order torch's default runs check
-DEFAULT = {(2, "torch"): CASES[2], (2, "mindspore"): ["gpipe", "bad_shapes"],
+DEFAULT = {(2, "torch"): CASES[2] + ["1f1b_torch_mesh"], (2, "mindspore"): ["gpipe", "bad_shapes"],
            (4, "torch"): CASES[4][:3], (4, "mindspore"): ["1f1b"]}
 KEYS = {2: "pipelining", 4: "pipelining_dp"}
 
@@ -97,6 +97,13 @@ def _check_parity(per_rank: list, world: int, rtol: float = FP32_RTOL) -> None:
 def test_two_ranks_match_single_process(backend, schedule, _):
     """pp 2: two stages, or four (two per rank) under the interleaved schedule."""
     _check_parity(_per_rank(2, backend, schedule), 2)
+
+
+@pytest.mark.timeout(600)
+def test_torch_device_mesh_as_group():
+    """On torch, a stage given torch's own 1-D DeviceMesh (``init_device_mesh(...)["pp"]``)
+    trains as with hp's."""
+    _check_parity(_per_rank(2, "torch", "1f1b_torch_mesh"), 2)
 
 
 @pytest.mark.timeout(600)
@@ -202,7 +209,7 @@ def test_bad_arguments_are_named_before_anything_runs(monkeypatch, backend):
         sched.step(x, target=x)
     with pytest.raises(ValueError, match="needs the step's target"):
         sched.step(x)
-    with pytest.raises(TypeError, match="1-D hp DeviceMesh"):
+    with pytest.raises(TypeError, match="1-D DeviceMesh"):
         pipelining.PipelineStage(module, 0, 1, "cpu", group="pp")
     after = [kit.to_numpy(p) for p in kit.params(module)]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.device_mesh import DeviceMesh
+from hyper_parallel.device_mesh import DeviceMesh, as_device_mesh, init_device_mesh
 from hyper_parallel.fully_shard import FSDPModule
 from hyper_parallel.pipelining.p2p import Mailbox, decode, describe, encode, mismatch
 from hyper_parallel.platform import get_platform
@@ -172,12 +172,15 @@ class PipelineStage:
 def _pp_mesh(group: Any) -> DeviceMesh:
     p = get_platform()
     if group is None:
-        from hyper_parallel.device_mesh import init_device_mesh
         return init_device_mesh(p.device_type(), (p.world_size(),), mesh_dim_names=("pp",))
-    if not isinstance(group, DeviceMesh) or group.ndim != 1:
-        raise TypeError(f"group must be a 1-D hp DeviceMesh (e.g. mesh['pp']) or None, got "
-                        f"{type(group).__name__}")
-    return group
+    try:
+        mesh = as_device_mesh(group)  # ours, or torch's DeviceMesh wrapped
+    except TypeError:
+        mesh = None
+    if mesh is None or mesh.ndim != 1:
+        raise TypeError(f"group must be a 1-D DeviceMesh (hp's, or torch's on torch: e.g. "
+                        f"mesh['pp']) or None, got {type(group).__name__}")
+    return mesh
 
 
 def _single(example: Any) -> Any:
