@@ -29,7 +29,35 @@ def _plan_for(module, plan: dict) -> dict:
     return {key: style for key, style in plan.items() if key.split(".")[0] in names}
 
 
-def run(backend: str, dp: int) -> dict:
+def _names(module) -> dict:
+    """``{id(parameter): qualified name}``."""
+    p = hp.get_platform()
+    return {id(q): f"{m}.{a}" if m else a for m, sub in p.named_modules(module)
+            for a, q in p.direct_params(sub)}
+
+
+def _deferred_whole(backend: str, framework, sizes: dict):
+    """The whole model built without values (torch: on the meta device; MindSpore: under
+    ``no_init_parameters``)."""
+    if backend == "torch":
+        import torch
+
+        with torch.device("meta"):
+            return framework.Transformer(**sizes)
+    from mindspore.nn.utils import no_init_parameters
+
+    with no_init_parameters():
+        return framework.Transformer(**sizes)
+
+
+def _materialised(backend: str, param) -> bool:
+    return not param.is_meta if backend == "torch" else not param.has_init
+
+
+def run(backend: str, dp: int, deferred: bool = False) -> dict:
+    """``deferred``: the whole model built without values, this rank's stage cut from it,
+    split and sharded, then given its values (``hp.set_state_dict``, one parameter at a
+    time): the other stages' parameters are never materialised on this rank."""
     from examples.one_script import train as script
 
     framework = importlib.import_module(f"examples.one_script.model_{backend}")
@@ -38,11 +66,26 @@ def run(backend: str, dp: int) -> dict:
                                mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     vocab = script.SIZES["vocab"]
-    module = _lm_stages(backend, framework.build(script.initial_values(), **script.SIZES))[pp_rank]
+    whole = (_deferred_whole(backend, framework, script.SIZES) if deferred
+             else framework.build(script.initial_values(), **script.SIZES))
+    stages = _lm_stages(backend, whole)
+    module = stages[pp_rank]
+    whole_names = _names(whole)
+    to_whole = {name: whole_names[i] for i, name in _names(module).items()}
+    others = [q for i, stage in enumerate(stages) if i != pp_rank
+              for _, sub in platform.named_modules(stage) for _, q in platform.direct_params(sub)]
     hp.parallelize_module(module, mesh["tp"], _plan_for(module, script.tensor_parallel_plan()))
     for block in module.blocks:
         hp.fully_shard(block, mesh=mesh["dp"])
     hp.fully_shard(module, mesh=mesh["dp"])
+    if deferred:
+        if backend == "torch":
+            module.to_empty(device="cpu")
+        values = script.initial_values()
+        native = hp.torch_nn_names if backend == "mindspore" else (lambda name: name)
+        for key in hp.get_state_dict(module):
+            hp.set_state_dict(module, {key: values[native(to_whole[key])]}, strict=False)
+    others_materialised = sum(_materialised(backend, q) for q in others)
     opt = framework.optimizer(module, 1e-2)
 
     def loss_fn(logits, targets):
@@ -85,6 +128,7 @@ def run(backend: str, dp: int) -> dict:
            hp.gather_full_state_dict(_lm_stages(backend, reference)[pp_rank]).items()}
     platform.barrier()
     return {"pp_rank": pp_rank, "losses": losses if stage.is_last else None,
+            "others_materialised": others_materialised, "others": len(others),
             "ref_losses": ref_losses, "norms": norms, "names_match": sorted(full) == sorted(ref),
             "param_rel_diff": max(float(np.abs(full[k] - ref[k]).max()
                                         / max(np.abs(ref[k]).max(), 1e-30)) for k in ref)}

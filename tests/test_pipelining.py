@@ -49,12 +49,14 @@ shared_launch.register(__name__, "pipelining_dp_overlapped", 4, TARGET,
 
 
 # 3-D: the one_script transformer at (pp 2, dp, tp 2), Schedule1F1B, 5 AdamW steps
-# (tests/pipelining_3d_scenarios.py); pp 2 x tp 2 on torch in the default run
+# (tests/pipelining_3d_scenarios.py); pp 2 x tp 2 on torch in the default run, built
+# deferred (each rank materialises its stage only); the 8-rank runs built eagerly
 THREE_D = "tests.pipelining_3d_scenarios:run"
-shared_launch.register(__name__, "pipelining_tp", 4, THREE_D, lambda backend: (backend, 1),
+shared_launch.register(__name__, "pipelining_tp", 4, THREE_D, lambda backend: (backend, 1, True),
                        backends=("torch",), timeout_s=300)
-shared_launch.register(__name__, "pipelining_tp_slow", 4, THREE_D, lambda backend: (backend, 1),
-                       backends=("mindspore",), timeout_s=600, slow=True)
+shared_launch.register(__name__, "pipelining_tp_slow", 4, THREE_D,
+                       lambda backend: (backend, 1, True), backends=("mindspore",),
+                       timeout_s=600, slow=True)
 shared_launch.register(__name__, "pipelining_3d", 8, THREE_D, lambda backend: (backend, 2),
                        timeout_s=900, slow=True)
 
@@ -149,12 +151,18 @@ def test_tensor_parallel_inside_stages(backend, world):
     stages: the last stage's losses (their mean over its dp ranks; its tp ranks compute
     the same) to float32 rounding, every stage's gathered parameters after 5 AdamW steps
     (tests/tolerance.py), and the clipping norm, the same on every rank and above
-    max_norm (it clipped)."""
+    max_norm (it clipped). At 4 ranks the model is built deferred: no parameter of the
+    other stage is ever materialised on a rank."""
     key = {(4, "torch"): "pipelining_tp", (4, "mindspore"): "pipelining_tp_slow"}.get(
         (world, backend), "pipelining_3d")
     per_rank = shared_launch.results(key, backend)
     half = world // 2
     assert [r["pp_rank"] for r in per_rank] == [0] * half + [1] * half
+    if world == 4:
+        for rank, r in enumerate(per_rank):
+            assert r["others"] > 0 and r["others_materialised"] == 0, \
+                f"rank {rank}: {r['others_materialised']} of the other stage's {r['others']} " \
+                f"parameters materialised"
     mean = np.mean([r["losses"] for r in per_rank if r["pp_rank"] == 1], axis=0)
     assert len(mean) == 5
     assert_close(mean, per_rank[0]["ref_losses"], FP32_RTOL)
