@@ -15,7 +15,7 @@ processes, steps alternated:
   every model of the launch in it; the difference between the schedules is what one
   step adds).
 
-    python benchmarks/pipelining.py                       # both frameworks
+    python benchmarks/pipelining.py                       # both frameworks (make bench runs it)
     python benchmarks/pipelining.py --backend torch --rounds 3
 """
 
@@ -70,23 +70,39 @@ def measure(backends: list, job: dict, timeout_s: float, progress=print) -> dict
     return out
 
 
+def report(result: dict) -> str:
+    """The markdown table of ``measure``'s result."""
+    lines = ["| | FSDP 4 step | GPipe / FSDP 4 | 1F1B / FSDP 4 | bubble GPipe | bubble 1F1B |",
+             "| --- | --- | --- | --- | --- | --- |"]
+
+    def spread(x):
+        return f"{x['median']:.2f} [{x['q1']:.2f}-{x['q3']:.2f}]"
+    for backend, f in result["backends"].items():
+        lines.append(f"| {backend} | {f['step_s']['fsdp4']['median']:.2f} s | "
+                     f"{spread(f['gpipe_vs_fsdp4'])} | {spread(f['1f1b_vs_fsdp4'])} | "
+                     f"{spread(f['gpipe_bubble'])} | {spread(f['1f1b_bubble'])} |")
+    lines.append(f"\nbubble: the fraction of a step a rank waits in a receive; theory "
+                 f"{result['theoretical_bubble']:.2f} (MindSpore CPU: a receive's wait "
+                 f"returns at once, not measured)")
+    return "\n".join(lines)
+
+
+DEFAULT_JOB = {"rounds": 6, "warmup": 2, "width": 512, "hidden": 1024, "blocks": 8,
+               "batch": 512, "microbatches": 4}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("torch", "mindspore", "both"), default="both")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--microbatches", type=int, default=4)
+    for name, value in DEFAULT_JOB.items():
+        parser.add_argument(f"--{name}", type=int, default=value)
     args = parser.parse_args(argv)
     backends = ["torch", "mindspore"] if args.backend == "both" else [args.backend]
-    job = {k: getattr(args, k) for k in ("rounds", "warmup", "width", "hidden", "blocks",
-                                          "batch", "microbatches")}
+    job = {name: getattr(args, name) for name in DEFAULT_JOB}
     result = measure(backends, job, timeout_s=1800)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pipelining.json").write_text(json.dumps(result, indent=1))
+    print(report(result))
     return 0
 
 

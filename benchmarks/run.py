@@ -44,6 +44,7 @@ import launch_ranks  # noqa: E402
 import low_precision  # noqa: E402
 import report  # noqa: E402
 import step_memory  # noqa: E402
+import pipelining  # noqa: E402
 import tensor_parallel  # noqa: E402
 
 RANK_SCRIPTS = {"torch": "rank_torch.py", "mindspore": "rank_mindspore.py"}
@@ -80,6 +81,8 @@ def _parse_args(argv):
                              "never in --quick)")
     parser.add_argument("--no-tensor-parallel", dest="tensor_parallel", action="store_false",
                         help="skip tensor parallelism against FSDP (tensor_parallel.py)")
+    parser.add_argument("--no-pipelining", dest="pipelining", action="store_false",
+                        help="skip pipelining against FSDP (pipelining.py; never in --quick)")
     parser.add_argument("--no-low-precision", dest="low_precision", action="store_false",
                         help="skip the low-precision all-gather measurement (low_precision.py; "
                              "never in --quick)")
@@ -231,6 +234,16 @@ def main(argv=None) -> int:
         doc["wall_s"] = time.monotonic() - t_run
     if args.tensor_parallel:
         doc["tensor_parallel"] = _run_tensor_parallel(args)
+    if args.pipelining and not args.quick:
+        backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
+        print(f"pipelining: pp2 x dp2 (GPipe, 1F1B) against FSDP 4, {', '.join(backends)}",
+              flush=True)
+        try:
+            doc["pipelining"] = pipelining.measure(backends, dict(pipelining.DEFAULT_JOB),
+                                                   timeout_s=1800)
+        except launch_ranks.LaunchFailure as exc:
+            doc["pipelining"] = {"error": str(exc)}
+        doc["wall_s"] = time.monotonic() - t_run
     if args.low_precision and not args.quick:
         backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
         print(f"low-precision all-gather: {', '.join(backends)}, alternated rounds", flush=True)
@@ -248,6 +261,9 @@ def main(argv=None) -> int:
     if "tensor_parallel" in doc:
         print()
         print(doc["tensor_parallel"].get("error") or tensor_parallel.report(doc["tensor_parallel"]))
+    if "pipelining" in doc:
+        print()
+        print(doc["pipelining"].get("error") or pipelining.report(doc["pipelining"]))
     if "low_precision" in doc:
         print()
         print(low_precision.report(doc["low_precision"]))
