@@ -221,3 +221,35 @@ def test_bad_arguments_are_named_before_anything_runs(monkeypatch, backend):
         pipelining.PipelineStage(module, 0, 1, "cpu", group="pp")
     after = [kit.to_numpy(p) for p in kit.params(module)]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_interleaved_order_is_torchs():
+    """hp's interleaved 1F1B order equals torch's own (``_get_1f1b_rank_ops``, torch
+    2.13), on every rank, for 2 to 4 ranks, 2 and 3 stages per rank and several numbers
+    of micro-batches."""
+    pytest.importorskip("torch")
+    from torch.distributed.pipelining.schedules import (
+        _ComputationType, _get_1f1b_rank_ops, _get_warmup_ops,
+    )
+
+    from hyper_parallel.pipelining.schedules import interleaved_order
+
+    compared = 0
+    for ranks in (2, 3, 4):
+        for local in (2, 3):
+            for n in (ranks, 2 * ranks, 3 * ranks):
+                per_round = n // max(1, n // ranks)
+                for rank in range(ranks):
+                    warmup = _get_warmup_ops(rank, local, per_round, ranks, n)
+                    ops = _get_1f1b_rank_ops(
+                        local, ranks, warmup, local * n - warmup, warmup, rank,
+                        lambda k, r=rank: ((k // per_round) % local) * ranks + r,
+                        lambda k, r=rank, w=warmup: (local - 1 - ((k - w) // per_round) % local)
+                        * ranks + r)
+                    torchs = [(a.stage_index,
+                               "F" if a.computation_type == _ComputationType.FORWARD else "B",
+                               a.microbatch_index) for a in ops if a is not None]
+                    assert interleaved_order(rank, ranks, local, n) == torchs, \
+                        f"{ranks} ranks, {local} stages each, {n} micro-batches, rank {rank}"
+                    compared += 1
+    assert compared == 2 * 3 * (2 + 3 + 4)  # (local, n) pairs x every rank of each size
