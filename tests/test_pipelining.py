@@ -253,3 +253,29 @@ def test_interleaved_order_is_torchs():
                         f"{ranks} ranks, {local} stages each, {n} micro-batches, rank {rank}"
                     compared += 1
     assert compared == 2 * 3 * (2 + 3 + 4)  # (local, n) pairs x every rank of each size
+
+
+def test_graphs_kept_where_only_the_latest_backward_runs():
+    """The forwards that keep their graph on MindSpore (docs/pipelining.md): GPipe one in
+    n (its backwards run oldest first), 1F1B's last stage all, its first stage of two
+    every other one; the kept ones nest (each kept forward's backward is the latest
+    pending kept one when it runs)."""
+    from hyper_parallel.pipelining.schedules import (
+        gpipe_order, graphs_to_keep, interleaved_order, one_f_one_b_order,
+    )
+
+    n = 4
+    assert sum(graphs_to_keep(gpipe_order(0, 2, n)).values()) == 1
+    assert all(graphs_to_keep(one_f_one_b_order(1, 2, n)).values())
+    assert [k[1] for k, kept in graphs_to_keep(one_f_one_b_order(0, 2, n)).items()
+            if kept] == [0, 2]
+    for order in (gpipe_order(0, 2, n), one_f_one_b_order(0, 3, 6),
+                  interleaved_order(0, 2, 2, 4), interleaved_order(1, 2, 2, 4)):
+        keep, stack = graphs_to_keep(order), []
+        for stage, kind, mb in order:
+            if keep[(stage, mb)]:
+                if kind == "F":
+                    stack.append((stage, mb))
+                else:
+                    assert stack.pop() == (stage, mb), f"{order}: {(stage, mb)} not the latest"
+        assert not stack
