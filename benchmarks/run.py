@@ -13,7 +13,8 @@ table and the JSON, the run goes on, and the exit code is 1. At the end: the hea
 ``full.png``); ``--quick`` is the smoke run the test suite executes: tiny models, 1 + 2
 rounds, one launch per workload and framework, written as ``quick.*``. It tests that the
 pipeline runs, not speed. After the grid: the step memory (not in ``--quick``), tensor
-parallelism against FSDP (tensor_parallel.py; the tiny model in ``--quick``) and the
+parallelism against FSDP (tensor_parallel.py; the tiny model in ``--quick``), context
+parallelism against one process (context_parallel.py; not in ``--quick``) and the
 low-precision all-gather (low_precision.py; not in ``--quick``).
 """
 
@@ -46,6 +47,7 @@ import report  # noqa: E402
 import step_memory  # noqa: E402
 import pipelining  # noqa: E402
 import tensor_parallel  # noqa: E402
+import context_parallel  # noqa: E402
 
 RANK_SCRIPTS = {"torch": "rank_torch.py", "mindspore": "rank_mindspore.py"}
 
@@ -83,6 +85,9 @@ def _parse_args(argv):
                         help="skip tensor parallelism against FSDP (tensor_parallel.py)")
     parser.add_argument("--no-pipelining", dest="pipelining", action="store_false",
                         help="skip pipelining against FSDP (pipelining.py; never in --quick)")
+    parser.add_argument("--no-context-parallel", dest="context_parallel", action="store_false",
+                        help="skip context parallelism against one process "
+                             "(context_parallel.py)")
     parser.add_argument("--no-low-precision", dest="low_precision", action="store_false",
                         help="skip the low-precision all-gather measurement (low_precision.py; "
                              "never in --quick)")
@@ -170,6 +175,20 @@ def _run_tensor_parallel(args) -> dict:
         return {"error": str(exc)}
 
 
+def _run_context_parallel(args) -> dict:
+    """The example LM at cp2 against one process, on each selected framework
+    (context_parallel.py): size small, sequences of 256, 4 rounds."""
+    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
+    print(f"context parallelism: example LM small, cp2 against one process, "
+          f"{', '.join(backends)}", flush=True)
+    try:
+        return context_parallel.measure(backends, "small", batch=2, seq=256, warmup=1,
+                                        rounds=args.rounds or 4, timeout_s=1800)
+    except launch_ranks.LaunchFailure as exc:
+        print(f"context parallelism: FAILED: {str(exc).splitlines()[0]}", flush=True)
+        return {"error": str(exc)}
+
+
 def _run_config(index: int, total: int, cfg, t_run: float, bind_cores: bool,
                 ms_pipeline: str) -> dict:
     """One launch: every implementation of ``cfg`` in the same processes; its row."""
@@ -243,6 +262,8 @@ def main(argv=None) -> int:
                                                    timeout_s=1800)
         except launch_ranks.LaunchFailure as exc:
             doc["pipelining"] = {"error": str(exc)}
+    if args.context_parallel and not args.quick:
+        doc["context_parallel"] = _run_context_parallel(args)
         doc["wall_s"] = time.monotonic() - t_run
     if args.low_precision and not args.quick:
         backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
@@ -264,6 +285,10 @@ def main(argv=None) -> int:
     if "pipelining" in doc:
         print()
         print(doc["pipelining"].get("error") or pipelining.report(doc["pipelining"]))
+    if "context_parallel" in doc:
+        print()
+        print(doc["context_parallel"].get("error")
+              or context_parallel.report(doc["context_parallel"]))
     if "low_precision" in doc:
         print()
         print(low_precision.report(doc["low_precision"]))

@@ -102,7 +102,7 @@ class MindSporeModels:
         for kind in ("fsdp4", "tp2", "tp1"):
             model = build(job["size"], hp.get_platform())
             if kind == "tp2":
-                hp.parallelize_module(model, mesh["tp"], lm_plan(hp, attention_inputs=4))
+                hp.parallelize_module(model, mesh["tp"], lm_plan(hp, attention_inputs=3))
             dp_mesh = None if kind == "fsdp4" else mesh["shard"]
             for layer in model.model.layers:
                 hp.fully_shard(layer, mesh=dp_mesh)

@@ -4,12 +4,14 @@
     python examples/train_lm.py --backend mindspore --nproc 2
     python examples/train_lm.py --nproc 4 --mesh 2x2 --dtype bf16  # HSDP, bf16 parameters
     python examples/train_lm.py --nproc 4 --tp 2                  # FSDP over 2 x tensor parallel 2
+    python examples/train_lm.py --nproc 4 --cp 2                  # FSDP 2 x context parallel 2
     python examples/train_lm.py --size 124m --nproc 8            # GPT-2-small sized
 
 The model (examples/lm/: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, with
 Hugging Face Llama's parameter names) is written once per framework; every decoder layer
 and the root are fully_shard units; with ``--tp N`` the model is first split over N ranks
-with Megatron's tensor-parallel plan (examples/lm/tensor_parallel.py). It trains with
+with Megatron's tensor-parallel plan (examples/lm/tensor_parallel.py); with ``--cp N`` each
+sequence is split over N ranks (hp.context_parallel, docs/context-parallel.md). It trains with
 AdamW on random windows of the bundled text (examples/data/), a progress line per step, a
 checkpoint every ``--ckpt-every`` steps in ``--out``, validation at each checkpoint and at
 the end, and the loss curve as a PNG.
@@ -56,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, metavar="N",
                         help="tensor-parallel degree: each layer split over N ranks, FSDP "
                              "(or --mesh's HSDP) over the nproc / N groups (default 1: none)")
+    parser.add_argument("--cp", type=int, default=1, metavar="N",
+                        help="context-parallel degree: each sequence split over N ranks, which "
+                             "fully_shard shards over too (default 1: none)")
     parser.add_argument("--size", choices=sorted(SIZES), default="small",
                         help="model size (default small, ~13M parameters)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
@@ -90,11 +95,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.seq = args.seq or SIZES[args.size]["seq"]
     args.mesh_shape = _mesh_shape(parser, args)
-    data_parallel = args.nproc // args.tp
+    data_parallel = args.nproc // (args.tp * args.cp)
     if args.batch % data_parallel:
         parser.error(f"--batch {args.batch} must divide over the {data_parallel} data-parallel "
-                     f"ranks (--nproc {args.nproc} / --tp {args.tp}): each takes an equal share "
-                     f"of each global batch")
+                     f"ranks (--nproc {args.nproc} / --tp {args.tp} / --cp {args.cp}): each "
+                     f"takes an equal share of each global batch")
+    if args.seq % (2 * args.cp):
+        parser.error(f"--seq {args.seq} must be a multiple of 2 x --cp = {2 * args.cp}: each "
+                     f"sequence is cut into 2 x cp chunks (docs/context-parallel.md)")
     if args.seq > SIZES[args.size]["seq"]:
         parser.error(f"--seq {args.seq} is longer than size {args.size}'s rotary tables "
                      f"({SIZES[args.size]['seq']})")
@@ -105,39 +113,51 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _mesh_shape(parser, args):
     """fully_shard's mesh shape: None (FSDP over all ranks), (R, S) for HSDP; with
-    ``--tp N`` the tensor-parallel dim N is appended."""
+    ``--cp N`` the context-parallel dim N is appended, then with ``--tp N`` the
+    tensor-parallel dim N."""
     if args.tp < 1 or args.nproc % args.tp:
         parser.error(f"--tp {args.tp} must divide --nproc {args.nproc}")
+    if args.cp < 1 or args.nproc % (args.tp * args.cp):
+        parser.error(f"--cp {args.cp} x --tp {args.tp} must divide --nproc {args.nproc}")
     if args.tp > 1:
         from examples.lm.tensor_parallel import check_degree
 
         problem = check_degree(args.size, args.tp, args.seq)
         if problem:
             parser.error(problem)
+    extra = tuple(n for n in (args.cp, args.tp) if n > 1)
     if args.mesh is None:
-        return None if args.tp == 1 else (args.nproc // args.tp, args.tp)
+        return None if not extra else (args.nproc // (args.tp * args.cp),) + extra
     try:
         replicas, shards = (int(n) for n in args.mesh.lower().split("x"))
     except ValueError:
         parser.error(f"--mesh {args.mesh!r}: expected RxS, e.g. 2x2")
-    if replicas * shards * args.tp != args.nproc:
-        parser.error(f"--mesh {args.mesh} x --tp {args.tp} has {replicas * shards * args.tp} "
-                     f"ranks but --nproc is {args.nproc}")
-    return (replicas, shards) if args.tp == 1 else (replicas, shards, args.tp)
+    if replicas * shards * args.tp * args.cp != args.nproc:
+        cp = f" x --cp {args.cp}" if args.cp > 1 else ""
+        parser.error(f"--mesh {args.mesh}{cp} x --tp {args.tp} has "
+                     f"{replicas * shards * args.tp * args.cp} ranks but --nproc is {args.nproc}")
+    return (replicas, shards) + extra
 
 
 def _meshes(hp, platform, args) -> tuple:
-    """(fully_shard's mesh, the tensor-parallel mesh): None for FSDP over all ranks and for
-    no tensor parallelism; the tensor-parallel dim is the last, so its ranks are adjacent."""
+    """(fully_shard's mesh, its dp_mesh_dims, the tensor-parallel mesh, the
+    context-parallel mesh): None for FSDP over all ranks, for fully_shard's reading of the
+    mesh by position, and for no tensor or context parallelism. The tensor-parallel dim is
+    the last, so its ranks are adjacent; fully_shard shards over the context-parallel ranks
+    too (their gradients are averaged as one process's)."""
     if args.mesh_shape is None:
-        return None, None
-    names = ("replicate", "shard") if args.mesh else ("shard",)
-    if args.tp > 1:
-        names += ("tp",)
+        return None, None, None, None
+    data = ("replicate", "shard") if args.mesh else ("shard",)
+    cp = ("cp",) if args.cp > 1 else ()
+    names = data + cp + (("tp",) if args.tp > 1 else ())
     mesh = hp.init_device_mesh(platform.device_type(), args.mesh_shape, mesh_dim_names=names)
-    if args.tp == 1:
-        return mesh, None
-    return mesh[names[:-1]], mesh["tp"]
+    dims = None
+    if cp:
+        dims = hp.DataParallelMeshDims(shard=("shard", "cp"),
+                                       replicate="replicate" if args.mesh else None)
+    # joined dims take the whole mesh (dp_mesh_dims leaves the tensor-parallel dim out)
+    return (mesh[data] if args.tp > 1 and not cp else mesh, dims,
+            mesh["tp"] if args.tp > 1 else None, mesh["cp"] if cp else None)
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -154,13 +174,14 @@ def rank_main(args: argparse.Namespace) -> None:
         from examples.lm.trainer_torch import Trainer
     else:
         from examples.lm.trainer_mindspore import Trainer
-    mesh, tp_mesh = _meshes(hp, platform, args)
+    mesh, dp_mesh_dims, tp_mesh, cp_mesh = _meshes(hp, platform, args)
     mp_policy = hp.MixedPrecisionPolicy(param_dtype=DTYPES[args.dtype],
                                         reduce_dtype=DTYPES[args.dtype] and "float32")
     trainer = Trainer(args.size, mesh, mp_policy, not args.eager_init, args.lr,
-                      args.weight_decay, args.clip, tp_mesh)
-    # a tensor-parallel group's ranks take the same rows: those of their data-parallel rank
-    data_rank, data_world = rank // args.tp, world // args.tp
+                      args.weight_decay, args.clip, tp_mesh, cp_mesh, dp_mesh_dims)
+    # a tensor- or context-parallel group's ranks take the same rows: those of their
+    # data-parallel rank
+    data_rank, data_world = rank // (args.tp * args.cp), world // (args.tp * args.cp)
     corpus = ByteCorpus()
     history, validation = [], []
     if args.resume:
@@ -207,8 +228,9 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def _layout(args) -> str:
-    data = f"HSDP {args.mesh}" if args.mesh else f"FSDP {args.nproc // args.tp}"
-    return data if args.tp == 1 else f"{data} x TP {args.tp}"
+    data = f"HSDP {args.mesh}" if args.mesh else f"FSDP {args.nproc // (args.tp * args.cp)}"
+    return data + (f" x CP {args.cp}" if args.cp > 1 else "") + \
+        (f" x TP {args.tp}" if args.tp > 1 else "")
 
 
 def _saved_args(args) -> dict:

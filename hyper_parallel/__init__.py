@@ -32,6 +32,8 @@ from hyper_parallel.tensor_parallel import (
     RowwiseParallel, SequenceParallel, Shard, cross_entropy, loss_parallel, parallelize_module,
 )
 
+from hyper_parallel.context_parallel import context_parallel, scaled_dot_product_attention
+
 interop.register()  # torch's platform with its ecosystem's adapters (interop/__init__.py)
 
 __version__ = "0.1.0"
@@ -49,4 +51,5 @@ __all__ = [
     "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "cross_entropy",
     "loss_parallel", "parallelize_module",
     "pipelining",
+    "context_parallel", "scaled_dot_product_attention",
 ]

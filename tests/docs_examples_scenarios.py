@@ -925,3 +925,31 @@ def api_fsdp2_rebind(backend, ctx):
     yield {"hp": hp}
     assert fsdp.fully_shard is original, "the block left torch's name rebound"
     return {"restored": True}
+
+
+# ---------------------------------------------------------------------------- docs/context-parallel.md
+def cp_usage(backend, ctx):
+    """context-parallel.md's plan on 2 ranks: ``hp``, ``model`` (examples/lm, tiny),
+    ``rope``, ``batches`` (3 steps of the whole batch, framework tensors) and
+    ``train_step`` (the framework's own AdamW step). Result: this rank's losses and the
+    one-process run's on the same batches."""
+    import contextlib
+
+    from tests.context_parallel_scenarios import _lm_batches, _side
+
+    side, batches = _side(backend), _lm_batches()[:3]
+    state = {}
+
+    def train_step(ids, targets):
+        if "optimizer" not in state:  # after fully_shard: over the sharded parameters
+            state["optimizer"] = side.optimizer()
+        return side.step(state["optimizer"], ids, targets, contextlib.nullcontext())
+
+    namespace = {"hp": hp, "model": side.model, "rope": side.rope(), "train_step": train_step,
+                 "batches": [(side.tensor(i), side.tensor(t)) for i, t in batches]}
+    yield namespace
+    reference = _side(backend)
+    optimizer = reference.optimizer()
+    ref_losses = [reference.step(optimizer, reference.tensor(i), reference.tensor(t),
+                                 contextlib.nullcontext()) for i, t in batches]
+    return {"losses": namespace["losses"], "ref_losses": ref_losses}

@@ -180,6 +180,7 @@ RUNS: dict[str, Run] = {
     "docs/platforms.md#Known framework limits (measured)#0":
         Run("platforms_layernorm_after_error", {MS: 1}, _layernorm_error, alone=True),
     "docs/tensor-parallel.md#Usage#0": Run("tp_usage", {TORCH: 2, MS: 2}, _each_rank_trains),
+    "docs/context-parallel.md#Usage#0": Run("cp_usage", {TORCH: 2, MS: 2}, _losses_match),
     # the same composition runs on MindSpore's 4 ranks in tests/test_one_script.py (dp_tp)
     "docs/tensor-parallel.md#With fully_shard#0":
         Run("tp_with_fully_shard", {TORCH: 4}, _losses_match),
@@ -198,6 +199,7 @@ SIGNATURES = {
     "docs/api.md#export_full#0", "docs/api.md#get_platform#0",
     "docs/checkpoints.md#Checkpoints#0",
     "docs/api.md#parallelize_module and the tensor-parallel styles#0",
+    "docs/api.md#context_parallel, scaled_dot_product_attention#0",
 }
 
 #: blocks that are whole scripts started by a launcher, as the doc says: id -> the test

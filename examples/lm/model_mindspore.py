@@ -7,10 +7,10 @@ initializer, so a build under ``no_init_parameters()`` allocates nothing until
 from __future__ import annotations
 
 import mindspore as ms
-import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.common.initializer import initializer
 
+import hyper_parallel as hp
 from examples.lm.config import EPS, SIZES, VOCAB, initial, rope_tables
 
 
@@ -55,7 +55,7 @@ class Attention(nn.Cell):
         self.v_proj = _linear(hidden, kv_heads * self.head_dim)
         self.o_proj = _linear(heads * self.head_dim, hidden)
 
-    def construct(self, x, cos, sin, mask):
+    def construct(self, x, cos, sin):
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism a rank computes its own heads only
         q = self.q_proj(x).reshape(b, t, -1, self.head_dim).swapaxes(1, 2)
@@ -64,9 +64,9 @@ class Attention(nn.Cell):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         repeat = q.shape[1] // k.shape[1]
         k, v = ops.repeat_interleave(k, repeat, 1), ops.repeat_interleave(v, repeat, 1)
-        scores = ops.matmul(q, k.swapaxes(-1, -2)) / float(np.sqrt(self.head_dim))
-        weights = ops.softmax(scores.astype(ms.float32) + mask, -1).astype(q.dtype)
-        out = ops.matmul(weights, v).swapaxes(1, 2).reshape(b, t, -1)
+        # over the whole sequence under hp.context_parallel (docs/context-parallel.md)
+        out = hp.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.swapaxes(1, 2).reshape(b, t, -1)
         return self.o_proj(out)
 
 
@@ -89,8 +89,8 @@ class DecoderLayer(nn.Cell):
         self.post_attention_layernorm = RMSNorm(s["hidden"])
         self.mlp = MLP(s["hidden"], s["intermediate"])
 
-    def construct(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def construct(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -102,16 +102,13 @@ class Body(nn.Cell):
         self.norm = RMSNorm(s["hidden"])
         cos, sin = rope_tables(s["seq"], s["hidden"] // s["heads"])
         self.cos, self.sin = Tensor(cos), Tensor(sin)  # constants, not parameters
-        causal = np.triu(np.full((s["seq"], s["seq"]), -1e9, np.float32), 1)
-        self.causal = Tensor(causal)
 
     def construct(self, ids):
         x = self.embed_tokens(ids)
         t = ids.shape[1]
         cos, sin = self.cos[:t].astype(x.dtype), self.sin[:t].astype(x.dtype)
-        mask = self.causal[:t, :t]
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin)
         return self.norm(x)
 
 

@@ -40,7 +40,7 @@ def check_degree(size: str, tp: int, seq: int) -> str | None:
 def lm_plan(hp, attention_inputs: int) -> dict:
     """``{submodule key: style}`` for ``hp.parallelize_module(model, tp_mesh, plan)``;
     ``attention_inputs``: how many positional inputs the attention takes (the hidden
-    states first; the rotary tables and mask that follow are the same on every rank)."""
+    states first; the rotary tables that follow are the same on every rank)."""
     Shard, Replicate = hp.Shard, hp.Replicate
     constants = (None,) * (attention_inputs - 1)
     layer = {

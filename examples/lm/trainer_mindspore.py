@@ -1,8 +1,11 @@
 """The MindSpore side of examples/train_lm.py: build (eagerly or under
 ``no_init_parameters``), split it over the tensor-parallel ranks (hyper_parallel's own
-tensor parallelism), shard each decoder layer and the root, and run one AdamW step."""
+tensor parallelism), shard each decoder layer and the root, and run one AdamW step
+(inside hp.context_parallel where the sequence is split over context-parallel ranks)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import mindspore as ms
 import numpy as np
@@ -20,9 +23,11 @@ from examples.lm.tensor_parallel import lm_plan
 
 class Trainer:
     def __init__(self, size: str, mesh, mp_policy, deferred: bool, lr: float,
-                 weight_decay: float, clip: float, tp_mesh=None):
-        """``mesh``: fully_shard's (None: all ranks); ``tp_mesh``: the tensor-parallel
-        ranks (None: no tensor parallelism), which needs the model built eagerly."""
+                 weight_decay: float, clip: float, tp_mesh=None, cp_mesh=None,
+                 dp_mesh_dims=None):
+        """``mesh``: fully_shard's (None: all ranks), with its ``dp_mesh_dims``;
+        ``tp_mesh``: the tensor-parallel ranks (None: no tensor parallelism), which needs
+        the model built eagerly; ``cp_mesh``: the context-parallel ranks (None: none)."""
         ms.set_context(mode=ms.PYNATIVE_MODE)
         if deferred:
             with no_init_parameters():  # parameters hold initializers, no values
@@ -30,13 +35,15 @@ class Trainer:
         else:
             model = build(size, hp.get_platform())
         if tp_mesh is not None:
-            hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=4))
+            hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=3))
         for layer in model.model.layers:
-            hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-        hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # materialises the shards
+            hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
+        # materialises the shards
+        hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
         if deferred:
             set_initial_values(model)
         self.model, self.clip, self.tensor_parallel = model, clip, tp_mesh is not None
+        self.cp_mesh = cp_mesh
         self.params = list(model.trainable_params())
         self.optimizer = AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.grad_fn = ms.value_and_grad(self._loss, None, self.params)
@@ -50,10 +57,22 @@ class Trainer:
 
     def step(self, ids: np.ndarray, targets: np.ndarray) -> tuple:
         """One optimizer step on this rank's rows; (local loss, global gradient norm)."""
-        loss, grads = self.grad_fn(Tensor(ids.astype(np.int32)), Tensor(targets.astype(np.int32)))
+        ids, targets = Tensor(ids.astype(np.int32)), Tensor(targets.astype(np.int32))
+        with self._split_sequence(ids, targets):
+            loss, grads = self.grad_fn(ids, targets)
         grads, norm = hp.clip_grad_norm_(self.params, self.clip, grads=grads)
         self.optimizer(grads)
         return float(loss.asnumpy()), float(norm.asnumpy())
+
+    def _split_sequence(self, ids, targets):
+        """This rank's positions of the batch and of the rotary tables, under context
+        parallelism; nothing otherwise."""
+        if self.cp_mesh is None:
+            return contextlib.nullcontext()
+        body = self.model.model
+        return hp.context_parallel(self.cp_mesh, buffers=[ids, targets, body.cos, body.sin],
+                                   buffer_seq_dims=[1, 1, 0, 0],
+                                   no_restore_buffers=[ids, targets])
 
     def evaluate(self, ids: np.ndarray, targets: np.ndarray) -> float:
         return float(self._loss(Tensor(ids.astype(np.int32)), Tensor(targets.astype(np.int32))).asnumpy())

@@ -1,9 +1,11 @@
 """The torch side of examples/train_lm.py: build (eagerly or on the meta device), split it
 over the tensor-parallel ranks (hyper_parallel's tensor parallelism, the same plan and
-names as on MindSpore), shard each decoder layer and the root, and run one AdamW step."""
+names as on MindSpore), shard each decoder layer and the root, and run one AdamW step
+(inside hp.context_parallel where the sequence is split over context-parallel ranks)."""
 
 from __future__ import annotations
 
+import contextlib
 
 import numpy as np
 import torch
@@ -17,9 +19,11 @@ from examples.lm.tensor_parallel import lm_plan
 
 class Trainer:
     def __init__(self, size: str, mesh, mp_policy, deferred: bool, lr: float,
-                 weight_decay: float, clip: float, tp_mesh=None):
-        """``mesh``: fully_shard's (None: all ranks); ``tp_mesh``: the tensor-parallel
-        ranks (None: no tensor parallelism), which needs the model built eagerly."""
+                 weight_decay: float, clip: float, tp_mesh=None, cp_mesh=None,
+                 dp_mesh_dims=None):
+        """``mesh``: fully_shard's (None: all ranks), with its ``dp_mesh_dims``;
+        ``tp_mesh``: the tensor-parallel ranks (None: no tensor parallelism), which needs
+        the model built eagerly; ``cp_mesh``: the context-parallel ranks (None: none)."""
         torch.manual_seed(0)
         self.device = torch.device(hp.get_platform().device_type())
         if deferred:
@@ -30,36 +34,51 @@ class Trainer:
         if tp_mesh is not None:
             hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=3))
         for layer in model.model.layers:
-            hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-        hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+            hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
+        hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
         if deferred:
             model.to_empty(device=self.device)  # allocates each rank's shards only
             model.model.init_rope()
             set_initial_values(model)
         self.model, self.clip, self.tensor_parallel = model, clip, tp_mesh is not None
+        self.cp_mesh = cp_mesh
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
-    def _loss(self, ids: np.ndarray, targets: np.ndarray):
+    def _loss(self, ids, targets):
         """The loss over logits split on the vocabulary (a LayoutTensor, never gathered)
         under tensor parallelism, over whole logits otherwise."""
-        logits = self.model(torch.from_numpy(ids).to(self.device))
+        logits = self.model(ids)
         logits = logits.astype(torch.float32) if self.tensor_parallel else logits.float()
         with hp.loss_parallel():
-            return hp.cross_entropy(logits.reshape(-1, VOCAB),
-                                    torch.from_numpy(targets).to(self.device).reshape(-1))
+            return hp.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+    def _tensors(self, ids: np.ndarray, targets: np.ndarray) -> tuple:
+        return tuple(torch.from_numpy(a).to(self.device) for a in (ids, targets))
+
+    def _split_sequence(self, ids, targets):
+        """This rank's positions of the batch and of the rotary tables, under context
+        parallelism; nothing otherwise."""
+        if self.cp_mesh is None:
+            return contextlib.nullcontext()
+        body = self.model.model
+        return hp.context_parallel(self.cp_mesh, buffers=[ids, targets, body.cos, body.sin],
+                                   buffer_seq_dims=[1, 1, 0, 0],
+                                   no_restore_buffers=[ids, targets])
 
     def step(self, ids: np.ndarray, targets: np.ndarray) -> tuple:
         """One optimizer step on this rank's rows; (local loss, global gradient norm)."""
-        loss = self._loss(ids, targets)
-        loss.backward()
+        ids, targets = self._tensors(ids, targets)
+        with self._split_sequence(ids, targets):
+            loss = self._loss(ids, targets)
+            loss.backward()
         norm = hp.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad()
         return _value(loss), _value(norm)
 
     def evaluate(self, ids: np.ndarray, targets: np.ndarray) -> float:
-        with torch.no_grad():
-            return _value(self._loss(ids, targets))
+        with torch.no_grad():  # the whole sequence on each context-parallel rank
+            return _value(self._loss(*self._tensors(ids, targets)))
 
     def mean_over_ranks(self, values: list) -> list:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)

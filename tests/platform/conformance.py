@@ -216,6 +216,6 @@ def _arange(*shape, start: float = 0.0) -> np.ndarray:
 CHECK_MODULES = ("checks_tensors", "checks_tensor_ops", "checks_memory", "checks_parameters", "checks_gradients",
                  "checks_autograd",
                  "checks_state_io", "checks_process_groups", "checks_collectives",
-                 "checks_autograd_collectives", "checks_tp_support", "checks_units")
+                 "checks_autograd_collectives", "checks_tp_support", "checks_cp_support", "checks_units")
 for _module in CHECK_MODULES:
     importlib.import_module(f"tests.platform.{_module}")

@@ -134,6 +134,12 @@ class _TorchSide:
         """sum(tensor * weights) as a differentiable scalar."""
         return (tensor * self.torch.from_numpy(weights)).sum()
 
+    def framework_attention(self):
+        """The attention function models call, looked up at each call (None: none)."""
+        import torch.nn.functional as F
+
+        return lambda *args, **kwargs: F.scaled_dot_product_attention(*args, **kwargs)
+
     def backward(self, fn, arrays: list, params: list = ()) -> tuple:
         """Run ``fn(list_of_input_tensors) -> scalar`` and its backward; return
         ``(loss, [input grads], [param grads])`` as numpy (None where no gradient arrived)."""
@@ -221,6 +227,9 @@ class _MindSporeSide:
 
     def set_requires_grad(self, param, flag: bool) -> None:
         param.requires_grad = flag
+
+    def framework_attention(self):
+        return None  # MindSpore has no attention function models call
 
     def weighted_sum(self, tensor, weights: np.ndarray):
         return (tensor * self.ms.Tensor(weights)).sum()

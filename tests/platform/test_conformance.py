@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from hyper_parallel.platform.base import Platform
+from hyper_parallel.platform.cp_support import ContextParallelSupport
 from hyper_parallel.platform.state_io import StateIO
 from hyper_parallel.platform.storage_release import StorageRelease
 from hyper_parallel.platform.tp_support import TensorParallelSupport
@@ -113,7 +114,7 @@ def test_collective(backend, world_size, check):
     _assert_check(backend, world_size, check)
 
 
-CONTRACT = (Platform, StorageRelease, StateIO, TensorParallelSupport)
+CONTRACT = (Platform, StorageRelease, StateIO, TensorParallelSupport, ContextParallelSupport)
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "adding-a-platform.md"
 
 

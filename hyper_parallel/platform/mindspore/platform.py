@@ -31,6 +31,7 @@ from hyper_parallel.platform.mindspore import later_backward
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.mindspore.collective_ops import MindSporeCollectiveOps
+from hyper_parallel.platform.mindspore.cp_support import MindSporeContextParallelSupport
 from hyper_parallel.platform.mindspore.state_io import MindSporeStateIO
 from hyper_parallel.platform.mindspore.storage_release import MindSporeStorageRelease
 from hyper_parallel.platform.mindspore.tp_support import MindSporeTensorParallelSupport
@@ -55,7 +56,8 @@ def _check_version() -> None:
 
 
 class MindSporePlatform(MindSporeCollectiveOps, MindSporeStateIO, MindSporeStorageRelease,
-                        MindSporeTensorParallelSupport, Platform):
+                        MindSporeTensorParallelSupport, MindSporeContextParallelSupport,
+                        Platform):
     name = "mindspore"
 
     def __init__(self) -> None:

@@ -27,6 +27,7 @@ from hyper_parallel.platform.torch import later_backward
 from hyper_parallel.platform.base import MeshDescription, PlacementDescription, Platform
 from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
+from hyper_parallel.platform.torch.cp_support import TorchContextParallelSupport
 from hyper_parallel.platform.torch.state_io import TorchStateIO
 from hyper_parallel.platform.torch.storage_release import TorchStorageRelease
 from hyper_parallel.platform.torch.tp_support import TorchTensorParallelSupport
@@ -80,7 +81,8 @@ def _uses_list_reduce_scatter(group, input_bytes: int) -> bool:
     return dist.get_backend(group) == "gloo" and input_bytes >= _GLOO_LIST_REDUCE_SCATTER_BYTES
 
 
-class TorchPlatform(TorchStateIO, TorchTensorParallelSupport, TorchStorageRelease, Platform):
+class TorchPlatform(TorchStateIO, TorchTensorParallelSupport, TorchContextParallelSupport,
+                    TorchStorageRelease, Platform):
     name = "torch"
 
     def __init__(self) -> None:
