@@ -46,6 +46,7 @@ import launch_ranks  # noqa: E402
 import low_precision  # noqa: E402
 import report  # noqa: E402
 import step_memory  # noqa: E402
+import pipelining  # noqa: E402
 import tensor_parallel  # noqa: E402
 import expert_parallel  # noqa: E402
 import context_parallel  # noqa: E402
@@ -87,6 +88,8 @@ def _parse_args(argv):
     parser.add_argument("--no-expert-parallel", dest="expert_parallel", action="store_false",
                         help="skip expert parallelism against FSDP (expert_parallel.py; never "
                              "in --quick)")
+    parser.add_argument("--no-pipelining", dest="pipelining", action="store_false",
+                        help="skip pipelining against FSDP (pipelining.py; never in --quick)")
     parser.add_argument("--no-context-parallel", dest="context_parallel", action="store_false",
                         help="skip context parallelism against one process "
                              "(context_parallel.py)")
@@ -271,6 +274,15 @@ def main(argv=None) -> int:
         doc["tensor_parallel"] = _run_tensor_parallel(args)
     if args.expert_parallel and not args.quick:
         doc["expert_parallel"] = _run_expert_parallel(args)
+    if args.pipelining and not args.quick:
+        backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
+        print(f"pipelining: pp2 x dp2 (GPipe, 1F1B) against FSDP 4, {', '.join(backends)}",
+              flush=True)
+        try:
+            doc["pipelining"] = pipelining.measure(backends, dict(pipelining.DEFAULT_JOB),
+                                                   timeout_s=1800)
+        except launch_ranks.LaunchFailure as exc:
+            doc["pipelining"] = {"error": str(exc)}
     if args.context_parallel and not args.quick:
         doc["context_parallel"] = _run_context_parallel(args)
         doc["wall_s"] = time.monotonic() - t_run
@@ -294,6 +306,9 @@ def main(argv=None) -> int:
     if "expert_parallel" in doc:
         print()
         print(doc["expert_parallel"].get("error") or expert_parallel.report(doc["expert_parallel"]))
+    if "pipelining" in doc:
+        print()
+        print(doc["pipelining"].get("error") or pipelining.report(doc["pipelining"]))
     if "context_parallel" in doc:
         print()
         print(doc["context_parallel"].get("error")

@@ -26,6 +26,7 @@ from hyper_parallel.fully_shard import (
 )
 from hyper_parallel.expert_parallel import ExpertParallel, update_expert_bias
 from hyper_parallel import interop
+from hyper_parallel import pipelining
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel import (
     ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, Replicate,
@@ -51,5 +52,6 @@ __all__ = [
     "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "cross_entropy",
     "loss_parallel", "parallelize_module",
     "ExpertParallel", "update_expert_bias",
+    "pipelining",
     "context_parallel", "scaled_dot_product_attention",
 ]

@@ -55,14 +55,18 @@ EPS = 1e-6
 
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, *, grads: Any = None) -> Any:
+                    error_if_nonfinite: bool = False, *, grads: Any = None,
+                    pp_mesh: Any = None) -> Any:
     """Scale gradients so that their total ``norm_type``-norm is at most ``max_norm``; return
     the total norm (a float32 tensor, equal on every rank) taken before clipping.
 
     ``grads=None`` (torch): the gradients are the parameters' ``.grad``, scaled in place;
     returns the norm. ``grads`` given (required on MindSpore, where ``value_and_grad``
     returns the gradients): one gradient (or None) per parameter, in order; returns
-    ``(clipped gradients as a tuple, total norm)`` and leaves ``grads`` unchanged."""
+    ``(clipped gradients as a tuple, total norm)`` and leaves ``grads`` unchanged.
+
+    ``pp_mesh`` (torchtitan's name): the 1-D pipeline mesh; each rank passes its stages'
+    parameters and the norm is over every stage's (their partial sums reduced over it)."""
     platform = get_platform()
     max_norm, norm_type = _checked_numbers(max_norm, norm_type)
     params = _as_list(platform, parameters, "parameters")
@@ -79,6 +83,8 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
                              f"pass one gradient (or None) per parameter, in the same order")
         pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
     total = total_norm(platform, pairs, norm_type)
+    if pp_mesh is not None:
+        total = _over_stages(platform, total, norm_type, pp_mesh)
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total}, "
                            f"so they cannot be clipped; pass error_if_nonfinite=False to scale "
@@ -145,6 +151,19 @@ def total_norm(platform: Platform, pairs: list, norm_type: float) -> float:
         reduced = float(platform.to_numpy(value)[0])
         partials.append(reduced if is_inf else reduced ** (1.0 / norm_type))
     return _combined_floats(partials, norm_type)
+
+
+def _over_stages(platform: Platform, total: float, norm_type: float, pp_mesh: Any) -> float:
+    """The norm over every pipeline stage from each stage's ``total``."""
+    if getattr(pp_mesh, "ndim", None) != 1:
+        raise TypeError(f"pp_mesh must be a 1-D hp DeviceMesh (mesh['pp']), got "
+                        f"{type(pp_mesh).__name__}")
+    is_inf = math.isinf(norm_type)
+    value = platform.from_numpy(np.array([total if is_inf else total ** norm_type], np.float32))
+    platform.all_reduce(value, pp_mesh.get_group(0), op="max" if is_inf else "sum",
+                        dim=pp_mesh.mesh_dim_names[0]).wait()
+    reduced = float(platform.to_numpy(value)[0])
+    return reduced if is_inf else reduced ** (1.0 / norm_type)
 
 
 def _groups_over(fsdp_param: FSDPParam | None, layout: Any) -> list:

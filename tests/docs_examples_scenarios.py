@@ -682,93 +682,95 @@ def titan_swap(backend, ctx):
     return None
 
 
-def api_pipeline_stages_mindspore(backend, ctx):
-    """The backward half of a two-stage MindSpore pipeline, one stage per rank (pp 2, dp 1):
-    rank 0 holds the embedding and the first block, rank 1 the second block, the norm, the
-    head and the loss. The forwards ran under ``mindspore.vjp`` (outputs sent on), as the
-    prose says; the block runs the backwards and the step. Result: the stage's gathered
-    parameters and the reference's (the whole model, one process, the global batch)."""
-    import mindspore as ms
-    import mindspore.mint.distributed as dist
-    from mindspore import nn
-    from mindspore.communication import GlobalComm
-    from mindspore.mint.distributed import distributed as dist_impl
+def _lm_stages(backend: str, model) -> list:
+    """examples/one_script's transformer cut in two modules that share its layers:
+    the embedding and the first block, then the other blocks, the norm and the head."""
+    if backend == "torch":
+        import torch.nn as nn
 
-    block_class = ms_lm_class().Block
-    rank, world = _rank_world()
-    assert world == 2
-    dist_impl._GROUP_RANK_CACHE.setdefault("hccl_world_group", rank)  # docs/platforms.md
+        class First(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed, self.blocks = model.embed, nn.ModuleList(model.blocks[:1])
 
-    class First(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.embed, self.blocks = nn.Embedding(VOCAB, DIM), nn.CellList([block_class()])
+            def forward(self, ids):
+                return self.blocks[0](self.embed(ids))
 
-        def construct(self, ids):
-            return self.blocks[0](self.embed(ids))
+        class Last(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList(model.blocks[1:])
+                self.norm, self.head = model.norm, model.head
 
-    class Last(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.CellList([block_class()])
-            self.norm = nn.LayerNorm((DIM,), epsilon=1e-5)
-            self.head = nn.Dense(DIM, VOCAB, has_bias=False)
+            def forward(self, h):
+                for block in self.blocks:
+                    h = block(h)
+                return self.head(self.norm(h))
+    else:
+        from mindspore import nn
 
-        def construct(self, x):
-            return self.head(self.norm(self.blocks[0](x)))
+        class First(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.embed, self.blocks = model.embed, nn.CellList(list(model.blocks)[:1])
 
-    def build():
-        first, last = First(), Last()
-        ms_load(first, 20)
-        ms_load(last, 21)
-        return first, last
+            def construct(self, ids):
+                return self.blocks[0](self.embed(ids))
 
-    k = 2
-    ids, targets = global_batches(1, 4)[0]
-    mesh = hp.init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
-    stage = build()[rank]
-    for block in stage.blocks:
-        hp.fully_shard(block, mesh=mesh["dp"])
-    hp.fully_shard(stage, mesh=mesh["dp"])
-    params = stage.trainable_params()
-    group = GlobalComm.WORLD_COMM_GROUP
-    pending = []
-    micro = list(zip(np.array_split(ids, k), np.array_split(targets, k)))
-    for i, batch in enumerate(micro):  # the forwards, GPipe order
-        x, y = ms_tensors(batch)
-        if rank == 0:
-            out, vjp_fn = ms.vjp(stage, x, weights=params)
-            dist.send(out, dst=1, group=group)
+        class Last(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.CellList(list(model.blocks)[1:])
+                self.norm, self.head = model.norm, model.head
+
+            def construct(self, h):
+                for block in self.blocks:
+                    h = block(h)
+                return self.head(self.norm(h))
+    return [First(), Last()]
+
+
+def pipelining_usage(backend, ctx):
+    """pipelining.md's usage block, 2 ranks (pp 2, dp 1): ``stages`` (examples/one_script's
+    transformer cut in two), ``vocab``, ``device_type``, ``batches``, ``make_optimizer``
+    (the framework's AdamW) and ``optimizer_step``. Result: the last stage's mean loss per
+    step, the stage's gathered parameters, and the same of the whole model trained in this
+    process on the whole batch."""
+    script, framework = _one_script(backend)
+    platform = hp.get_platform()
+    vocab = script.SIZES["vocab"]
+    batches = [(platform.from_numpy(t[:, :-1]), platform.from_numpy(t[:, 1:]))
+               for t in script.batches(3)]
+
+    def optimizer_step(optimizer, stage):
+        if backend == "torch":
+            optimizer.step()
+            optimizer.zero_grad()
         else:
-            h = ms.Tensor(np.zeros((x.shape[0], SEQ, DIM), np.float32))
-            dist.recv(h, src=0, group=group)
-            out, vjp_fn = ms.vjp(lambda a, y=y: ms_loss(stage(a), y) / k, h, weights=params)
-        pending.append((out, vjp_fn))
+            optimizer(tuple(stage.gradients()))
 
-    def recv_from_next_stage(shape):
-        buffer = ms.Tensor(np.zeros(shape, np.float32))
-        dist.recv(buffer, src=1, group=group)
-        return buffer
-
-    def send_to_previous_stage(tensor):
-        dist.send(tensor, dst=0, group=group)
-
-    from mindspore.experimental.optim import SGD
-
-    namespace = {"K": k, "pending": pending, "stage": stage, "first_stage": rank == 0,
-                 "last_stage": rank == 1, "ones_like": ms.ops.ones_like,
-                 "recv_from_next_stage": recv_from_next_stage,
-                 "send_to_previous_stage": send_to_previous_stage, "returned": [],
-                 "optimizer": SGD(params, lr=LR, momentum=0.9)}
+    model = framework.build(script.initial_values(), **script.SIZES)
+    namespace = {"stages": _lm_stages(backend, model), "vocab": vocab, "device_type": "cpu",
+                 "batches": batches, "optimizer_step": optimizer_step,
+                 "make_optimizer": lambda module: framework.optimizer(module, 1e-2)}
     yield namespace
-    first, last = build()
-    ref_params = first.trainable_params() + last.trainable_params()
-    grad_fn = ms.value_and_grad(lambda a, b: ms_loss(last(first(a)), b), None, ref_params)
-    _, grads = grad_fn(*ms_tensors((ids, targets)))
-    cut = len(first.trainable_params())  # an optimizer per stage: their names repeat
-    SGD(first.trainable_params(), lr=LR, momentum=0.9)(grads[:cut])
-    SGD(last.trainable_params(), lr=LR, momentum=0.9)(grads[cut:])
-    return {"params": gathered(stage), "ref": ms_params((first, last)[rank])}
+    per_step = len(namespace["losses"]) // len(batches)  # each micro-batch's loss, in order
+    rank = platform.rank()
+    reference = framework.build(script.initial_values(), **script.SIZES)
+
+    def reference_loss(ids, targets):
+        return hp.cross_entropy(reference(ids).reshape(-1, vocab), targets.reshape(-1))
+
+    reference_opt = framework.optimizer(reference, 1e-2)
+    ref_losses = [framework.train_step(reference, reference_opt, reference_loss, ids, targets,
+                                       1e9, hp.clip_grad_norm_)  # clips nothing
+                  for ids, targets in batches]
+    losses = [float(platform.to_numpy(v)) for v in namespace["losses"]]
+    return {"stage": rank, "params": gathered(namespace["module"]),
+            "ref": gathered(_lm_stages(backend, reference)[rank]),
+            "losses": [float(np.mean(losses[i:i + per_step]))
+                       for i in range(0, len(losses), per_step)] if rank == 1 else None,
+            "ref_losses": ref_losses}
 
 
 # ---------------------------------------------------------------------------- tensor parallelism

@@ -190,6 +190,18 @@ class Platform(Collectives, TensorPrimitives):
         receive nothing from it (the caller delivers gradients itself)."""
 
     @abc.abstractmethod
+    def forward_for_later_backward(self, module: Any, fn: Callable, inputs: Sequence[Any],
+                                   keep_graph: bool) -> tuple:
+        """Run ``fn(*inputs)`` now, ``module``'s trainable parameters differentiated, and
+        return ``(output, backward)``: ``backward(grad_output)``, called once later, runs
+        that forward's backward and returns ``(input_grads, param_grads)``: a gradient per
+        input, and ``param_grads`` a gradient per trainable parameter where
+        ``capabilities.returns_grads_from_backward`` (else None: they accumulate on the
+        parameters). ``keep_graph=False`` (only where
+        ``capabilities.backward_of_latest_forward_only``): keep nothing but the inputs and
+        recompute the forward at ``backward`` (a pipeline's backward of an older forward)."""
+
+    @abc.abstractmethod
     def register_forward_hooks(self, module: Any, pre_hook: Callable, post_hook: Callable) -> list:
         """Install ``pre_hook(module, args, kwargs) -> None | (args, kwargs)`` and
         ``post_hook(module, args, kwargs, output) -> None | output``; return removable handles.

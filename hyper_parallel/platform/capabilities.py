@@ -58,3 +58,7 @@ class Capabilities:
     #: next unit's re-gather, as large as the block, takes new memory: 3.6 MiB more per
     #: 16 MiB block in a step (docs/platforms.md, "Memory").
     release_after_reduction: bool = False
+    #: of the forwards whose backward is pending (``forward_for_later_backward``), only the
+    #: latest one's may run (MindSpore PyNative keeps them as a stack); a pipeline runs an
+    #: older one's by recomputing its forward (docs/platforms.md, "Pipelines on MindSpore").
+    backward_of_latest_forward_only: bool = False

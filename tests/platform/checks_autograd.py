@@ -248,3 +248,37 @@ def check_discard_aborted_autograd(ctx):
     p.discard_aborted_autograd()
     _, _, (grad,) = ctx.side.backward(lambda _: ctx.side.weighted_sum(param, weights), [], [param])
     _same(grad, weights, "gradient of the first backward after discard_aborted_autograd")
+
+
+@local_check
+def check_forward_for_later_backward(ctx):
+    """Two forwards pending, the older one's backward first (1F1B's order): each backward
+    gives its own input gradient, and the parameter gradients (returned, or accumulated on
+    the parameters) are the two backwards' sum. Where only the latest pending backward can
+    run, the older forward keeps no graph (recomputed at its backward, over the pending
+    one)."""
+    p = ctx.p
+    model = ctx.side.model()
+    params = [q for _, m in p.named_modules(model) for _, q in p.direct_params(m)]
+    xs = [_arange(2, 4) * 0.1, _arange(2, 4) * -0.2 + 1]
+    weights = [np.ones((2, 2), np.float32), _arange(2, 2) - 1]
+    expected = [ctx.side.backward(lambda t, w=w: ctx.side.weighted_sum(model(t[0]), w), [x],
+                                  params) for x, w in zip(xs, weights)]
+    if not p.capabilities.returns_grads_from_backward:
+        for q in params:
+            q.grad = None  # torch: accumulate from nothing, as expected[...] did
+    stack = p.capabilities.backward_of_latest_forward_only
+    pending = [p.forward_for_later_backward(model, model, [p.from_numpy(x)], keep_graph=keep)
+               for x, keep in zip(xs, (not stack, True))]
+    returned = []
+    for (output, backward), w in zip(pending, weights):
+        input_grads, param_grads = backward(p.from_numpy(w))
+        _check(len(input_grads) == 1, f"input gradients {input_grads!r}")
+        returned.append(param_grads)
+        _same(p.to_numpy(input_grads[0]), expected[len(returned) - 1][1][0],
+              f"input gradient of forward {len(returned) - 1}", tol=1e-6)
+    for i, q in enumerate(params):
+        want = expected[0][2][i] + expected[1][2][i]
+        got = (p.to_numpy(returned[0][i]) + p.to_numpy(returned[1][i])
+               if p.capabilities.returns_grads_from_backward else p.to_numpy(p.param_grad(q)))
+        _same(got, want, f"parameter {i}'s gradient summed over the two backwards", tol=1e-6)

@@ -27,6 +27,7 @@ from mindspore.common.initializer import initializer
 from mindspore.mint import distributed as msdist
 from mindspore.nn.layer.normalization import _BatchNorm
 
+from hyper_parallel.platform.mindspore import later_backward
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.capabilities import Capabilities
 from hyper_parallel.platform.mindspore.collective_ops import MindSporeCollectiveOps
@@ -78,7 +79,8 @@ class MindSporePlatform(MindSporeCollectiveOps, MindSporeStateIO, MindSporeStora
                             can_release_storage=True, kernels_read_views=False,
                             pads_local_shards=True, returns_grads_from_backward=True,
                             collectives_overlap_compute=not self._on_cpu,
-                            release_after_reduction=self._on_cpu)
+                            release_after_reduction=self._on_cpu,
+                            backward_of_latest_forward_only=True)
 
     @property
     def _on_cpu(self) -> bool:
@@ -279,6 +281,9 @@ class MindSporePlatform(MindSporeCollectiveOps, MindSporeStateIO, MindSporeStora
         # register_hook already saw what the unshard node's backward returned for it.
 
     # ------------------------------------------------------------------ autograd and hooks
+    def forward_for_later_backward(self, module, fn, inputs, keep_graph):
+        return later_backward.forward_for_later_backward(module, fn, inputs, keep_graph)
+
     def differentiable_call(self, inputs, forward_fn, backward_fn, grads_to_inputs=True):
         return run_differentiable(inputs, forward_fn, backward_fn, grads_to_inputs)
 

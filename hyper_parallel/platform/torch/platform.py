@@ -23,6 +23,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (
     ShardPlacementResult as _FSDP2ShardPlacementResult)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from hyper_parallel.platform.torch import later_backward
 from hyper_parallel.platform.base import MeshDescription, PlacementDescription, Platform
 from hyper_parallel.platform.collectives import Gathered, Handle
 from hyper_parallel.platform.capabilities import Capabilities
@@ -379,6 +380,9 @@ class TorchPlatform(TorchStateIO, TorchTensorParallelSupport, TorchContextParall
                     hook(param)
 
     # ------------------------------------------------------------------ autograd and hooks
+    def forward_for_later_backward(self, module, fn, inputs, keep_graph):
+        return later_backward.forward_for_later_backward(module, fn, inputs, keep_graph)
+
     def differentiable_call(self, inputs, forward_fn, backward_fn, grads_to_inputs=True):
         return run_differentiable(inputs, forward_fn, backward_fn, grads_to_inputs)
 

@@ -1,0 +1,9 @@
+"""Pipeline parallelism with torch's ``torch.distributed.pipelining`` names, written once
+over the platform's point-to-point operations (docs/pipelining.md)."""
+
+from hyper_parallel.pipelining.schedules import (
+    Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+)
+from hyper_parallel.pipelining.stage import PipelineStage
+
+__all__ = ["PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"]
