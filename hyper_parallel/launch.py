@@ -338,14 +338,20 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hp-run``; returns 0, the failed rank's exit code, 124 or 128 + signal."""
     args = _parse_args(argv)
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    # the caller's handlers come back on return: main() called in a process that goes on
+    # (a test, a notebook) must leave its Ctrl-C as it found it
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum in previous:
+        signal.signal(signum, _on_signal)
     try:
         return _run(args)
     except _Interrupted as exc:
         print(f"hp-run: interrupted by {signal.Signals(exc.signum).name}; all ranks ended",
               file=sys.stderr)
         return 128 + exc.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

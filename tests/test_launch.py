@@ -185,10 +185,13 @@ def test_bind_cores_where_the_os_cannot_is_a_clear_error(tmp_path, monkeypatch, 
     with pytest.raises(NotImplementedError, match="sched_setaffinity"):
         launch.core_slices(2)
     script = _write_script(tmp_path, "pass")
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as exit_info:
         launch.main(["--nproc", "2", "--bind-cores", str(script)])
     assert exit_info.value.code == 2
     assert "--bind-cores needs os.sched_setaffinity" in capsys.readouterr().err
+    # this process's Ctrl-C is as main() found it (the suite's interruption tests need it)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
 
 
 @pytest.mark.parametrize("cores", [[{0}], [{0}, set()]])

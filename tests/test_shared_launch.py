@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import signal
 import threading
 import time
 
@@ -50,6 +51,9 @@ def interrupted_launch():
                 _thread.interrupt_main()
                 return
 
+    # interrupt_main() acts through Python's SIGINT handler, which code run earlier in this
+    # process may have replaced (seen in the full suite): Ctrl-C's own for this read
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     watcher = threading.Thread(target=interrupt_once_the_last_job_runs, daemon=True)
     watcher.start()
     try:
@@ -58,6 +62,7 @@ def interrupted_launch():
     finally:
         done.set()
         watcher.join()
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.timeout(600)

@@ -9,7 +9,7 @@ from hyper_parallel.platform.cp_support import ContextParallelSupport
 
 class MindSporeContextParallelSupport(ContextParallelSupport):
     def replace_values(self, tensor, new):
-        # the in-place kernels are not registered on CPU (platform-facts); assign_value
+        # the in-place kernels are not registered on CPU; assign_value
         # rebinds the tensor object's data, shape included, so every reference sees it, and
         # writes nothing a view shares. A tensor a network took as input refuses it ("Can
         # not modify tensor id of input tensor from network"): its data is swapped instead
