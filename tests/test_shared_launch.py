@@ -51,8 +51,9 @@ def interrupted_launch():
                 _thread.interrupt_main()
                 return
 
-    # interrupt_main() acts through Python's SIGINT handler, which code run earlier in this
-    # process may have replaced (seen in the full suite): Ctrl-C's own for this read
+    # interrupt_main() acts through Python's SIGINT handler, and a suite started in the
+    # background by a shell without job control (`make test &` in a script) inherits SIGINT
+    # ignored, which Python keeps: Ctrl-C's own handler for this read
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     watcher = threading.Thread(target=interrupt_once_the_last_job_runs, daemon=True)
     watcher.start()
