@@ -23,11 +23,9 @@ for key, function in [("harness_before", "process_id"), ("harness_raises", "rais
                       ("harness_after", "process_id")]:
     shared_launch.register(__name__, key, WORLD, f"{SCENARIOS}:{function}",
                            backends=("torch",), timeout_s=120)
-# ended by the test's interruption, never by its own limit: long enough for 3 ranks to start
-# and reach it on a loaded machine (past 120 s seen with four test runs sharing 2 cores)
 shared_launch.register(__name__, "harness_interrupted", WORLD, f"{SCENARIOS}:write_then_sleep",
                        lambda backend: (shared_launch.directory("harness"),),
-                       backends=("torch",), timeout_s=600)
+                       backends=("torch",), timeout_s=120)
 
 
 def _attempts() -> list:
