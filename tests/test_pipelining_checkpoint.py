@@ -1,0 +1,93 @@
+"""Checkpoints of pipelined runs (``hp.save_checkpoint`` / ``hp.load_checkpoint`` with
+``pp_mesh``), on both frameworks, against the whole model trained in one process.
+
+Rank side: tests/pipelining_checkpoint_scenarios.py, a job of the shared 2-rank launch
+(pp 2); the interleaved resume a slow job of the same launch. In this process: the pp 2
+checkpoint resumed without pipelining, by the framework that wrote it and by the other.
+Every resumed run's losses after the save are the uninterrupted reference's
+(tests/tolerance.py's AdamW tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import shared_launch
+from tests.tolerance import ADAMW_RTOL, assert_close
+
+BACKENDS = ["torch", "mindspore"]
+TARGET = "tests.pipelining_checkpoint_scenarios:run"
+
+
+def _directory(backend: str) -> str:
+    return shared_launch.directory(f"pp-checkpoint-{backend}")
+
+
+shared_launch.register(__name__, "pipelining_checkpoint", 2, TARGET,
+                       lambda backend: (_directory(backend),), timeout_s=300)
+shared_launch.register(__name__, "pipelining_checkpoint_interleaved", 2, TARGET,
+                       lambda backend: (_directory(backend), True), timeout_s=400, slow=True)
+
+
+def _last(per_rank: list, key: str) -> list:
+    from tests.pipelining_checkpoint_scenarios import SAVE_AT
+
+    losses = [r[key] for r in per_rank if r[key][-1] is not None]
+    assert len(losses) == 1, "one rank holds the last stage"
+    return losses[0][SAVE_AT:] if key == "pipelined" else losses[0]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pp2_saves_and_resumes_from_the_whole_models_checkpoint(backend):
+    """The pp 2 run trains on after its save as without it; a pp 2 run of another model
+    loads the whole model's checkpoint and continues as the reference does."""
+    from tests.pipelining_checkpoint_scenarios import SAVE_AT
+
+    per_rank = shared_launch.results("pipelining_checkpoint", backend)
+    reference = per_rank[0]["ref_losses"]
+    assert_close(_last(per_rank, "pipelined"), reference[SAVE_AT:], ADAMW_RTOL)
+    assert_close(_last(per_rank, "from_whole"), reference[SAVE_AT:], ADAMW_RTOL)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stage_errors_are_named_on_every_rank(backend):
+    per_rank = shared_launch.results("pipelining_checkpoint", backend)
+    for rank, r in enumerate(per_rank):
+        assert "no rank loads head.weight" in r["uncovered"], f"rank {rank}: {r['uncovered']}"
+        assert r["unchanged"], f"rank {rank}: a refused load changed the stage"
+        assert "pipeline stages given pp_mesh" in r["save_without_pp_mesh"], \
+            f"rank {rank}: {r['save_without_pp_mesh']}"
+        assert "pass pp_mesh=mesh['pp']" in r["load_without_pp_mesh"], \
+            f"rank {rank}: {r['load_without_pp_mesh']}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("writer,reader", [(w, r) for w in BACKENDS for r in BACKENDS])
+def test_pp2_checkpoint_resumes_in_one_process(monkeypatch, writer, reader):
+    """``writer``'s pp 2 checkpoint loaded into the whole model and its optimizer by
+    ``reader`` in this process: its next losses are ``reader``'s uninterrupted run's."""
+    from tests.pipelining_checkpoint_scenarios import SAVE_AT
+
+    written = shared_launch.results("pipelining_checkpoint", writer)
+    reference = shared_launch.results("pipelining_checkpoint", reader)[0]["ref_losses"]
+    monkeypatch.setenv("HP_BACKEND", reader)
+    from tests.pipelining_checkpoint_scenarios import resume_whole
+
+    assert written  # the job ended on every rank: its checkpoint is published
+    assert_close(resume_whole(_directory(writer)), reference[SAVE_AT:], ADAMW_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pp2_checkpoint_resumes_interleaved(backend):
+    """The pp 2 (1F1B) checkpoint loaded into four stages, two per rank (a list of model
+    parts, one optimizer each), trained on under ``ScheduleInterleaved1F1B``."""
+    from tests.pipelining_checkpoint_scenarios import SAVE_AT
+
+    shared_launch.results("pipelining_checkpoint", backend)  # wrote the checkpoint
+    per_rank = shared_launch.results("pipelining_checkpoint_interleaved", backend)
+    reference = per_rank[0]["ref_losses"]
+    assert_close(_last(per_rank, "interleaved"), reference[SAVE_AT:], ADAMW_RTOL)
