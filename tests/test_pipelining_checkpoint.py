@@ -5,14 +5,19 @@ Rank side: tests/pipelining_checkpoint_scenarios.py, a job of the shared 2-rank 
 (pp 2); the interleaved resume a slow job of the same launch. In this process: the pp 2
 checkpoint resumed without pipelining, by the framework that wrote it and by the other.
 Every resumed run's losses after the save are the uninterrupted reference's
-(tests/tolerance.py's AdamW tolerance).
+(tests/tolerance.py's AdamW tolerance). Slow: pp 2 x dp 2 x tp 2 checkpoints (8 ranks)
+resumed as the other framework's 8-rank run.
 """
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 
 from tests import shared_launch
+from tests.multirank import run_ranks
 from tests.tolerance import ADAMW_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
@@ -91,3 +96,55 @@ def test_pp2_checkpoint_resumes_interleaved(backend):
     per_rank = shared_launch.results("pipelining_checkpoint_interleaved", backend)
     reference = per_rank[0]["ref_losses"]
     assert_close(_last(per_rank, "interleaved"), reference[SAVE_AT:], ADAMW_RTOL)
+
+
+# pp 2 x dp 2 x tp 2 (tests/pipelining_3d_scenarios.py): torch saves, MindSpore resumes it
+# and saves its own, torch resumes that; three 8-rank launches in this order
+THREE_D = "tests.pipelining_3d_scenarios:run"
+
+
+def _three_d(backend: str, *calls) -> list:
+    return run_ranks("tests.shared_launch:run_jobs", 8, backend,
+                     [(name, THREE_D, args, {}) for name, args in calls], timeout_s=900,
+                     env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+
+
+def _three_d_dir(backend: str) -> str:
+    return os.path.join(shared_launch.directory("pp-checkpoint-3d"), backend)
+
+
+@shared_launch.once
+def _torch_saves() -> list:
+    return _three_d("torch", ("save", ("torch", 2, False, _three_d_dir("torch"))))
+
+
+@shared_launch.once
+def _mindspore_crosses() -> list:
+    _torch_saves()
+    return _three_d("mindspore", ("save", ("mindspore", 2, False, _three_d_dir("mindspore"))),
+                    ("resume", ("mindspore", 2, False, None, _three_d_dir("torch"))))
+
+
+@shared_launch.once
+def _torch_resumes() -> list:
+    _mindspore_crosses()
+    return _three_d("torch", ("resume", ("torch", 2, False, None, _three_d_dir("mindspore"))))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2700)
+@pytest.mark.parametrize("saver,resumer", [("torch", "mindspore"), ("mindspore", "torch")])
+def test_three_d_checkpoint_resumes_on_the_other_framework(saver, resumer):
+    """``saver``'s pp 2 x dp 2 x tp 2 run saves after 2 steps (each stage's units and
+    tensor-parallel blocks); ``resumer``'s pp 2 x dp 2 x tp 2 run of a model built with
+    other values loads it and trains on: its losses are its own uninterrupted
+    reference's."""
+    from tests.pipelining_3d_scenarios import SAVE_AT
+
+    per_rank = [r["resume"] for r in
+                (_mindspore_crosses() if resumer == "mindspore" else _torch_resumes())]
+    losses = np.mean([r["losses"] for r in per_rank if r["pp_rank"] == 1], axis=0)
+    assert_close(losses, per_rank[0]["ref_losses"][SAVE_AT:], ADAMW_RTOL)
+    for rank, r in enumerate(per_rank):
+        assert r["param_rel_diff"] <= ADAMW_RTOL, \
+            f"rank {rank}: parameters differ by {r['param_rel_diff']} relative"
