@@ -14,7 +14,8 @@ hp.torch_nn_names``), cut by ``hp.pipelining.pipeline_module_split`` and trained
 - the errors, each on every rank and nothing loaded: a load whose stages leave a value of
   the checkpoint to no rank, a stage saved or loaded without ``pp_mesh``.
 
-``interleaved`` (slow): the pp 2 checkpoint loaded into ``ScheduleInterleaved1F1B``'s four
+``resume_pp2`` (slow, its own launch): the other framework's pp 2 checkpoint resumed at
+pp 2. ``interleaved`` (slow): the pp 2 checkpoint loaded into ``ScheduleInterleaved1F1B``'s four
 stages (two per rank: a list of model parts and one optimizer per part), trained on.
 Per run: the last stage's losses of the steps after ``SAVE_AT``, against the reference's.
 """
@@ -147,6 +148,30 @@ def run(directory: str, interleaved: bool = False) -> dict:
     out["from_whole"] = [_step(schedule, stages, opts, t, platform) for t in batches[SAVE_AT:]]
     platform.barrier()
     return out
+
+
+def resume_pp2(directory: str) -> dict:
+    """A pp 2 run of a model built with other values resumes the pp 2 checkpoint in
+    ``directory`` (the other framework's); its losses after ``SAVE_AT`` and the
+    reference's."""
+    script, framework = _modules()
+    platform = hp.get_platform()
+    mesh = hp.init_device_mesh(platform.device_type(), (2,), mesh_dim_names=("pp",))
+    batches = script.batches(STEPS)
+    stages, parts, schedule, opts = _pipelined(
+        mesh, framework.build(script.initial_values(seed=3), **script.SIZES), "1F1B", 2)
+    hp.load_checkpoint(os.path.join(directory, "pp2"), parts[0], opts[0],
+                       key_map=hp.torch_nn_names, pp_mesh=mesh["pp"])
+    losses = [_step(schedule, stages, opts, t, platform) for t in batches[SAVE_AT:]]
+    reference = framework.build(script.initial_values(), **script.SIZES)
+    ref_opt = framework.optimizer(reference, 1e-2)
+    loss_fn = _loss_fn(script.SIZES["vocab"])
+    ref_losses = [framework.train_step(reference, ref_opt, lambda i, t: loss_fn(reference(i), t),
+                                       platform.from_numpy(t[:, :-1]),
+                                       platform.from_numpy(t[:, 1:]), 1e9, hp.clip_grad_norm_)
+                  for t in batches]
+    platform.barrier()
+    return {"pp_rank": mesh.get_local_rank("pp"), "crossed": losses, "ref_losses": ref_losses}
 
 
 def resume_whole(directory: str) -> list:

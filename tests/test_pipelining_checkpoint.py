@@ -98,6 +98,21 @@ def test_pp2_checkpoint_resumes_interleaved(backend):
     assert_close(_last(per_rank, "interleaved"), reference[SAVE_AT:], ADAMW_RTOL)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("saver,resumer", [("torch", "mindspore"), ("mindspore", "torch")])
+def test_pp2_checkpoint_resumes_at_pp2_on_the_other_framework(saver, resumer):
+    """``saver``'s pp 2 checkpoint (its shared launch's) resumed by a pp 2 run of
+    ``resumer`` in a launch of its own, started after the saver's job ended."""
+    from tests.pipelining_checkpoint_scenarios import SAVE_AT
+
+    shared_launch.results("pipelining_checkpoint", saver)
+    per_rank = run_ranks("tests.pipelining_checkpoint_scenarios:resume_pp2", 2, resumer,
+                         _directory(saver), timeout_s=600,
+                         env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+    assert_close(_last(per_rank, "crossed"), per_rank[0]["ref_losses"][SAVE_AT:], ADAMW_RTOL)
+
+
 # pp 2 x dp 2 x tp 2 (tests/pipelining_3d_scenarios.py): torch saves, MindSpore resumes it
 # and saves its own, torch resumes that; three 8-rank launches in this order
 THREE_D = "tests.pipelining_3d_scenarios:run"
