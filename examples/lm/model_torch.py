@@ -159,7 +159,9 @@ class Body(nn.Module):
     def _layer(self, layer, *args):
         """A decoder layer (a fully_shard unit), recomputed in backward under
         ``recompute_layers``."""
-        return checkpoint(layer, *args, use_reentrant=False) if self.recompute_layers else layer(*args)
+        if self.recompute_layers:
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
 
 
 class LlamaLM(nn.Module):
