@@ -20,9 +20,9 @@ import fnmatch
 
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
-# generate_llm_fqn_per_model_part's names (torchtitan's Llama) -> this model's
-NAMES = {"tok_embeddings": "model.embed_tokens", "layers": "model.layers",
-         "norm": "model.norm", "output": "lm_head"}
+# this model's names for generate_llm_fqn_per_model_part's (torchtitan's Llama's)
+NAMES = dict(input_modules=("model.embed_tokens",), layers="model.layers",
+             output_modules=("model.norm", "lm_head"))
 
 
 def check_pipeline(pp: int, schedule: str, layers: int, rows: int, microbatches: int,
@@ -45,13 +45,8 @@ def check_pipeline(pp: int, schedule: str, layers: int, rows: int, microbatches:
 
 def module_names_per_stage(hp, pp: int, schedule: str, layers: int) -> list:
     """Every stage's module names, in stage order."""
-    parts = hp.pipelining.generate_llm_fqn_per_model_part(pp * STAGES_PER_RANK[schedule], layers)
-    return [[_ours(name) for name in part] for part in parts]
-
-
-def _ours(name: str) -> str:
-    head, _, rest = name.partition(".")
-    return NAMES[head] + (f".{rest}" if rest else "")
+    return hp.pipelining.generate_llm_fqn_per_model_part(pp * STAGES_PER_RANK[schedule],
+                                                         layers, **NAMES)
 
 
 def plan_for(hp, part, plan: dict) -> dict:
@@ -61,9 +56,9 @@ def plan_for(hp, part, plan: dict) -> dict:
 
 
 def decoder_layers(part) -> list:
-    """The decoder layers a model part holds."""
-    layers = part.model.layers
-    return list(layers.values()) if hasattr(layers, "values") else list(layers)
+    """The decoder layers a model part holds (a part's list keeps the whole model's
+    indices: iterate it, never index it)."""
+    return list(part.model.layers or ())
 
 
 class Pipeline:
@@ -102,7 +97,8 @@ class Pipeline:
         losses = [] if self.is_last else None
         run(*((ids,) if self.is_first else ()), target=targets if self.is_last else None,
             losses=losses)
-        return None if losses is None else sum(float(v) for v in losses) / len(losses)
+        to_numpy = self.hp.get_platform().to_numpy
+        return None if losses is None else sum(float(to_numpy(v)) for v in losses) / len(losses)
 
 
 def held_row(values: list) -> list:
