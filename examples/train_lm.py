@@ -140,6 +140,8 @@ def _check_pipeline(parser, args, rows: int) -> None:
     micro-batches."""
     from examples.lm.pipeline import check_pipeline
 
+    if args.pp == 1 and args.microbatches:
+        parser.error("--microbatches needs --pp: micro-batches are the pipeline schedule's")
     args.microbatches = args.microbatches or args.pp
     refused = {"--cp": args.cp > 1, "--moe": args.moe, "--export": bool(args.export),
                "--ckpt-every": bool(args.ckpt_every), "--ckpt-at-end": args.ckpt_at_end,
