@@ -10,7 +10,9 @@ hp-run's ``--timeout``), ``STEPS`` AdamW steps, gradients clipped over every sta
 (``clip_grad_norm_(..., pp_mesh=...)``), the loss the last stage's mean over its
 micro-batches. Runs:
 
-- the one-process references, torch and MindSpore (``--nproc 1``, no recompute);
+- the one-process references, torch and MindSpore (``--nproc 1``, no recompute:
+  tests/conftest.py's ``train_lm_references``, shared with the tensor- and
+  context-parallel runs);
 - in the default run, pp2 (2 ranks, 1F1B, 2 micro-batches) with ``--recompute`` (each
   decoder layer, a fully_shard unit, runs its forward again in backward; on MindSpore
   inside the schedule's own recomputed forwards) on each framework: one launch covers the
@@ -43,9 +45,8 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(root):
-    return {backend: _train(root / f"{backend}_1", backend, "--nproc", "1", "--steps", str(STEPS))
-            for backend in BACKENDS}
+def references(train_lm_references):
+    return train_lm_references  # one process, STEPS steps (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
