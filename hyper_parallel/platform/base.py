@@ -232,6 +232,11 @@ class Platform(Collectives, TensorPrimitives):
     def direct_params(self, module: Any) -> list:
         """``[(attr_name, parameter), ...]`` registered directly on ``module``."""
 
+    def forward_function(self, module: Any) -> Callable:
+        """The method a call of ``module`` runs (torch: ``forward``), whose signature tells
+        how the module is called."""
+        return module.forward
+
     @abc.abstractmethod
     def register_param(self, module: Any, attr_name: str, param: Any) -> None:
         """Replace (or add) the parameter registered on ``module`` as ``attr_name``."""
