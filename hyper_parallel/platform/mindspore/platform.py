@@ -222,6 +222,14 @@ class MindSporePlatform(MindSporeCollectiveOps, MindSporeStateIO, MindSporeStora
     def direct_params(self, module):
         return [(n, p) for n, p in module._params.items() if p is not None]
 
+    def children_of(self, module):
+        return module._cells, isinstance(module, (ms.nn.CellList, ms.nn.CellDict,
+                                                  ms.nn.SequentialCell))
+
+    def children_changed(self, module):
+        if isinstance(module, ms.nn.SequentialCell):  # its construct runs this list
+            module.cell_list = list(module._cells.values())
+
     def register_param(self, module, attr_name, param) -> None:
         module._params[attr_name] = param
 
