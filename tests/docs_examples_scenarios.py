@@ -682,57 +682,24 @@ def titan_swap(backend, ctx):
     return None
 
 
-def _lm_stages(backend: str, model) -> list:
-    """examples/one_script's transformer cut in two modules that share its layers:
-    the embedding and the first block, then the other blocks, the norm and the head."""
-    if backend == "torch":
-        import torch.nn as nn
+def lm_stage_names(count: int = 2) -> list:
+    """examples/one_script's transformer in ``count`` stages by module names: the
+    embedding on the first, the norm and the head on the last, the blocks between."""
+    from examples.one_script import train as script
 
-        class First(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.embed, self.blocks = model.embed, nn.ModuleList(model.blocks[:1])
+    return hp.pipelining.generate_llm_fqn_per_model_part(
+        count, script.SIZES["layers"], input_modules=("embed",), layers="blocks",
+        output_modules=("norm", "head"))
 
-            def forward(self, ids):
-                return self.blocks[0](self.embed(ids))
 
-        class Last(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.blocks = nn.ModuleList(model.blocks[1:])
-                self.norm, self.head = model.norm, model.head
-
-            def forward(self, h):
-                for block in self.blocks:
-                    h = block(h)
-                return self.head(self.norm(h))
-    else:
-        from mindspore import nn
-
-        class First(nn.Cell):
-            def __init__(self):
-                super().__init__()
-                self.embed, self.blocks = model.embed, nn.CellList(list(model.blocks)[:1])
-
-            def construct(self, ids):
-                return self.blocks[0](self.embed(ids))
-
-        class Last(nn.Cell):
-            def __init__(self):
-                super().__init__()
-                self.blocks = nn.CellList(list(model.blocks)[1:])
-                self.norm, self.head = model.norm, model.head
-
-            def construct(self, h):
-                for block in self.blocks:
-                    h = block(h)
-                return self.head(self.norm(h))
-    return [First(), Last()]
+def of_stage(full: dict, names: list) -> dict:
+    """The entries of ``full`` (a whole model's state) under the modules ``names``."""
+    return {k: v for k, v in full.items() if any(k.startswith(n + ".") for n in names)}
 
 
 def pipelining_usage(backend, ctx):
-    """pipelining.md's usage block, 2 ranks (pp 2, dp 1): ``stages`` (examples/one_script's
-    transformer cut in two), ``vocab``, ``device_type``, ``batches``, ``make_optimizer``
+    """pipelining.md's usage block, 2 ranks (pp 2, dp 1): ``model`` (examples/one_script's
+    transformer, whole), ``vocab``, ``device_type``, ``batches``, ``make_optimizer``
     (the framework's AdamW) and ``optimizer_step``. Result: the last stage's mean loss per
     step, the stage's gathered parameters, and the same of the whole model trained in this
     process on the whole batch."""
@@ -750,7 +717,7 @@ def pipelining_usage(backend, ctx):
             optimizer(tuple(stage.gradients()))
 
     model = framework.build(script.initial_values(), **script.SIZES)
-    namespace = {"stages": _lm_stages(backend, model), "vocab": vocab, "device_type": "cpu",
+    namespace = {"model": model, "vocab": vocab, "device_type": "cpu",
                  "batches": batches, "optimizer_step": optimizer_step,
                  "make_optimizer": lambda module: framework.optimizer(module, 1e-2)}
     yield namespace
@@ -767,7 +734,7 @@ def pipelining_usage(backend, ctx):
                   for ids, targets in batches]
     losses = [float(platform.to_numpy(v)) for v in namespace["losses"]]
     return {"stage": rank, "params": gathered(namespace["module"]),
-            "ref": gathered(_lm_stages(backend, reference)[rank]),
+            "ref": of_stage(gathered(reference), namespace["names"][rank]),
             "losses": [float(np.mean(losses[i:i + per_step]))
                        for i in range(0, len(losses), per_step)] if rank == 1 else None,
             "ref_losses": ref_losses}

@@ -1,7 +1,8 @@
 """Rank side of tests/test_pipelining.py's 3-D runs: examples/one_script's transformer cut
-in two stages (the embedding and the first block; the second block, the norm and the
-head: tests/docs_examples_scenarios.py's ``_lm_stages``), each stage split by the
-tensor-parallel plan of examples/one_script (the keys naming its own modules) over
+in two stages by ``hp.pipelining.pipeline_module_split`` (the embedding and the first
+block; the second block, the norm and the head: tests/docs_examples_scenarios.py's
+``lm_stage_names``), each stage's model part split by the tensor-parallel plan of
+examples/one_script (the keys naming its own modules) over
 ``mesh["tp"]``, then its blocks and itself units over ``mesh["dp"]``, and trained by
 ``hp.pipelining.Schedule1F1B`` over ``mesh["pp"]``: mesh (pp 2, dp, tp 2). The last stage's
 loss is ``hp.cross_entropy`` over the vocabulary-split logits inside ``hp.loss_parallel()``;
@@ -17,7 +18,7 @@ import importlib
 import numpy as np
 
 import hyper_parallel as hp
-from tests.docs_examples_scenarios import _lm_stages
+from tests.docs_examples_scenarios import lm_stage_names, of_stage
 
 STEPS = 5
 MICRO_BATCHES = 2
@@ -29,11 +30,9 @@ def _plan_for(module, plan: dict) -> dict:
     return {key: style for key, style in plan.items() if key.split(".")[0] in names}
 
 
-def _names(module) -> dict:
-    """``{id(parameter): qualified name}``."""
+def _params(module) -> list:
     p = hp.get_platform()
-    return {id(q): f"{m}.{a}" if m else a for m, sub in p.named_modules(module)
-            for a, q in p.direct_params(sub)}
+    return [q for _, sub in p.named_modules(module) for _, q in p.direct_params(sub)]
 
 
 def _deferred_whole(backend: str, framework, sizes: dict):
@@ -68,12 +67,13 @@ def run(backend: str, dp: int, deferred: bool = False) -> dict:
     vocab = script.SIZES["vocab"]
     whole = (_deferred_whole(backend, framework, script.SIZES) if deferred
              else framework.build(script.initial_values(), **script.SIZES))
-    stages = _lm_stages(backend, whole)
-    module = stages[pp_rank]
-    whole_names = _names(whole)
-    to_whole = {name: whole_names[i] for i, name in _names(module).items()}
-    others = [q for i, stage in enumerate(stages) if i != pp_rank
-              for _, sub in platform.named_modules(stage) for _, q in platform.direct_params(sub)]
+    names = lm_stage_names()
+    stages, parts = hp.pipelining.pipeline_module_split(whole, mesh["pp"], "1F1B",
+                                                        platform.device_type(), names)
+    stage, module = stages[0], parts[0]
+    mine = {id(q) for q in _params(module)}
+    others = [q for q in _params(whole) if id(q) not in mine]
+    # the stage's units and tensor-parallel layout made after the stage (torchtitan's order)
     hp.parallelize_module(module, mesh["tp"], _plan_for(module, script.tensor_parallel_plan()))
     for block in module.blocks:
         hp.fully_shard(block, mesh=mesh["dp"])
@@ -83,8 +83,8 @@ def run(backend: str, dp: int, deferred: bool = False) -> dict:
             module.to_empty(device="cpu")
         values = script.initial_values()
         native = hp.torch_nn_names if backend == "mindspore" else (lambda name: name)
-        for key in hp.get_state_dict(module):
-            hp.set_state_dict(module, {key: values[native(to_whole[key])]}, strict=False)
+        for key in hp.get_state_dict(module):  # the whole model's names
+            hp.set_state_dict(module, {key: values[native(key)]}, strict=False)
     others_materialised = sum(_materialised(backend, q) for q in others)
     opt = framework.optimizer(module, 1e-2)
 
@@ -92,8 +92,6 @@ def run(backend: str, dp: int, deferred: bool = False) -> dict:
         with hp.loss_parallel():
             return hp.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
 
-    stage = hp.pipelining.PipelineStage(module, pp_rank, 2, platform.device_type(),
-                                        group=mesh["pp"])
     schedule = hp.pipelining.Schedule1F1B(stage, MICRO_BATCHES, loss_fn=loss_fn)
     reference = framework.build(script.initial_values(), **script.SIZES)
     ref_opt = framework.optimizer(reference, 1e-2)
@@ -124,8 +122,8 @@ def run(backend: str, dp: int, deferred: bool = False) -> dict:
             reference, ref_opt, reference_loss, platform.from_numpy(tokens[:, :-1]),
             platform.from_numpy(tokens[:, 1:]), MAX_NORM, hp.clip_grad_norm_))
     full = {k: np.asarray(v) for k, v in hp.gather_full_state_dict(module).items()}
-    ref = {k: np.asarray(v) for k, v in
-           hp.gather_full_state_dict(_lm_stages(backend, reference)[pp_rank]).items()}
+    ref = of_stage({k: np.asarray(v) for k, v in hp.gather_full_state_dict(reference).items()},
+                   names[pp_rank])
     platform.barrier()
     return {"pp_rank": pp_rank, "losses": losses if stage.is_last else None,
             "others_materialised": others_materialised, "others": len(others),

@@ -63,10 +63,14 @@ class Transformer(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids):
-        h = self.embed(ids)
+        # a pipeline stage's part of the model (hp.pipelining.pipeline_module_split) lacks
+        # the modules of the other stages: None, or blocks left out of the list
+        h = self.embed(ids) if self.embed is not None else ids
         for block in self.blocks:
             h = block(h)
-        return self.head(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.head(h) if self.head is not None else h
 
 
 def build(values: dict, **sizes) -> Transformer:

@@ -57,7 +57,7 @@ class PipelineStage:
         self.mesh = mesh
         self.input_args, self.output_args = _single(input_args), _single(output_args)
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self._units = _outermost_units(submodule)
+        self._units: list = []   # found at each step's start: a stage may be sharded after
         self._pending: dict = {}
         self._grads: list | None = None
         self._started = False
@@ -70,6 +70,7 @@ class PipelineStage:
         """``training``: a step with backwards, which starts this step's gradients."""
         self._pending.clear()
         self._started = False
+        self._units = _outermost_units(self.submod)
         if training:
             self._grads = None
 

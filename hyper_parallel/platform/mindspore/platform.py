@@ -225,6 +225,14 @@ class MindSporePlatform(MindSporeCollectiveOps, MindSporeStateIO, MindSporeStora
     def forward_function(self, module):
         return module.construct
 
+    def children_of(self, module):
+        return module._cells, isinstance(module, (ms.nn.CellList, ms.nn.CellDict,
+                                                  ms.nn.SequentialCell))
+
+    def children_changed(self, module):
+        if isinstance(module, ms.nn.SequentialCell):  # its construct runs this list
+            module.cell_list = list(module._cells.values())
+
     def register_param(self, module, attr_name, param) -> None:
         module._params[attr_name] = param
 

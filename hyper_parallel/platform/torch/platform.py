@@ -220,6 +220,10 @@ class TorchPlatform(TorchCollectiveOps, TorchStateIO, TorchTensorParallelSupport
     def direct_params(self, module):
         return [(n, p) for n, p in module._parameters.items() if p is not None]
 
+    def children_of(self, module):
+        return module._modules, isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict,
+                                                    torch.nn.Sequential))
+
     def register_param(self, module, attr_name, param) -> None:
         module._parameters[attr_name] = param
         sharded = module.__dict__.get(_SHARDED_PARAMS)
