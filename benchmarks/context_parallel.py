@@ -22,8 +22,6 @@ processes:
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,8 +31,9 @@ for _path in (HERE, HERE.parent):
         sys.path.insert(0, str(_path))
 
 from examples.lm.config import SIZES  # noqa: E402
+from alternated import lm_comparison_main, round_ratio, slowest_rounds  # noqa: E402
+from analysis import spread  # noqa: E402
 from launch_ranks import launch  # noqa: E402
-from report import publish  # noqa: E402
 
 RESULTS = HERE / "results"
 CP = 2
@@ -51,12 +50,6 @@ def implied_comm(size: str, batch: int, seq: int) -> dict:
     return {"send": [sends, sends * kv]}
 
 
-def _spread(values: list) -> dict:
-    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 \
-        else (values[0],) * 3
-    return {"median": median, "q1": q1, "q3": q3}
-
-
 def measure(backends: list, size: str, batch: int, seq: int, warmup: int, rounds: int,
             timeout_s: float, progress=print) -> dict:
     """Each framework's figures (module docstring)."""
@@ -65,12 +58,11 @@ def measure(backends: list, size: str, batch: int, seq: int, warmup: int, rounds
     for backend in backends:
         job = {"size": size, "batch": batch, "seq": seq, "warmup": warmup, "rounds": rounds}
         ranks = launch("context_parallel_rank.py", job, CP, backend, timeout_s, bind_cores=True)
-        slowest = {kind: [max(r["rounds_s"][kind][i] for r in ranks) for i in range(rounds)]
-                   for kind in ("one", "cp2")}
+        slowest = slowest_rounds(ranks, ("one", "cp2"))
         saved = {kind: max(r["saved_bytes"][kind] for r in ranks) for kind in ("one", "cp2")}
         figures = {
-            "step_s": {kind: _spread(times) for kind, times in slowest.items()},
-            "cp2_vs_one": _spread([a / b for a, b in zip(slowest["cp2"], slowest["one"])]),
+            "step_s": {kind: spread(times) for kind, times in slowest.items()},
+            "cp2_vs_one": round_ratio(slowest, "cp2", "one"),
             "saved_bytes": saved,
             "cp2_vs_one_saved": saved["cp2"] / saved["one"],
             "cp_comm": ranks[0]["cp_comm"],
@@ -106,20 +98,8 @@ def report(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("torch", "mindspore", "all"), default="all")
-    parser.add_argument("--size", choices=sorted(SIZES), default="small")
-    parser.add_argument("--batch", type=int, default=2, help="global batch, sequences")
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "context_parallel.json")
-    args = parser.parse_args()
-    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
-    result = measure(backends, args.size, args.batch, args.seq, args.warmup, args.rounds,
-                     args.timeout)
-    publish(result, report(result), args.out)
+    lm_comparison_main(__doc__, measure, report, RESULTS / "context_parallel.json", sizes=SIZES,
+                       size="small", batch=2, seq=256, rounds=4)
 
 
 if __name__ == "__main__":

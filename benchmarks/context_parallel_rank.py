@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import hyper_parallel as hp  # noqa: E402
-from benchmarks.measure import rank_main  # noqa: E402
+from benchmarks.measure import alternate, rank_main  # noqa: E402
 from examples.lm.config import VOCAB  # noqa: E402
 from examples.lm.data import ByteCorpus  # noqa: E402
 
@@ -144,17 +143,10 @@ def run(job: dict, rank: int, world: int) -> dict:
     corpus = ByteCorpus()
     batches = [corpus.batch(k, job["batch"], job["seq"])
                for k in range(job["warmup"] + job["rounds"])]
-    result = {"rounds_s": {kind: [] for kind in KINDS}, "losses": {}}
-    order = list(KINDS)
-    for k, (ids, targets) in enumerate(batches):
-        for kind in order:
-            tick = time.perf_counter()
-            loss, _ = models.step(kind, ids, targets)
-            if k >= job["warmup"]:
-                result["rounds_s"][kind].append(time.perf_counter() - tick)
-            result["losses"].setdefault(kind, []).append(loss)
-        if k >= job["warmup"]:
-            order.reverse()
+    def stepper(kind):
+        return lambda k: models.step(kind, *batches[k])[0]
+
+    result = alternate({kind: stepper(kind) for kind in KINDS}, 0, job["warmup"], job["rounds"])
     ids, targets = batches[0]
     result["saved_bytes"] = {kind: models.step(kind, ids, targets, count_saved=True)[1]
                              for kind in KINDS}

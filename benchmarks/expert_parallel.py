@@ -23,8 +23,6 @@ processes:
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,8 +33,9 @@ for _path in (HERE, HERE.parent):
 
 from examples.lm.config import SIZES  # noqa: E402
 from examples.lm.expert_parallel import EXPERTS  # noqa: E402
+from alternated import lm_comparison_main, round_ratio, slowest_rounds  # noqa: E402
+from analysis import spread  # noqa: E402
 from launch_ranks import launch  # noqa: E402
-from report import publish  # noqa: E402
 
 RESULTS = HERE / "results"
 EP = 2
@@ -56,12 +55,6 @@ def implied_bytes(counts: list, rank: int, hidden: int) -> int:
     return total
 
 
-def _spread(values: list) -> dict:
-    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 \
-        else (values[0],) * 3
-    return {"median": median, "q1": q1, "q3": q3}
-
-
 def measure(backends: list, size: str, batch: int, seq: int, warmup: int, rounds: int,
             timeout_s: float, progress=print) -> dict:
     """Each framework's figures (module docstring)."""
@@ -69,14 +62,13 @@ def measure(backends: list, size: str, batch: int, seq: int, warmup: int, rounds
     for backend in backends:
         job = {"size": size, "batch": batch, "seq": seq, "warmup": warmup, "rounds": rounds}
         ranks = launch("expert_parallel_rank.py", job, 4, backend, timeout_s, bind_cores=True)
-        slowest = {kind: [max(r["rounds_s"][kind][i] for r in ranks) for i in range(rounds)]
-                   for kind in ("fsdp4", "ep2")}
+        slowest = slowest_rounds(ranks, ("fsdp4", "ep2"))
         memory = {kind: {part: max(sum(r["state_bytes"][kind][part]) for r in ranks)
                          for part in ("experts", "rest")} for kind in ("fsdp4", "ep2", "ep1")}
         counts = [r["counts"] for r in ranks]
         figures = {
-            "step_s": {kind: _spread(times) for kind, times in slowest.items()},
-            "ep2_vs_fsdp4": _spread([a / b for a, b in zip(slowest["ep2"], slowest["fsdp4"])]),
+            "step_s": {kind: spread(times) for kind, times in slowest.items()},
+            "ep2_vs_fsdp4": round_ratio(slowest, "ep2", "fsdp4"),
             "state_bytes": memory,
             "ep2_vs_ep1_bytes": {part: memory["ep2"][part] / memory["ep1"][part]
                                  for part in ("experts", "rest")},
@@ -113,20 +105,8 @@ def report(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("torch", "mindspore", "all"), default="all")
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--batch", type=int, default=8, help="global batch, sequences")
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "expert_parallel.json")
-    args = parser.parse_args()
-    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
-    result = measure(backends, args.size, args.batch, args.seq, args.warmup, args.rounds,
-                     args.timeout)
-    publish(result, report(result), args.out)
+    lm_comparison_main(__doc__, measure, report, RESULTS / "expert_parallel.json", sizes=SIZES,
+                       size="tiny", batch=8, seq=32, rounds=4)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,12 @@ routing implies.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hyper_parallel as hp  # noqa: E402
-from benchmarks.measure import rank_main  # noqa: E402
+from benchmarks.measure import alternate, rank_main  # noqa: E402
 from examples.lm.data import ByteCorpus, rank_rows  # noqa: E402
 from examples.lm.expert_parallel import expert_meshes  # noqa: E402
 
@@ -98,17 +97,12 @@ def run(job: dict, rank: int, world: int) -> dict:
     def rows(kind, array):  # ep1: its 2 data-parallel ranks; the others: all 4
         return rank_rows(array, rank // 2, 2) if kind == "ep1" else rank_rows(array, rank, 4)
 
-    result = {"rounds_s": {"fsdp4": [], "ep2": []}, "losses": {}}
-    order = ["fsdp4", "ep2"]
-    for k, (ids, targets) in enumerate(batches):
-        for kind in order:
-            tick = time.perf_counter()
-            loss, _ = trainers[kind].step(rows(kind, ids), rows(kind, targets))
-            if k >= job["warmup"]:
-                result["rounds_s"][kind].append(time.perf_counter() - tick)
-            result["losses"].setdefault(kind, []).append(loss)
-        if k >= job["warmup"]:
-            order.reverse()
+    def stepper(kind):
+        return lambda k: trainers[kind].step(rows(kind, batches[k][0]),
+                                             rows(kind, batches[k][1]))[0]
+
+    result = alternate({kind: stepper(kind) for kind in ("fsdp4", "ep2")}, 0, job["warmup"],
+                       job["rounds"])
     ids, targets = batches[0]
     trainers["ep1"].step(rows("ep1", ids), rows("ep1", targets))
     result["state_bytes"] = {kind: _state_bytes(platform, t) for kind, t in trainers.items()}

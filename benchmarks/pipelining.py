@@ -32,16 +32,12 @@ for _path in (HERE, HERE.parent):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from alternated import round_ratio, slowest_rounds  # noqa: E402
+from analysis import spread  # noqa: E402
 from launch_ranks import launch  # noqa: E402
 
 RESULTS = HERE / "results"
 STAGES = 2
-
-
-def _spread(values: list) -> dict:
-    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 \
-        else (values[0],) * 3
-    return {"median": median, "q1": q1, "q3": q3}
 
 
 def measure(backends: list, job: dict, timeout_s: float, progress=print) -> dict:
@@ -50,13 +46,11 @@ def measure(backends: list, job: dict, timeout_s: float, progress=print) -> dict
     for backend in backends:
         ranks = launch("pipelining_rank.py", job, 4, backend, timeout_s, bind_cores=True)
         rounds = range(job["rounds"])
-        slowest = {kind: [max(r["step_s"][kind][i] for r in ranks) for i in rounds]
-                   for kind in ("fsdp4", "gpipe", "1f1b")}
-        figures = {"step_s": {kind: _spread(t) for kind, t in slowest.items()}}
+        slowest = slowest_rounds(ranks, ("fsdp4", "gpipe", "1f1b"), key="step_s")
+        figures = {"step_s": {kind: spread(t) for kind, t in slowest.items()}}
         for kind in ("gpipe", "1f1b"):
-            figures[f"{kind}_vs_fsdp4"] = _spread(
-                [a / b for a, b in zip(slowest[kind], slowest["fsdp4"])])
-            figures[f"{kind}_bubble"] = _spread(
+            figures[f"{kind}_vs_fsdp4"] = round_ratio(slowest, kind, "fsdp4")
+            figures[f"{kind}_bubble"] = spread(
                 [statistics.mean(r["wait_s"][kind][i] / r["step_s"][kind][i] for r in ranks)
                  for i in rounds])
             figures[f"{kind}_peak_mb"] = [r["peak_mb"].get(kind) for r in ranks]
@@ -75,12 +69,12 @@ def report(result: dict) -> str:
     lines = ["| | FSDP 4 step | GPipe / FSDP 4 | 1F1B / FSDP 4 | bubble GPipe | bubble 1F1B |",
              "| --- | --- | --- | --- | --- | --- |"]
 
-    def spread(x):
+    def shown(x):
         return f"{x['median']:.2f} [{x['q1']:.2f}-{x['q3']:.2f}]"
     for backend, f in result["backends"].items():
         lines.append(f"| {backend} | {f['step_s']['fsdp4']['median']:.2f} s | "
-                     f"{spread(f['gpipe_vs_fsdp4'])} | {spread(f['1f1b_vs_fsdp4'])} | "
-                     f"{spread(f['gpipe_bubble'])} | {spread(f['1f1b_bubble'])} |")
+                     f"{shown(f['gpipe_vs_fsdp4'])} | {shown(f['1f1b_vs_fsdp4'])} | "
+                     f"{shown(f['gpipe_bubble'])} | {shown(f['1f1b_bubble'])} |")
     lines.append(f"\nbubble: the fraction of a step a rank waits in a receive; theory "
                  f"{result['theoretical_bubble']:.2f} (MindSpore CPU: a receive's wait "
                  f"returns at once, not measured)")

@@ -150,62 +150,64 @@ def _library_fingerprint() -> dict:
     return out
 
 
-def _run_step_memory(args) -> dict:
-    """What a training step adds to memory per added block, sharded against unsharded, on
-    each selected framework (step_memory.py; the full grid measures more depths)."""
-    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
-    blocks = [4, 8, 12] if args.full else [4, 8]
-    print(f"step memory: Linear(2048, 2048) blocks at depths {blocks}, plain and sharded, "
-          f"{', '.join(backends)}", flush=True)
+def _measured(label: str, what: str, measure_call) -> dict:
+    """``measure_call()``'s figures, announced as ``label: what``; a launch that fails is
+    reported and recorded, and the run goes on to the next comparison."""
+    print(f"{label}: {what}", flush=True)
     try:
-        return step_memory.measure(backends, blocks, dim=2048, batch=8, steps=3, world=2,
-                                   timeout_s=900, ms_pipeline=args.ms_pipeline)
+        return measure_call()
     except launch_ranks.LaunchFailure as exc:
-        print(f"step memory: FAILED: {str(exc).splitlines()[0]}", flush=True)
+        print(f"{label}: FAILED: {str(exc).splitlines()[0]}", flush=True)
         return {"error": str(exc)}
 
 
-def _run_tensor_parallel(args) -> dict:
-    """The example LM at dp2 x tp2 against FSDP over 4 ranks, on each selected framework
-    (tensor_parallel.py): size small, 6 rounds; tiny and 2 rounds in --quick."""
-    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
+def _run_step_memory(args, backends: list) -> dict:
+    """What a training step adds to memory per added block, sharded against unsharded
+    (step_memory.py; the full grid measures more depths)."""
+    blocks = [4, 8, 12] if args.full else [4, 8]
+    return _measured(
+        "step memory", f"Linear(2048, 2048) blocks at depths {blocks}, plain and sharded, "
+        f"{', '.join(backends)}",
+        lambda: step_memory.measure(backends, blocks, dim=2048, batch=8, steps=3, world=2,
+                                    timeout_s=900, ms_pipeline=args.ms_pipeline))
+
+
+def _run_tensor_parallel(args, backends: list) -> dict:
+    """The example LM at dp2 x tp2 against FSDP over 4 ranks (tensor_parallel.py): size
+    small, 6 rounds; tiny and 2 rounds in --quick."""
     shape = dict(size="tiny", batch=4, seq=32, warmup=0, rounds=2) if args.quick else \
         dict(size="small", batch=8, seq=128, warmup=1, rounds=args.rounds or 6)
-    print(f"tensor parallelism: example LM {shape['size']}, dp2 x tp2 against FSDP 4, "
-          f"{', '.join(backends)}", flush=True)
-    try:
-        return tensor_parallel.measure(backends, timeout_s=1800, **shape)
-    except launch_ranks.LaunchFailure as exc:
-        print(f"tensor parallelism: FAILED: {str(exc).splitlines()[0]}", flush=True)
-        return {"error": str(exc)}
+    return _measured(
+        "tensor parallelism", f"example LM {shape['size']}, dp2 x tp2 against FSDP 4, "
+        f"{', '.join(backends)}",
+        lambda: tensor_parallel.measure(backends, timeout_s=1800, **shape))
 
 
-def _run_expert_parallel(args) -> dict:
-    """The example LM with experts at dp2 x ep2 against FSDP over 4 ranks, on each selected
-    framework (expert_parallel.py): size tiny, 4 rounds."""
-    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
-    print(f"expert parallelism: example LM tiny with experts, dp2 x ep2 against FSDP 4, "
-          f"{', '.join(backends)}", flush=True)
-    try:
-        return expert_parallel.measure(backends, "tiny", batch=8, seq=32, warmup=1,
-                                       rounds=args.rounds or 4, timeout_s=1800)
-    except launch_ranks.LaunchFailure as exc:
-        print(f"expert parallelism: FAILED: {str(exc).splitlines()[0]}", flush=True)
-        return {"error": str(exc)}
+def _run_expert_parallel(args, backends: list) -> dict:
+    """The example LM with experts at dp2 x ep2 against FSDP over 4 ranks
+    (expert_parallel.py): size tiny, 4 rounds."""
+    return _measured(
+        "expert parallelism", f"example LM tiny with experts, dp2 x ep2 against FSDP 4, "
+        f"{', '.join(backends)}",
+        lambda: expert_parallel.measure(backends, "tiny", batch=8, seq=32, warmup=1,
+                                        rounds=args.rounds or 4, timeout_s=1800))
 
 
-def _run_context_parallel(args) -> dict:
-    """The example LM at cp2 against one process, on each selected framework
-    (context_parallel.py): size small, sequences of 256, 4 rounds."""
-    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
-    print(f"context parallelism: example LM small, cp2 against one process, "
-          f"{', '.join(backends)}", flush=True)
-    try:
-        return context_parallel.measure(backends, "small", batch=2, seq=256, warmup=1,
-                                        rounds=args.rounds or 4, timeout_s=1800)
-    except launch_ranks.LaunchFailure as exc:
-        print(f"context parallelism: FAILED: {str(exc).splitlines()[0]}", flush=True)
-        return {"error": str(exc)}
+def _run_pipelining(backends: list) -> dict:
+    """pp2 x dp2 under GPipe and 1F1B against FSDP over 4 ranks (pipelining.py)."""
+    return _measured(
+        "pipelining", f"pp2 x dp2 (GPipe, 1F1B) against FSDP 4, {', '.join(backends)}",
+        lambda: pipelining.measure(backends, dict(pipelining.DEFAULT_JOB), timeout_s=1800))
+
+
+def _run_context_parallel(args, backends: list) -> dict:
+    """The example LM at cp2 against one process (context_parallel.py): size small,
+    sequences of 256, 4 rounds."""
+    return _measured(
+        "context parallelism", f"example LM small, cp2 against one process, "
+        f"{', '.join(backends)}",
+        lambda: context_parallel.measure(backends, "small", batch=2, seq=256, warmup=1,
+                                         rounds=args.rounds or 4, timeout_s=1800))
 
 
 def _run_config(index: int, total: int, cfg, t_run: float, bind_cores: bool,
@@ -267,27 +269,20 @@ def main(argv=None) -> int:
         "library": {"start": library_at_start, "end": _library_fingerprint()},
         "configurations": rows,
     }
+    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
     if args.step_memory and not args.quick:
-        doc["step_memory"] = _run_step_memory(args)
+        doc["step_memory"] = _run_step_memory(args, backends)
         doc["wall_s"] = time.monotonic() - t_run
     if args.tensor_parallel:
-        doc["tensor_parallel"] = _run_tensor_parallel(args)
+        doc["tensor_parallel"] = _run_tensor_parallel(args, backends)
     if args.expert_parallel and not args.quick:
-        doc["expert_parallel"] = _run_expert_parallel(args)
+        doc["expert_parallel"] = _run_expert_parallel(args, backends)
     if args.pipelining and not args.quick:
-        backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
-        print(f"pipelining: pp2 x dp2 (GPipe, 1F1B) against FSDP 4, {', '.join(backends)}",
-              flush=True)
-        try:
-            doc["pipelining"] = pipelining.measure(backends, dict(pipelining.DEFAULT_JOB),
-                                                   timeout_s=1800)
-        except launch_ranks.LaunchFailure as exc:
-            doc["pipelining"] = {"error": str(exc)}
+        doc["pipelining"] = _run_pipelining(backends)
     if args.context_parallel and not args.quick:
-        doc["context_parallel"] = _run_context_parallel(args)
+        doc["context_parallel"] = _run_context_parallel(args, backends)
         doc["wall_s"] = time.monotonic() - t_run
     if args.low_precision and not args.quick:
-        backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
         print(f"low-precision all-gather: {', '.join(backends)}, alternated rounds", flush=True)
         doc["low_precision"] = low_precision.measure(backends, bind_cores=args.bind_cores)
         doc["wall_s"] = time.monotonic() - t_run

@@ -21,8 +21,6 @@ processes:
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,8 +30,9 @@ for _path in (HERE, HERE.parent):
         sys.path.insert(0, str(_path))
 
 from examples.lm.config import SIZES  # noqa: E402
+from alternated import lm_comparison_main, round_ratio, slowest_rounds  # noqa: E402
+from analysis import spread  # noqa: E402
 from launch_ranks import launch  # noqa: E402
-from report import publish  # noqa: E402
 
 RESULTS = HERE / "results"
 
@@ -58,12 +57,6 @@ def implied_comm(size: str, batch: int, seq: int) -> dict:
             "all_reduce": [3 + 2 * layers + 1, 3 * rows * 4 + (2 * layers + 1) * hidden * 4]}
 
 
-def _spread(values: list) -> dict:
-    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 \
-        else (values[0],) * 3
-    return {"median": median, "q1": q1, "q3": q3}
-
-
 def measure(backends: list, size: str, batch: int, seq: int, warmup: int, rounds: int,
             timeout_s: float, progress=print) -> dict:
     """Each framework's figures (module docstring)."""
@@ -72,8 +65,7 @@ def measure(backends: list, size: str, batch: int, seq: int, warmup: int, rounds
     for backend in backends:
         job = {"size": size, "batch": batch, "seq": seq, "warmup": warmup, "rounds": rounds}
         ranks = launch("tensor_parallel_rank.py", job, 4, backend, timeout_s, bind_cores=True)
-        slowest = {kind: [max(r["rounds_s"][kind][i] for r in ranks) for i in range(rounds)]
-                   for kind in ("fsdp4", "tp2")}
+        slowest = slowest_rounds(ranks, ("fsdp4", "tp2"))
         memory = {kind: {part: max(sum(r["state_bytes"][kind][part]) for r in ranks)
                          for part in ("split", "rest")} for kind in ("fsdp4", "tp2", "tp1")}
         comm = {}
@@ -81,8 +73,8 @@ def measure(backends: list, size: str, batch: int, seq: int, warmup: int, rounds
             op = key.split(":")[0]
             comm[op] = [comm.get(op, [0, 0])[0] + calls, comm.get(op, [0, 0])[1] + nbytes]
         figures = {
-            "step_s": {kind: _spread(times) for kind, times in slowest.items()},
-            "tp2_vs_fsdp4": _spread([a / b for a, b in zip(slowest["tp2"], slowest["fsdp4"])]),
+            "step_s": {kind: spread(times) for kind, times in slowest.items()},
+            "tp2_vs_fsdp4": round_ratio(slowest, "tp2", "fsdp4"),
             "state_bytes": memory,
             "tp2_vs_tp1_bytes": {part: memory["tp2"][part] / memory["tp1"][part]
                                  for part in ("split", "rest")},
@@ -126,20 +118,8 @@ def report(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("torch", "mindspore", "all"), default="all")
-    parser.add_argument("--size", choices=sorted(SIZES), default="small")
-    parser.add_argument("--batch", type=int, default=8, help="global batch, sequences")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "tensor_parallel.json")
-    args = parser.parse_args()
-    backends = ["torch", "mindspore"] if args.backend == "all" else [args.backend]
-    result = measure(backends, args.size, args.batch, args.seq, args.warmup, args.rounds,
-                     args.timeout)
-    publish(result, report(result), args.out)
+    lm_comparison_main(__doc__, measure, report, RESULTS / "tensor_parallel.json", sizes=SIZES,
+                       size="small", batch=8, seq=128, rounds=6)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ collectives move in one step are counted by ``hp.comm_stats`` on the tp dim.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import hyper_parallel as hp  # noqa: E402
-from benchmarks.measure import rank_main  # noqa: E402
+from benchmarks.measure import alternate, rank_main  # noqa: E402
 from examples.lm.config import VOCAB  # noqa: E402
 from examples.lm.data import ByteCorpus, rank_rows  # noqa: E402
 from examples.lm.tensor_parallel import lm_plan  # noqa: E402
@@ -150,17 +149,11 @@ def run(job: dict, rank: int, world: int) -> dict:
     def rows(kind, array):  # fsdp4: 4 data-parallel ranks; the others: 2, tp pairs alike
         return rank_rows(array, rank, 4) if kind == "fsdp4" else rank_rows(array, rank // 2, 2)
 
-    result = {"rounds_s": {"fsdp4": [], "tp2": []}, "losses": {}}
-    order = ["fsdp4", "tp2"]
-    for k, (ids, targets) in enumerate(batches):
-        for kind in order:
-            tick = time.perf_counter()
-            loss = models.step(kind, rows(kind, ids), rows(kind, targets))
-            if k >= job["warmup"]:
-                result["rounds_s"][kind].append(time.perf_counter() - tick)
-            result["losses"].setdefault(kind, []).append(loss)
-        if k >= job["warmup"]:
-            order.reverse()
+    def stepper(kind):
+        return lambda k: models.step(kind, rows(kind, batches[k][0]), rows(kind, batches[k][1]))
+
+    result = alternate({kind: stepper(kind) for kind in ("fsdp4", "tp2")}, 0, job["warmup"],
+                       job["rounds"])
     ids, targets = batches[0]
     models.step("tp1", rows("tp1", ids), rows("tp1", targets))
     result["state_bytes"] = {kind: models.state_bytes(kind) for kind in ("fsdp4", "tp2", "tp1")}

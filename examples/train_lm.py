@@ -270,6 +270,10 @@ def rank_main(args: argparse.Namespace) -> None:
     if args.resume:
         extra = hp.load_checkpoint(args.resume, trainer.model, trainer.optimizer)
         _check_resumable(args, extra)
+        if args.moe:
+            from examples.lm.expert_parallel import restore_router_biases
+
+            restore_router_biases(hp, trainer.model, extra["router_biases"])
         history, validation = extra["history"], extra["validation"]
     start = history[-1]["step"] if history else 0
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -357,8 +361,12 @@ def _validate(args, trainer, corpus, rank, world, validation, step, say) -> None
 def _checkpoint(args, hp, trainer, history, validation, step, rank, say) -> None:
     path = os.path.join(args.out, f"step-{step:05d}")
     tick = time.perf_counter()
-    hp.save_checkpoint(path, trainer.model, trainer.optimizer,
-                       extra={"args": _saved_args(args), "history": history, "validation": validation})
+    extra = {"args": _saved_args(args), "history": history, "validation": validation}
+    if args.moe:
+        from examples.lm.expert_parallel import router_biases
+
+        extra["router_biases"] = router_biases(hp, trainer.model)
+    hp.save_checkpoint(path, trainer.model, trainer.optimizer, extra=extra)
     say(f"checkpoint: {path} ({time.perf_counter() - tick:.1f} s)", flush=True)
     if rank == 0 and args.keep > 0:
         saved = sorted(p for p in Path(args.out).glob("step-*") if p.is_dir())

@@ -26,7 +26,12 @@ rest on (replicate 2, shard 2)), with tensor parallelism on the dense layers (an
 (efsdp 1, ep 2, tp 2) mesh: ``proj`` and the shared expert split over ``tp``, experts over
 ``ep``, fully_shard over the data-parallel dims), and in low precision; ep2 with gradients accumulated over 2 micro-batches; and dp2 x ep2 where one
 rank's experts receive no row while another rank holding the same experts computes
-(against plain FSDP on the same routing). Bad input fails before anything changes, in the test process on a mesh without
+(against plain FSDP on the same routing).
+
+With the ``hf`` extra installed, transformers 5's tiny Qwen3-MoE (experts called
+``experts(hidden_states, top_k_index, top_k_weights)``) trains at ep2 with fully_shard as
+it does in one process (tests/ep_hf_scenarios.py; transformers' grouped GEMM kernel for
+its experts, and under ``-m slow`` its loop over the experts). Bad input fails before anything changes, in the test process on a mesh without
 groups.
 """
 
@@ -62,6 +67,13 @@ def _ep2_args(backend: str) -> tuple:
 
 shared_launch.register(__name__, "expert_parallel_ep2", EP, "tests.ep_scenarios:run_all",
                        _ep2_args, timeout_s=300)
+if importlib.util.find_spec("transformers") is not None:  # the hf test extra
+    shared_launch.register(__name__, "expert_parallel_hf_ep2", EP,
+                           "tests.ep_hf_scenarios:run", lambda backend: (EP, ("grouped_mm",)),
+                           backends=("torch",), timeout_s=240)
+    shared_launch.register(__name__, "expert_parallel_hf_ep2_eager", EP,
+                           "tests.ep_hf_scenarios:run", lambda backend: (EP, ("eager",)),
+                           backends=("torch",), timeout_s=240, slow=True)
 shared_launch.register(__name__, "expert_parallel_dp2_ep2", 2 * EP, "tests.ep_scenarios:run_all",
                        lambda backend: (backend, EP, shared_launch.directory("dp2-ep2"),
                                         SLOW_RUNS + ("softmax-lowp",)),
@@ -157,6 +169,31 @@ def test_ep2_export_writes_every_expert(backend):
 def test_dp2_ep2_matches_one_process(backend, run):
     _check_parity(shared_launch.results("expert_parallel_dp2_ep2", backend), run)
     _print_seconds("expert_parallel_dp2_ep2", backend)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("implementation", [
+    "grouped_mm", pytest.param("eager", marks=pytest.mark.slow)])
+def test_hugging_face_experts_at_ep2_match_one_process(implementation):
+    """transformers 5's Qwen3-MoE (tests/ep_hf_scenarios.py), its experts split by the
+    plan ``{"model.layers.*.mlp.experts": hp.ExpertParallel()}`` and sharded by
+    fully_shard, against one process: the losses and the whole parameters after each
+    AdamW step. torch only: transformers' models are torch modules."""
+    pytest.importorskip("transformers", reason="the hf test extra is not installed")
+    key = "expert_parallel_hf_ep2" + ("" if implementation == "grouped_mm" else "_eager")
+    runs = [result[implementation] for result in shared_launch.results(key, "torch")]
+    reference = runs[0]["reference"]
+    losses = np.mean([run["ep"]["losses"] for run in runs], axis=0)
+    assert_close(losses, reference["losses"], FP32_RTOL, "losses")
+    assert reference["losses"][-1] < reference["losses"][0], "the reference did not train"
+    for rank, run in enumerate(runs):
+        for step, expected in enumerate(reference["params"]):
+            got = run["ep"]["params"][step]
+            assert got.keys() == expected.keys()
+            for name, value in expected.items():
+                assert got[name].shape == value.shape, name  # every expert, whole
+                assert_close(got[name], value, FP32_RTOL, f"rank {rank}, step {step}: {name}")
+    _print_seconds(key, "torch")
 
 
 def _bad_input_model(backend: str):
