@@ -12,10 +12,17 @@ over every rank. Each rank trains on its own sequences; the loss is transformers
 mean of the ranks' losses is the whole batch's. ``experts_implementation`` picks
 transformers' kernel for the experts (``eager``: its loop over the experts hit;
 ``grouped_mm``: its grouped GEMM over every expert).
+
+``export`` (the first implementation's run): the trained model exported with
+``hf_names`` (each grouped experts parameter written as the per-expert tensors of a
+Qwen3-MoE checkpoint, ``gate_up_proj`` cut into each expert's ``gate_proj`` and
+``up_proj``), then loaded by rank 0 with transformers' ``from_pretrained``: its logits
+and the trained model's on the same tokens.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -83,16 +90,56 @@ def parallelized(experts_implementation: str, ep: int):
     return net
 
 
-def run(ep: int, implementations: tuple = ("eager", "grouped_mm")) -> dict:
-    """Per experts implementation: the one-process reference and the ep run; and the
-    seconds the job took on this rank."""
+def hf_names(name: str):
+    """The export ``key_map``: a layer's grouped experts as a Qwen3-MoE checkpoint's
+    per-expert tensors, every other name as it is."""
+    prefix, _, attr = name.rpartition(".")
+    if not prefix.endswith("mlp.experts"):
+        return name
+    experts = f"{prefix}.{{expert}}"
+    if attr == "gate_up_proj":
+        return hp.per_expert_keys([f"{experts}.gate_proj.weight", f"{experts}.up_proj.weight"],
+                                  config("eager").num_experts)
+    return hp.per_expert_keys(f"{experts}.{attr}.weight", config("eager").num_experts)
+
+
+def exported_logits(net, directory: str) -> dict:
+    """The trained model's logits on one batch's first sequence (every rank computes,
+    its experts' rows cross the ranks) and, on rank 0, those of its export loaded by
+    ``from_pretrained``."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    ids = torch.from_numpy(batches()[0][:1])
+    with torch.no_grad():
+        out = {"trained": net(input_ids=ids).logits.numpy()}
+    hp.export_full(directory, net, config=net.config.to_dict(), key_map=hf_names)
+    if hp.get_platform().rank() == 0:
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(directory, "model.safetensors"), "np") as file:
+            out["names"] = sorted(file.keys())
+        loaded = Qwen3MoeForCausalLM.from_pretrained(directory)
+        with torch.no_grad():
+            out["loaded"] = loaded(input_ids=ids).logits.numpy()
+    return out
+
+
+def run(ep: int, implementations: tuple = ("eager", "grouped_mm"),
+        directory: str | None = None) -> dict:
+    """Per experts implementation: the one-process reference and the ep run (with
+    ``directory``: the first one's export, ``exported_logits``); and the seconds the job
+    took on this rank."""
     start = time.perf_counter()
     rank, world = hp.get_platform().rank(), hp.get_platform().world_size()
     per_rank = SEQS // world
     out = {}
     for impl in implementations:
         reference = train(model(impl), slice(None))
-        ep_run = train(parallelized(impl, ep), slice(rank * per_rank, (rank + 1) * per_rank))
+        net = parallelized(impl, ep)
+        ep_run = train(net, slice(rank * per_rank, (rank + 1) * per_rank))
         out[impl] = {"reference": reference, "ep": ep_run}
+        if directory is not None and impl == implementations[0]:
+            out[impl]["export"] = exported_logits(net, os.path.join(directory, impl))
     out["seconds"] = time.perf_counter() - start
     return out
