@@ -12,6 +12,7 @@ written once, so a script moves between the frameworks with its model and nothin
 from hyper_parallel.checkpoint import (
     CheckpointError, ShardedValue, export_full, gather_full_state_dict, get_full_state_dict,
     get_state_dict, load_checkpoint, save_checkpoint, set_state_dict, torch_nn_names,
+    SplitKey, per_expert_keys,
 )
 from hyper_parallel.clip_grad import clip_grad_norm_
 from hyper_parallel.comm_stats import CommStats, comm_stats, track_comms
@@ -47,6 +48,7 @@ __all__ = [
     "get_full_state_dict", "get_platform", "get_state_dict", "init_device_mesh",
     "init_distributed", "load_checkpoint", "register_fsdp_forward_method", "save_checkpoint",
     "set_state_dict", "share_comm_ctx", "torch_nn_names", "track_comms", "UnshardHandle",
+    "SplitKey", "per_expert_keys",
     "CastGather", "GatherCodec", "GatherContext", "Int8RowGather", "set_gather_codec",
     "ColwiseParallel", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
     "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "cross_entropy",

@@ -13,7 +13,8 @@ updates the router's expert bias from the counts summed over every rank
 Each run returns plain numpy: the losses (each rank its own sequences' mean), the gradient
 norms, the whole parameters after each step (``get_full_state_dict``), the expert bias, the
 per-expert row counts of each rank's first dispatch, and the state a plain model loads from
-the expert-parallel checkpoint. The test compares.
+the expert-parallel checkpoint, and its exports (as the model names its values, and with
+each expert written apart: ``hp.per_expert_keys``). The test compares.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 import hyper_parallel as hp
 from tests.ep_models import (
-    LR, SEQS, batches, mindspore_loss, mindspore_model, torch_loss, torch_model)
+    EXPERTS, LR, SEQS, batches, mindspore_loss, mindspore_model, torch_loss, torch_model)
 
 MAX_NORM = 1.0
 COEFF = 1e-3
@@ -208,12 +209,37 @@ def _checkpoint(backend: str, name: str, run: Run, directory: str) -> dict:
     hp.load_checkpoint(path, fsdp.model, fsdp.opt)
     exported = os.path.join(directory, f"export-{backend}-{name}")
     hp.export_full(exported, run.model)
+    per_expert = os.path.join(directory, f"export-per-expert-{backend}-{name}")
+    hp.export_full(per_expert, run.model, key_map={  # as linear layers' (out, in) weights
+        f"moe.experts.{w}": hp.per_expert_keys(f"moe.experts.{{expert}}.{w}.weight", EXPERTS,
+                                               transpose=True) for w in ("w1", "w2")})
     out = {"saved": run.full_state(optimizer=True), "loaded": plain.full_state(optimizer=True),
-           "loaded_fsdp": fsdp.full_state(optimizer=True)}
+           "loaded_fsdp": fsdp.full_state(optimizer=True),
+           "refused_splits": _refused_splits(run.model, directory)}
     if hp.get_platform().rank() == 0:
         from safetensors.numpy import load_file
 
         out["exported"] = dict(load_file(os.path.join(exported, "model.safetensors")))
+        out["per_expert"] = dict(load_file(os.path.join(per_expert, "model.safetensors")))
+    return out
+
+
+def _refused_splits(model, directory: str) -> dict:
+    """Per bad use of ``hp.SplitKey``: the error, and whether its directory was left
+    unwritten (export: 4 experts cut into 3; a checkpoint, which stores values whole)."""
+    cuts_badly = {"moe.experts.w1": hp.per_expert_keys("w1.{expert}", EXPERTS - 1)}
+    calls = {"export": lambda path: hp.export_full(path, model, key_map=cuts_badly),
+             "save": lambda path: hp.save_checkpoint(path, model, key_map={
+                 "moe.experts.w1": hp.per_expert_keys("w1.{expert}", EXPERTS)})}
+    out = {}
+    for what, call in calls.items():
+        path = os.path.join(directory, f"refused-split-{what}")
+        try:
+            call(path)
+            error = None
+        except hp.CheckpointError as raised:
+            error = str(raised)
+        out[what] = (error, os.path.exists(path))
     return out
 
 

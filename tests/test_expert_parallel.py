@@ -26,7 +26,12 @@ rest on (replicate 2, shard 2)), with tensor parallelism on the dense layers (an
 (efsdp 1, ep 2, tp 2) mesh: ``proj`` and the shared expert split over ``tp``, experts over
 ``ep``, fully_shard over the data-parallel dims), and in low precision; ep2 with gradients accumulated over 2 micro-batches; and dp2 x ep2 where one
 rank's experts receive no row while another rank holding the same experts computes
-(against plain FSDP on the same routing). Bad input fails before anything changes, in the test process on a mesh without
+(against plain FSDP on the same routing).
+
+With the ``hf`` extra installed, transformers 5's tiny Qwen3-MoE (experts called
+``experts(hidden_states, top_k_index, top_k_weights)``) trains at ep2 with fully_shard as
+it does in one process (tests/ep_hf_scenarios.py; transformers' grouped GEMM kernel for
+its experts, and under ``-m slow`` its loop over the experts). Bad input fails before anything changes, in the test process on a mesh without
 groups.
 """
 
@@ -62,6 +67,14 @@ def _ep2_args(backend: str) -> tuple:
 
 shared_launch.register(__name__, "expert_parallel_ep2", EP, "tests.ep_scenarios:run_all",
                        _ep2_args, timeout_s=300)
+if importlib.util.find_spec("transformers") is not None:  # the hf test extra
+    shared_launch.register(__name__, "expert_parallel_hf_ep2", EP,
+                           "tests.ep_hf_scenarios:run",
+                           lambda backend: (EP, ("grouped_mm",), shared_launch.directory("hf")),
+                           backends=("torch",), timeout_s=240)
+    shared_launch.register(__name__, "expert_parallel_hf_ep2_eager", EP,
+                           "tests.ep_hf_scenarios:run", lambda backend: (EP, ("eager",)),
+                           backends=("torch",), timeout_s=240, slow=True)
 shared_launch.register(__name__, "expert_parallel_dp2_ep2", 2 * EP, "tests.ep_scenarios:run_all",
                        lambda backend: (backend, EP, shared_launch.directory("dp2-ep2"),
                                         SLOW_RUNS + ("softmax-lowp",)),
@@ -150,6 +163,40 @@ def test_ep2_export_writes_every_expert(backend):
         np.testing.assert_array_equal(value, whole[key], err_msg=key)
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_ep2_export_in_per_expert_names_round_trips(backend):
+    """Each grouped experts parameter written as one linear weight per expert (its
+    ``(in, out)`` block transposed): stacked back, the whole parameter; the rest as the
+    model names it."""
+    result = shared_launch.results("expert_parallel_ep2", backend)[0]["softmax"]
+    whole, written = result["saved"], dict(result["per_expert"])
+    for name in ("moe.experts.w1", "moe.experts.w2"):
+        pieces = [written.pop(f"{name.rpartition('.')[0]}.{e}.{name.rpartition('.')[2]}.weight")
+                  for e in range(EXPERTS)]
+        np.testing.assert_array_equal(np.stack([p.T for p in pieces]), whole[name], err_msg=name)
+    assert written.keys() == {k for k in whole if not k.startswith("optim")} - {
+        "moe.experts.w1", "moe.experts.w2"}
+    for key, value in written.items():
+        np.testing.assert_array_equal(value, whole[key], err_msg=key)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_a_split_that_does_not_cut_or_a_split_checkpoint_is_refused(backend):
+    """Before anything is written: an export whose ``per_expert_keys`` names 3 experts of
+    4, and a checkpoint asked to split a value (it stores each whole)."""
+    for rank, result in enumerate(shared_launch.results("expert_parallel_ep2", backend)):
+        refused = result["softmax"]["refused_splits"]
+        error, written = refused["export"]
+        assert error is not None and "splits moe.experts.w1 (4, 8, 16) along dim 0 into 3 " \
+            "parts of one" in error, (rank, error)
+        error, written_save = refused["save"]
+        assert error is not None and "only export_full writes a value as several" in error, \
+            (rank, error)
+        assert not written and not written_save, rank
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("run", SLOW_RUNS)
@@ -157,6 +204,52 @@ def test_ep2_export_writes_every_expert(backend):
 def test_dp2_ep2_matches_one_process(backend, run):
     _check_parity(shared_launch.results("expert_parallel_dp2_ep2", backend), run)
     _print_seconds("expert_parallel_dp2_ep2", backend)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("implementation", [
+    "grouped_mm", pytest.param("eager", marks=pytest.mark.slow)])
+def test_hugging_face_experts_at_ep2_match_one_process(implementation):
+    """transformers 5's Qwen3-MoE (tests/ep_hf_scenarios.py), its experts split by the
+    plan ``{"model.layers.*.mlp.experts": hp.ExpertParallel()}`` and sharded by
+    fully_shard, against one process: the losses and the whole parameters after each
+    AdamW step. torch only: transformers' models are torch modules."""
+    pytest.importorskip("transformers", reason="the hf test extra is not installed")
+    key = "expert_parallel_hf_ep2" + ("" if implementation == "grouped_mm" else "_eager")
+    runs = [result[implementation] for result in shared_launch.results(key, "torch")]
+    reference = runs[0]["reference"]
+    losses = np.mean([run["ep"]["losses"] for run in runs], axis=0)
+    assert_close(losses, reference["losses"], FP32_RTOL, "losses")
+    assert reference["losses"][-1] < reference["losses"][0], "the reference did not train"
+    for rank, run in enumerate(runs):
+        for step, expected in enumerate(reference["params"]):
+            got = run["ep"]["params"][step]
+            assert got.keys() == expected.keys()
+            for name, value in expected.items():
+                assert got[name].shape == value.shape, name  # every expert, whole
+                assert_close(got[name], value, FP32_RTOL, f"rank {rank}, step {step}: {name}")
+    _print_seconds(key, "torch")
+
+
+@pytest.mark.timeout(600)
+def test_hugging_face_export_in_per_expert_names_loads_with_from_pretrained():
+    """The Qwen3-MoE trained at ep2, exported with ``hp.per_expert_keys`` in its
+    checkpoint's per-expert names: transformers' ``from_pretrained`` (which merges them
+    into its grouped parameters) loads it, and its logits are the trained model's."""
+    pytest.importorskip("transformers", reason="the hf test extra is not installed")
+    from tests.ep_hf_scenarios import config
+
+    runs = shared_launch.results("expert_parallel_hf_ep2", "torch")
+    exported = runs[0]["grouped_mm"]["export"]
+    experts = config("eager").num_experts
+    for layer in range(config("eager").num_hidden_layers):
+        for e in range(experts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                assert f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" in exported["names"]
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in exported["names"])
+    for rank, run in enumerate(runs):
+        assert_close(run["grouped_mm"]["export"]["trained"], exported["loaded"], FP32_RTOL,
+                     f"rank {rank}: logits")
 
 
 def _bad_input_model(backend: str):

@@ -12,6 +12,11 @@ frameworks against one process. Checked:
 - on each framework, the ep2 losses equal its one-process losses to 1e-5 relative;
 - torch's and MindSpore's one-process runs agree to what the example's dense runs agree to
   (tests/test_train_lm.py's tolerance is measured per session; here 1e-5 relative);
+- a checkpoint resumes at another expert degree and continues the uninterrupted run to
+  1e-5 relative: saved at ep2 (step ``K``), resumed at ep4 on 4 ranks; saved there (step
+  ``2K``), resumed at ep2; saved in one process without expert parallelism, resumed at
+  ep2 (the experts' blocks are regions of the whole ``(num_experts, ...)`` value in every
+  checkpoint, and the router bias travels in its extra data);
 - the command line's checks of ``--ep`` (no launch).
 """
 
@@ -21,6 +26,7 @@ from examples.train_lm import parse_args
 from tests.test_train_lm import _losses, _rel, _train
 
 STEPS = 5
+K = 2  # the runs checkpoint every K steps
 PARITY = 1e-5
 BACKENDS = ["torch", "mindspore"]
 
@@ -33,8 +39,29 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(root):
     return {(backend, nproc): _train(root / f"{backend}_{nproc}", backend, "--nproc", str(nproc),
-                                     "--moe", "--ep", str(nproc), "--steps", str(STEPS))
+                                     "--moe", "--ep", str(nproc), "--steps", str(STEPS),
+                                     "--ckpt-every", str(K))
             for backend in BACKENDS for nproc in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def resumed(root, runs):
+    """Per backend: ep2's step-K checkpoint resumed at ep4; that run's step-2K checkpoint
+    resumed at ep2; the one-process step-K checkpoint resumed at ep2."""
+    out = {}
+    for backend in BACKENDS:
+        def resume(name, nproc, ep, checkpoint):
+            return _train(root / f"{backend}_{name}", backend, "--nproc", str(nproc), "--moe",
+                          "--ep", str(ep), "--steps", str(STEPS), "--ckpt-every", str(K),
+                          "--resume", str(checkpoint))
+
+        ep4 = resume("ep2_to_ep4", 4, 4, root / f"{backend}_2" / f"step-{K:05d}")
+        out[(backend, "ep2_to_ep4")] = ep4
+        out[(backend, "ep4_to_ep2")] = resume("ep4_to_ep2", 2, 2, root / f"{backend}_ep2_to_ep4"
+                                              / f"step-{2 * K:05d}")
+        out[(backend, "one_to_ep2")] = resume("one_to_ep2", 2, 2,
+                                              root / f"{backend}_1" / f"step-{K:05d}")
+    return out
 
 
 @pytest.mark.slow
@@ -51,6 +78,19 @@ def test_ep2_losses_equal_one_process(runs, backend):
 @pytest.mark.timeout(1200)
 def test_torch_and_mindspore_agree(runs):
     assert _rel(_losses(runs[("torch", 1)]), _losses(runs[("mindspore", 1)])) <= PARITY
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("case, start", [("ep2_to_ep4", K), ("ep4_to_ep2", 2 * K),
+                                         ("one_to_ep2", K)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resumed_at_another_expert_degree_continues_the_run(runs, resumed, backend, case, start):
+    """The resumed run's history holds the saved steps and its own: its own steps' losses
+    equal the uninterrupted ep2 run's."""
+    whole, got = _losses(runs[(backend, 2)]), _losses(resumed[(backend, case)])
+    assert len(got) == STEPS and f"resumed at step {start}" in resumed[(backend, case)][1]
+    assert _rel(got[start:], whole[start:]) <= PARITY, (case, got, whole)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -11,9 +11,17 @@ expert dim is carved out of them (``(nproc / N, N)``, dims ``efsdp`` x ``ep``), 
 layer's experts are a ``fully_shard`` unit over ``efsdp`` whose gradients are divided by
 the whole data-parallel size (they sum every rank's tokens), and the rest is sharded
 over every rank as without experts.
+
+[Note: the router bias in a checkpoint]
+The router's bias is no parameter (outside autograd, no optimizer state): it travels in
+the checkpoint's extra data (``router_biases``), one list per layer, and a resumed run
+sets it back (``restore_router_biases``) before its first step, so it routes as the
+uninterrupted run would at any expert degree and on either framework.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 EXPERTS, TOP_K = 4, 2
 
@@ -60,3 +68,17 @@ def forget_counts(hp, model) -> None:
     for layer in model.model.layers:
         counts = layer.mlp.tokens_per_expert
         platform.copy_into(counts, platform.zeros(platform.shape(counts), platform.dtype_of(counts)))
+
+
+def router_biases(hp, model) -> list:
+    """Each layer's router bias, as JSON-serialisable lists (for a checkpoint's extra)."""
+    platform = hp.get_platform()
+    return [[float(v) for v in platform.to_numpy(layer.mlp.expert_bias)]
+            for layer in model.model.layers]
+
+
+def restore_router_biases(hp, model, biases: list) -> None:
+    """Set each layer's router bias to ``biases`` (``router_biases``' lists)."""
+    platform = hp.get_platform()
+    for layer, bias in zip(model.model.layers, biases):
+        platform.copy_into(layer.mlp.expert_bias, platform.from_numpy(np.asarray(bias, np.float32)))

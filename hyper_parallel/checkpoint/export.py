@@ -18,7 +18,9 @@ differs from ``config`` in a directory holding no export of ours; other files (a
 tokenizer) are left alone.
 
 Names are the model's own qualified names, or what ``key_map`` makes of them
-(names.py: a name mapped to None is not written). A parameter reachable under two names (tied
+(names.py: a name mapped to None is not written; one mapped to a ``SplitKey``,
+split_names.py, is written as several tensors, such as grouped experts under a Hugging
+Face family's per-expert names). A parameter reachable under two names (tied
 weights, ``lm_head.weight`` is ``model.embed_tokens.weight``) is written once, under its
 first name in module order, which is what Hugging Face expects with
 ``tie_word_embeddings``; so a ``config`` that does not say so is refused for a tied model.
@@ -37,6 +39,7 @@ from hyper_parallel.checkpoint.index import CheckpointError
 from hyper_parallel.checkpoint.layout import held_params
 from hyper_parallel.checkpoint.names import resolve
 from hyper_parallel.checkpoint.save import agree_on_failure
+from hyper_parallel.checkpoint.split_names import SplitKey
 from hyper_parallel.checkpoint.full_state import _full_value
 from hyper_parallel.platform import get_platform
 from hyper_parallel.checkpoint.state_dict import state_entries, to_numpy
@@ -68,7 +71,7 @@ def export_full(path: str, model: Any, config: dict | None = None,
     platform = get_platform()
     check_model(platform, "export_full", model)
     held = {h.name: h for h in held_params(platform, model, buffers=False)}  # each once
-    keys = resolve(key_map, list(held))
+    keys = resolve(key_map, list(held), splits=True)
     # a tensor-parallel parameter (the core's, or a torch DTensor a unit manages:
     # held_params) is gathered over its tensor-parallel ranks too
     every = state_entries(model, tensor_parallel_parts=True)
@@ -78,7 +81,8 @@ def export_full(path: str, model: Any, config: dict | None = None,
         raise ValueError(f"the model ties {', '.join(tied)} to another parameter, which is "
                          f"written once; set config['tie_word_embeddings'] = True so Hugging "
                          f"Face ties them back on load")
-    specs = [(keys[e.key], held[e.key].dtype, held[e.key].shape) for e in entries]
+    written = {e.key: _written(keys[e.key], held[e.key].shape, e.key) for e in entries}
+    specs = [(key, held[e.key].dtype, shape) for e in entries for key, shape in written[e.key]]
     plan = _plan(specs, max_shard_bytes)
     writing = platform.rank() == 0
     failure = None
@@ -86,11 +90,15 @@ def export_full(path: str, model: Any, config: dict | None = None,
         failure = _attempt(lambda: _prepare(path, config))
     writers = {}
     with platform.no_grad():
-        for entry, (key, dtype, shape) in zip(entries, specs):
+        for entry in entries:
             array = to_numpy(platform, _full_value(platform, entry))
             if not writing or failure is not None:
                 continue
-            failure = _attempt(lambda: _append(writers, path, plan, key, dtype, array))
+            stored, dtype = keys[entry.key], held[entry.key].dtype
+            pieces = stored.pieces(array) if isinstance(stored, SplitKey) else [(stored, array)]
+            for key, piece in pieces:
+                failure = failure or _attempt(
+                    lambda: _append(writers, path, plan, key, dtype, piece))
     if writing and failure is None:
         failure = _attempt(lambda: _finish(writers, path, plan))
     for name, handle in writers.items():  # left open only by a failure
@@ -101,6 +109,11 @@ def export_full(path: str, model: Any, config: dict | None = None,
         raise failure
     if failed:
         raise OSError(f"exporting to {path} failed on rank 0")
+
+
+def _written(stored: Any, shape: tuple, name: str) -> list:
+    """``[(written name, shape)]`` of one model value (several under a ``SplitKey``)."""
+    return stored.leaves(shape, name) if isinstance(stored, SplitKey) else [(stored, tuple(shape))]
 
 
 def _plan(specs: list, max_shard_bytes: int) -> list:

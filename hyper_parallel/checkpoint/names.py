@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from hyper_parallel.checkpoint.index import CheckpointError
+from hyper_parallel.checkpoint.split_names import SplitKey
 
 # the attribute names of MindSpore's nn layers that torch's nn names otherwise
 _MINDSPORE_TO_TORCH = {
@@ -44,11 +45,12 @@ def torch_nn_names(name: str) -> str | None:
     return f"{module}.{attr}" if module else attr
 
 
-def resolve(key_map: Any, model_names: list) -> dict:
+def resolve(key_map: Any, model_names: list, splits: bool = False) -> dict:
     """``{model name: stored name}`` for ``model_names`` under ``key_map`` (names mapped to
     None left out); an error naming the problem, before anything is written or read, for a
     map that is neither a dict nor a function, gives something other than a string or
-    None, names a value the model does not have, or gives two values one stored name."""
+    None, names a value the model does not have, or gives two values one stored name.
+    ``splits`` (export): a stored name may also be a ``SplitKey`` (split_names.py)."""
     if key_map is None:
         return {name: name for name in model_names}
     if isinstance(key_map, dict):
@@ -68,13 +70,25 @@ def resolve(key_map: Any, model_names: list) -> dict:
         key = rename(name)
         if key is None:
             continue
-        if not isinstance(key, str) or not key or key.startswith("optim."):
-            raise CheckpointError(f"key_map gives {key!r} for {name!r}: a stored name is a "
-                                  f"non-empty string not starting with 'optim.', or None to "
-                                  f"leave the value out")
-        if key in by_key:
-            raise CheckpointError(f"key_map gives {by_key[key]!r} and {name!r} the same stored "
-                                  f"name {key!r}; map them to different names")
-        by_key[key] = name
+        if isinstance(key, SplitKey) and not splits:
+            raise CheckpointError(f"key_map gives a SplitKey for {name!r}: only export_full "
+                                  f"writes a value as several tensors; a checkpoint stores "
+                                  f"each value whole under one name")
+        for leaf in _leaf_names(key):
+            if not isinstance(leaf, str) or not leaf or leaf.startswith("optim."):
+                raise CheckpointError(f"key_map gives {key!r} for {name!r}: a stored name is "
+                                      f"a non-empty string not starting with 'optim.', or "
+                                      f"None to leave the value out")
+            if leaf in by_key:
+                raise CheckpointError(f"key_map gives {by_key[leaf]!r} and {name!r} the same "
+                                      f"stored name {leaf!r}; map them to different names")
+            by_key[leaf] = name
         stored[name] = key
     return stored
+
+
+def _leaf_names(key: Any) -> list:
+    """The names a stored name or ``SplitKey`` writes."""
+    if isinstance(key, SplitKey):
+        return [leaf for part in key.parts for leaf in _leaf_names(part)]
+    return [key]

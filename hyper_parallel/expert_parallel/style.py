@@ -13,9 +13,13 @@ export lay it out as a region of the whole ``(num_experts, ...)`` value, and
 ``clip_grad_norm_`` reduces its norm over the mesh: every expert is counted once. Around
 the module's forward, the pre-hook dispatches the rows to their experts' ranks and the
 post-hook combines the results back (dispatch.py); the module itself computes with its
-local experts and the local counts, unchanged. The Hugging Face form (a ``ModuleList`` of
-expert modules that the MoE layer loops over itself) gives neither a call to dispatch
-around nor a parameter holding every expert: it is refused, naming the grouped form.
+local experts and the local counts, unchanged. Hugging Face's experts module of
+transformers 5 holds its experts the same way but is called with each token's chosen
+experts and weights (``experts(hidden_states, top_k_index, top_k_weights)``, told apart by
+its forward's signature): routed.py turns that call into rows grouped by expert around
+the same dispatch and combine. The older Hugging Face form (a ``ModuleList`` of expert
+modules that the MoE layer loops over itself) gives neither a call to dispatch around
+nor a parameter holding every expert: it is refused, naming the grouped form.
 
 [Note: no rows here]
 A rank whose experts receive no row in a step still takes part in the backward of both
@@ -44,6 +48,8 @@ from __future__ import annotations
 from typing import Any
 
 from hyper_parallel.expert_parallel.dispatch import combine, dispatch
+from hyper_parallel.expert_parallel.routed import (
+    ROUTED, call_form, from_grouped, local_call, routed_names, to_grouped)
 from hyper_parallel.platform import get_platform
 from hyper_parallel.tensor_parallel.placement import Shard
 from hyper_parallel.tensor_parallel.style import ParallelStyle, param_in_forward, split_param
@@ -70,9 +76,11 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(
                 f"ExpertParallel on {type(module).__name__}: it holds no grouped experts "
                 f"(its experts are {len(_children(module))} modules of their own, the "
-                f"Hugging Face form, which this style does not split); hold the experts "
-                f"as (num_experts, ...) parameters of one module (torchtitan's "
-                f"GroupedExperts: w1, w2, w3) and apply the style to it")
+                f"Hugging Face form of transformers 4, which this style does not split: "
+                f"no call of it carries every expert's rows and no parameter holds every "
+                f"expert); hold the experts as (num_experts, ...) parameters of one module "
+                f"(torchtitan's GroupedExperts: w1, w2, w3; transformers 5's experts "
+                f"module) and apply the style to it")
         if not any(len(shape) >= 3 for _, shape in params) or \
                 any(len(shape) < 2 for _, shape in params):
             holds = ", ".join(f"{a} {s}" for a, s in params) or "no parameters of its own"
@@ -100,24 +108,33 @@ class ExpertParallel(ParallelStyle):
         experts = params[0][1][0]
         for attr, _ in params:
             split_param(module, attr, Shard(0), mesh, self.src_data_rank)
+        form = call_form(module)
+        names = routed_names(module) if form == ROUTED else _NAMES
+        if form == ROUTED and getattr(module, "num_experts", None) == experts:
+            module.num_experts = experts // mesh.size()  # [Note: the routed form around the exchange]
         in_flight = []  # per call of the module: its dispatch, until its combine
 
         def pre(mod, args, kwargs):
-            x, counts, rest, others = _inputs(args, kwargs)
-            n = get_platform().shape(counts)
-            if tuple(n) != (experts,):
-                raise ValueError(f"ExpertParallel on {type(mod).__name__}: "
-                                 f"num_tokens_per_expert has shape {tuple(n)}; expected "
-                                 f"({experts},), one count per expert of the whole layer")
+            given, others = _inputs(args, kwargs, names)
+            if form == ROUTED:
+                x, counts, slots = to_grouped(*given, experts)
+            else:
+                (x, counts), slots = given, None
+                _check_counts(mod, counts, experts)
             rows, local_counts, routed = dispatch(x, counts, mesh)
-            in_flight.append((routed, rows))
-            return (rows, local_counts) + rest, others
+            in_flight.append((routed, rows, slots))
+            if form == ROUTED:
+                local = (rows,) + local_call(rows, local_counts, get_platform().dtype_of(given[2]))
+            else:
+                local = (rows, local_counts)
+            return local + given[len(local):], others
 
         def post(mod, args, kwargs, output):
-            routed, rows = in_flight.pop()
+            routed, rows, slots = in_flight.pop()
             if not sum(routed.output_splits):
                 output = _tied(mod, output, rows, params)  # [Note: no rows here]
-            return combine(output, routed, mesh)
+            back = combine(output, routed, mesh)
+            return back if slots is None else from_grouped(back, slots)
 
         get_platform().register_forward_hooks(module, pre, post)
         return module
@@ -139,13 +156,22 @@ def _tied(module: Any, output: Any, rows: Any, params: list) -> Any:
 _NAMES = ("x", "num_tokens_per_expert")
 
 
-def _inputs(args: tuple, kwargs: dict) -> tuple:
-    """``(x, num_tokens_per_expert, other positional args, other keyword args)`` of an
-    experts module's call."""
-    given = tuple(args) + tuple(kwargs[k] for k in _NAMES[len(args):] if k in kwargs)
-    if len(given) < 2:
-        raise TypeError("an experts module under ExpertParallel is called "
-                        "experts(x, num_tokens_per_expert): the rows grouped by expert and "
-                        "the number of rows of each expert")
-    return given[0], given[1], tuple(given[2:]), {k: v for k, v in kwargs.items()
-                                                   if k not in _NAMES}
+def _check_counts(module: Any, counts: Any, experts: int) -> None:
+    n = tuple(get_platform().shape(counts))
+    if n != (experts,):
+        raise ValueError(f"ExpertParallel on {type(module).__name__}: num_tokens_per_expert "
+                         f"has shape {n}; expected ({experts},), one count per expert of "
+                         f"the whole layer")
+
+
+def _inputs(args: tuple, kwargs: dict, names: tuple) -> tuple:
+    """``(the inputs named ``names`` and the positional args after them, the other keyword
+    args)`` of an experts module's call."""
+    given = tuple(args) + tuple(kwargs[k] for k in names[len(args):] if k in kwargs)
+    if len(given) < len(names):
+        raise TypeError(f"an experts module under ExpertParallel is called "
+                        f"experts({', '.join(names)}): "
+                        + ("the rows grouped by expert and the number of rows of each expert"
+                           if names == _NAMES else "the tokens' rows and the indices and "
+                           "weights of each token's chosen experts"))
+    return given, {k: v for k, v in kwargs.items() if k not in names}

@@ -233,6 +233,11 @@ class Platform(Collectives, TensorPrimitives):
     def direct_params(self, module: Any) -> list:
         """``[(attr_name, parameter), ...]`` registered directly on ``module``."""
 
+    def forward_function(self, module: Any) -> Callable:
+        """The method a call of ``module`` runs (torch: ``forward``), whose signature tells
+        how the module is called."""
+        return module.forward
+
     def module_shell(self, module: Any, children: dict) -> Any:
         """A copy of ``module`` that shares its parameters, buffers and attributes but has
         its own registries (hooks and units added to the copy stay on it), whose children

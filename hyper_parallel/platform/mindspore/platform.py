@@ -222,6 +222,9 @@ class MindSporePlatform(MindSporeCollectiveOps, MindSporeStateIO, MindSporeStora
     def direct_params(self, module):
         return [(n, p) for n, p in module._params.items() if p is not None]
 
+    def forward_function(self, module):
+        return module.construct
+
     def children_of(self, module):
         return module._cells, isinstance(module, (ms.nn.CellList, ms.nn.CellDict,
                                                   ms.nn.SequentialCell))
