@@ -5,6 +5,7 @@
     python examples/train_lm.py --nproc 4 --mesh 2x2 --dtype bf16  # HSDP, bf16 parameters
     python examples/train_lm.py --nproc 4 --tp 2                  # FSDP over 2 x tensor parallel 2
     python examples/train_lm.py --nproc 2 --moe --ep 2            # experts split over 2 ranks
+    python examples/train_lm.py --nproc 8 --moe --ep 2 --tp 2 --mesh 2x2  # HSDP x EP x TP
     python examples/train_lm.py --nproc 4 --cp 2                  # FSDP 2 x context parallel 2
     python examples/train_lm.py --size 124m --nproc 8            # GPT-2-small sized
 
@@ -63,8 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a mixture of experts in place of each MLP (4 experts, top-2, "
                              "router-bias balancing; built eagerly; no --export)")
     parser.add_argument("--ep", type=int, default=1, metavar="N",
-                        help="with --moe: the experts split over N ranks, FSDP over all ranks "
-                             "(default 1: none)")
+                        help="with --moe: the experts split over N of the sharding ranks "
+                             "(with --tp: of each tensor-parallel position's; with --mesh RxS: "
+                             "of the S) (default 1: none)")
     parser.add_argument("--cp", type=int, default=1, metavar="N",
                         help="context-parallel degree: each sequence split over N ranks, which "
                              "fully_shard shards over too (default 1: none)")
@@ -205,7 +207,8 @@ def rank_main(args: argparse.Namespace) -> None:
     if args.moe:
         from examples.lm.expert_parallel import expert_meshes
 
-        ep_meshes = expert_meshes(hp, platform.device_type(), world, args.ep)
+        ep_meshes = expert_meshes(hp, platform.device_type(), world, args.ep, args.tp,
+                                  args.mesh_shape[0] if args.mesh else 1)
     trainer = Trainer(args.size, mesh, mp_policy, not args.eager_init, args.lr,
                       args.weight_decay, args.clip, tp_mesh, cp_mesh, dp_mesh_dims,
                       moe=args.moe, ep_meshes=ep_meshes)

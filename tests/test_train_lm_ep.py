@@ -17,6 +17,10 @@ frameworks against one process. Checked:
   ``2K``), resumed at ep2; saved in one process without expert parallelism, resumed at
   ep2 (the experts' blocks are regions of the whole ``(num_experts, ...)`` value in every
   checkpoint, and the router bias travels in its extra data);
+- ``--ep 2 --tp 2 --mesh 2x2`` on 8 ranks (2 replicas x 2 expert ranks x 2 tensor-parallel
+  ranks: the experts split over ``ep``, sharded over ``replicate`` x ``efsdp``; the
+  dense layers split over ``tp``, the mixture computed whole by each ``tp`` rank): its
+  losses equal the one-process run's to 1e-5 relative over the ``STEPS`` AdamW steps;
 - the command line's checks of ``--ep`` (no launch).
 """
 
@@ -93,10 +97,31 @@ def test_resumed_at_another_expert_degree_continues_the_run(runs, resumed, backe
     assert _rel(got[start:], whole[start:]) <= PARITY, (case, got, whole)
 
 
+@pytest.fixture(scope="module")
+def composed(root):
+    """Per backend: dp2 (HSDP 2x2's replicas x ep) x ep2 x tp2 on 8 ranks (MindSpore's 8
+    ranks take about 5 minutes on 2 cores)."""
+    return {backend: _train(root / f"{backend}_ep2_tp2_hsdp", backend, "--nproc", "8",
+                            "--moe", "--ep", "2", "--tp", "2", "--mesh", "2x2",
+                            "--steps", str(STEPS), timeout_s=540)
+            for backend in BACKENDS}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ep2_with_tp2_and_hsdp_losses_equal_one_process(runs, composed, backend):
+    one, got = _losses(runs[(backend, 1)]), _losses(composed[backend])
+    assert len(got) == STEPS and _rel(got, one) <= PARITY, (got, one)
+    assert "HSDP 2x2, MoE, EP 2 x TP 2" in composed[backend][1]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ep", "2"], "--ep N splits the experts of --moe: add --moe"),
     (["--moe", "--ep", "3", "--nproc", "3", "--batch", "6"], "--ep 3 must divide the 4 experts"),
-    (["--moe", "--ep", "2", "--nproc", "4", "--tp", "2"], "leave out --tp, --cp and --mesh"),
+    (["--moe", "--ep", "2", "--nproc", "4", "--cp", "2", "--seq", "32"], "leave out --cp"),
+    (["--moe", "--ep", "2", "--nproc", "4", "--tp", "2", "--mesh", "2x1", "--batch", "2"],
+     "--ep 2 must divide the 1 sharding ranks of --mesh 2x1"),
     (["--moe", "--export", "out"], "leave it out with --moe"),
 ])
 def test_bad_expert_arguments_are_named(capsys, argv, message):

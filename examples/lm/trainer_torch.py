@@ -35,9 +35,9 @@ class Trainer:
         else:
             model = build(size, moe).to(self.device)
         if tp_mesh is not None:
-            hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=3))
+            hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=3, moe=moe))
         if ep_meshes[0] is not None:
-            shard_experts(hp, model, ep_meshes[0], mp_policy, hp.get_platform().world_size())
+            shard_experts(hp, model, ep_meshes[0], mp_policy)
         for layer in model.model.layers:
             hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
         hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
