@@ -268,6 +268,7 @@ def test_a_capacity_factor_drops_the_rows_its_rule_names(backend):
         limit = int(np.ceil(CAPACITY * counts.sum() / EXPERTS))
         assert (counts > limit).any(), (rank, counts, limit)  # the case is covered
         _check_against_fsdp(rank, result["ep"], result["fsdp"])
+    _print_seconds("expert_parallel_capacity", backend)
 
 
 def _check_against_fsdp(rank: int, ep: dict, fsdp: dict) -> None:
