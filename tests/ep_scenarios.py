@@ -290,10 +290,11 @@ CAPACITY = 1.0  # each expert takes at most an even share of a rank's rows
 
 def capacity(backend: str) -> dict:
     """ep2 with ``ExpertParallel(capacity_factor=CAPACITY)``, each rank its own sequences,
-    against the model dropping the same rows itself (3 steps) (tests/ep_models.py ``kept_rows``, the
-    rule of docs/expert-parallel.md) under plain FSDP over the same ranks: each rank's
-    losses, the whole parameters after each step, and the per-expert counts each rank
-    routed in its first step (so the test sees rows were dropped); the seconds it took."""
+    against the model dropping the same rows itself (tests/ep_models.py ``kept_rows``, the
+    rule of docs/expert-parallel.md) under plain FSDP over the same ranks, 3 steps: each
+    rank's losses, the whole parameters after each step, and the per-expert counts each
+    rank routed in its first step (so the test sees rows were dropped); the seconds it
+    took."""
     start = time.perf_counter()
     platform = hp.get_platform()
     rank, world = platform.rank(), platform.world_size()
