@@ -309,6 +309,28 @@ BAD_INPUT = {
 }
 
 
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_the_routed_form_sends_no_row_for_the_sentinel(monkeypatch, backend):
+    """transformers' sentinel index (``num_experts``: a slot without expert) sends no row
+    and adds nothing: with experts that return their rows, each token's output is the
+    weighted sum of its other slots' rows. In the test process: no collective."""
+    monkeypatch.setenv("HP_BACKEND", backend)
+    import hyper_parallel as hp
+    from hyper_parallel.expert_parallel.routed import from_grouped, to_grouped
+
+    p = hp.get_platform()
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((5, 3)).astype(np.float32)
+    index = np.array([[0, 2], [4, 1], [3, 4], [1, 1], [2, 0]])  # 4: the sentinel
+    weights = rng.random((5, 2)).astype(np.float32)
+    rows, counts, slots = to_grouped(p.from_numpy(hidden), p.from_numpy(index),
+                                     p.from_numpy(weights), EXPERTS)
+    assert list(p.to_numpy(counts)) == [2, 3, 2, 1]  # 8 rows: the 2 sentinel slots sent none
+    out = p.to_numpy(from_grouped(rows, slots))
+    expected = ((index < EXPERTS) * weights)[..., None] * hidden[:, None, :]
+    np.testing.assert_allclose(out, expected.sum(1), rtol=1e-6)
+
+
 @pytest.mark.parametrize("factor", [0, -1.0, True, "2"])
 def test_a_capacity_factor_that_is_not_positive_is_a_named_error(factor):
     import hyper_parallel as hp
