@@ -26,7 +26,8 @@ batches the uninterrupted run would have seen:
     python examples/train_lm.py --steps 100 --backend mindspore --resume runs/train_lm/step-00050
 
 ``--export DIR`` writes the trained weights in the Hugging Face layout with their
-config.json, for ``transformers.LlamaForCausalLM.from_pretrained(DIR)``.
+config.json, for ``transformers.LlamaForCausalLM.from_pretrained(DIR)``; with ``--moe``,
+the weights only, each expert under its own names (examples/lm/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(or --mesh's HSDP) over the nproc / N groups (default 1: none)")
     parser.add_argument("--moe", action="store_true",
                         help="a mixture of experts in place of each MLP (4 experts, top-2, "
-                             "router-bias balancing; built eagerly; no --export)")
+                             "router-bias balancing; built eagerly)")
     parser.add_argument("--ep", type=int, default=1, metavar="N",
                         help="with --moe: the experts split over N of the sharding ranks "
                              "(with --tp: of each tensor-parallel position's; with --mesh RxS: "
@@ -131,9 +132,6 @@ def _check_experts(parser, args) -> None:
     problem = check_degree(args.nproc, args.ep, args.tp, args.mesh, args.cp)
     if problem:
         parser.error(problem)
-    if args.moe and args.export:
-        parser.error("--export writes Hugging Face Llama's layout, which has no experts: "
-                     "leave it out with --moe")
     args.eager_init = args.eager_init or args.moe
 
 
@@ -258,7 +256,12 @@ def rank_main(args: argparse.Namespace) -> None:
         title = f"train_lm {args.size} on {_layout(args)}, {args.dtype}"
         say(f"loss curve: {png}" if plot_losses(history, validation, png, title)
             else "loss curve skipped: matplotlib is not installed (pip install matplotlib)")
-    if args.export:
+    if args.export and args.moe:
+        from examples.lm.expert_parallel import per_expert_names
+
+        hp.export_full(args.export, trainer.model, key_map=per_expert_names(hp))
+        say(f"exported, each expert under its own names (no config.json): {args.export}")
+    elif args.export:
         hp.export_full(args.export, trainer.model, config=hf_config(args.size))
         say(f"exported for from_pretrained: {args.export}")
     hp.destroy_distributed()

@@ -12,6 +12,15 @@ layer's experts are a ``fully_shard`` unit over ``efsdp`` whose gradients are di
 the whole data-parallel size (they sum every rank's tokens), and the rest is sharded
 over every rank as without experts.
 
+[Note: the export]
+``--export`` with ``--moe`` writes the weights in Hugging Face Llama's names, each layer's
+router as ``mlp.gate.weight`` and each expert as a checkpoint of a mixture-of-experts
+family stores it, one linear weight per expert and projection
+(``model.layers.0.mlp.experts.3.gate_proj.weight``, ``(out, in)``: the grouped
+``(in, out)`` blocks transposed; ``per_expert_names``). It writes no config.json: no
+transformers family routes as this model does (softmax over every expert, the top 2 not
+renormalised, a router bias), so ``from_pretrained`` would build another model.
+
 [Note: the router bias in a checkpoint]
 The router's bias is no parameter (outside autograd, no optimizer state): it travels in
 the checkpoint's extra data (``router_biases``), one list per layer, and a resumed run
@@ -102,3 +111,14 @@ def restore_router_biases(hp, model, biases: list) -> None:
     platform = hp.get_platform()
     for layer, bias in zip(model.model.layers, biases):
         platform.copy_into(layer.mlp.expert_bias, platform.from_numpy(np.asarray(bias, np.float32)))
+
+
+def per_expert_names(hp):
+    """The export's ``key_map``: each grouped expert parameter as one linear weight per
+    expert; every other name as the model has it."""
+    def key(name: str):
+        prefix, _, attr = name.rpartition(".")
+        if not prefix.endswith("mlp.experts"):
+            return name
+        return hp.per_expert_keys(f"{prefix}.{{expert}}.{attr}.weight", EXPERTS, transpose=True)
+    return key
