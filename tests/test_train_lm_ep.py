@@ -45,13 +45,13 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(root):
-    def export(nproc):  # the ep2 run: its last step checkpointed and exported too
+    def export(backend, nproc):  # the ep2 run: its last step checkpointed and exported too
         return [] if nproc == 1 else ["--ckpt-at-end", "--keep", "3",
                                       "--export", str(root / f"{backend}_2_export")]
 
     return {(backend, nproc): _train(root / f"{backend}_{nproc}", backend, "--nproc", str(nproc),
                                      "--moe", "--ep", str(nproc), "--steps", str(STEPS),
-                                     "--ckpt-every", str(K), *export(nproc))
+                                     "--ckpt-every", str(K), *export(backend, nproc))
             for backend in BACKENDS for nproc in (1, 2)}
 
 
