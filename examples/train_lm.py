@@ -7,13 +7,16 @@
     python examples/train_lm.py --nproc 2 --moe --ep 2            # experts split over 2 ranks
     python examples/train_lm.py --nproc 8 --moe --ep 2 --tp 2 --mesh 2x2  # HSDP x EP x TP
     python examples/train_lm.py --nproc 4 --cp 2                  # FSDP 2 x context parallel 2
+    python examples/train_lm.py --nproc 8 --pp 2 --tp 2           # pipeline 2 x FSDP 2 x TP 2
     python examples/train_lm.py --size 124m --nproc 8            # GPT-2-small sized
 
 The model (examples/lm/: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, with
 Hugging Face Llama's parameter names) is written once per framework; every decoder layer
 and the root are fully_shard units; with ``--tp N`` the model is first split over N ranks
 with Megatron's tensor-parallel plan (examples/lm/tensor_parallel.py); with ``--cp N`` each
-sequence is split over N ranks (hp.context_parallel, docs/context-parallel.md). It trains with
+sequence is split over N ranks (hp.context_parallel, docs/context-parallel.md); with ``--pp N``
+the model is cut into N pipeline stages by module names (examples/lm/pipeline.py,
+docs/pipelining.md), each stage laid out as the whole model would be. It trains with
 AdamW on random windows of the bundled text (examples/data/), a progress line per step, a
 checkpoint every ``--ckpt-every`` steps in ``--out``, validation at each checkpoint and at
 the end, and the loss curve as a PNG.
@@ -44,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.lm.config import SIZES  # noqa: E402
+from examples.lm.pipeline import SCHEDULES  # noqa: E402
 
 DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
@@ -71,6 +75,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cp", type=int, default=1, metavar="N",
                         help="context-parallel degree: each sequence split over N ranks, which "
                              "fully_shard shards over too (default 1: none)")
+    parser.add_argument("--pp", type=int, default=1, metavar="N",
+                        help="pipeline-parallel degree: the model cut into N stages (2 N "
+                             "with --pp-schedule interleaved), each over nproc / N ranks "
+                             "(default 1: none)")
+    parser.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b",
+                        help="the pipeline schedule (default 1f1b)")
+    parser.add_argument("--microbatches", type=int, metavar="M",
+                        help="micro-batches per step under --pp (default: --pp)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="activation recompute: each decoder layer's forward runs again "
+                             "in backward")
     parser.add_argument("--size", choices=sorted(SIZES), default="small",
                         help="model size (default small, ~13M parameters)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
@@ -105,11 +120,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.seq = args.seq or SIZES[args.size]["seq"]
     args.mesh_shape = _mesh_shape(parser, args)
-    data_parallel = args.nproc // (args.tp * args.cp)
+    data_parallel = args.nproc // (args.pp * args.tp * args.cp)
     if args.batch % data_parallel:
         parser.error(f"--batch {args.batch} must divide over the {data_parallel} data-parallel "
-                     f"ranks (--nproc {args.nproc} / --tp {args.tp} / --cp {args.cp}): each "
-                     f"takes an equal share of each global batch")
+                     f"ranks (--nproc {args.nproc} / --pp {args.pp} / --tp {args.tp} / --cp "
+                     f"{args.cp}): each takes an equal share of each global batch")
+    _check_pipeline(parser, args, args.batch // data_parallel)
     if args.seq % (2 * args.cp):
         parser.error(f"--seq {args.seq} must be a multiple of 2 x --cp = {2 * args.cp}: each "
                      f"sequence is cut into 2 x cp chunks (docs/context-parallel.md)")
@@ -120,6 +136,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--dtype bf16: MindSpore on CPU has no bfloat16 matmul; use --dtype fp16")
     _check_experts(parser, args)
     return args
+
+
+def _check_pipeline(parser, args, rows: int) -> None:
+    """``--pp`` (examples/lm/pipeline.py): what composes with it, its stages and
+    micro-batches."""
+    from examples.lm.pipeline import check_pipeline
+
+    if args.pp == 1 and args.microbatches:
+        parser.error("--microbatches needs --pp: micro-batches are the pipeline schedule's")
+    args.microbatches = args.microbatches or args.pp
+    refused = {"--cp": args.cp > 1, "--moe": args.moe, "--export": bool(args.export),
+               "--ckpt-every": bool(args.ckpt_every), "--ckpt-at-end": args.ckpt_at_end,
+               "--resume": bool(args.resume)}
+    problem = check_pipeline(args.pp, args.pp_schedule, SIZES[args.size]["layers"], rows,
+                             args.microbatches, refused)
+    if problem:
+        parser.error(problem)
 
 
 def _check_experts(parser, args) -> None:
@@ -136,13 +169,24 @@ def _check_experts(parser, args) -> None:
 
 
 def _mesh_shape(parser, args):
-    """fully_shard's mesh shape: None (FSDP over all ranks), (R, S) for HSDP; with
-    ``--cp N`` the context-parallel dim N is appended, then with ``--tp N`` the
-    tensor-parallel dim N."""
+    """The mesh's shape: None (FSDP over all ranks), (R, S) for HSDP; with ``--cp N`` the
+    context-parallel dim N is appended, then with ``--tp N`` the tensor-parallel dim N;
+    with ``--pp N`` the pipeline dim N comes first (FSDP: (N, nproc / N))."""
     if args.tp < 1 or args.nproc % args.tp:
         parser.error(f"--tp {args.tp} must divide --nproc {args.nproc}")
     if args.cp < 1 or args.nproc % (args.tp * args.cp):
         parser.error(f"--cp {args.cp} x --tp {args.tp} must divide --nproc {args.nproc}")
+    if args.pp < 1 or args.nproc % (args.pp * args.tp * args.cp):
+        parser.error(f"--pp {args.pp} x --tp {args.tp} must divide --nproc {args.nproc}")
+    shape = _data_mesh_shape(parser, args)
+    if args.pp == 1:
+        return shape
+    return (args.pp,) + (shape or (args.nproc // (args.pp * args.tp),))
+
+
+def _data_mesh_shape(parser, args):
+    """fully_shard's mesh shape, the pipeline dim left out."""
+    nproc = args.nproc // args.pp
     if args.tp > 1:
         from examples.lm.tensor_parallel import check_degree
 
@@ -151,37 +195,42 @@ def _mesh_shape(parser, args):
             parser.error(problem)
     extra = tuple(n for n in (args.cp, args.tp) if n > 1)
     if args.mesh is None:
-        return None if not extra else (args.nproc // (args.tp * args.cp),) + extra
+        return None if not extra else (nproc // (args.tp * args.cp),) + extra
     try:
         replicas, shards = (int(n) for n in args.mesh.lower().split("x"))
     except ValueError:
         parser.error(f"--mesh {args.mesh!r}: expected RxS, e.g. 2x2")
-    if replicas * shards * args.tp * args.cp != args.nproc:
+    if replicas * shards * args.tp * args.cp != nproc:
         cp = f" x --cp {args.cp}" if args.cp > 1 else ""
-        parser.error(f"--mesh {args.mesh}{cp} x --tp {args.tp} has "
-                     f"{replicas * shards * args.tp * args.cp} ranks but --nproc is {args.nproc}")
+        pp = f" x --pp {args.pp}" if args.pp > 1 else ""
+        parser.error(f"--mesh {args.mesh}{cp} x --tp {args.tp}{pp} has "
+                     f"{replicas * shards * args.tp * args.cp * args.pp} ranks but --nproc is "
+                     f"{args.nproc}")
     return (replicas, shards) + extra
 
 
 def _meshes(hp, platform, args) -> tuple:
     """(fully_shard's mesh, its dp_mesh_dims, the tensor-parallel mesh, the
-    context-parallel mesh): None for FSDP over all ranks, for fully_shard's reading of the
-    mesh by position, and for no tensor or context parallelism. The tensor-parallel dim is
-    the last, so its ranks are adjacent; fully_shard shards over the context-parallel ranks
-    too (their gradients are averaged as one process's)."""
+    context-parallel mesh, the pipeline mesh): None for FSDP over all ranks, for
+    fully_shard's reading of the mesh by position, and for no tensor, context or pipeline
+    parallelism. The pipeline dim is the first, the tensor-parallel dim the last, so its
+    ranks are adjacent; fully_shard shards over the context-parallel ranks too (their
+    gradients are averaged as one process's)."""
     if args.mesh_shape is None:
-        return None, None, None, None
+        return None, None, None, None, None
     data = ("replicate", "shard") if args.mesh else ("shard",)
     cp = ("cp",) if args.cp > 1 else ()
-    names = data + cp + (("tp",) if args.tp > 1 else ())
+    pp = ("pp",) if args.pp > 1 else ()
+    names = pp + data + cp + (("tp",) if args.tp > 1 else ())
     mesh = hp.init_device_mesh(platform.device_type(), args.mesh_shape, mesh_dim_names=names)
     dims = None
     if cp:
         dims = hp.DataParallelMeshDims(shard=("shard", "cp"),
                                        replicate="replicate" if args.mesh else None)
     # joined dims take the whole mesh (dp_mesh_dims leaves the tensor-parallel dim out)
-    return (mesh[data] if args.tp > 1 and not cp else mesh, dims,
-            mesh["tp"] if args.tp > 1 else None, mesh["cp"] if cp else None)
+    return (mesh[data] if (args.tp > 1 or pp) and not cp else mesh, dims,
+            mesh["tp"] if args.tp > 1 else None, mesh["cp"] if cp else None,
+            mesh["pp"] if pp else None)
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -198,7 +247,7 @@ def rank_main(args: argparse.Namespace) -> None:
         from examples.lm.trainer_torch import Trainer
     else:
         from examples.lm.trainer_mindspore import Trainer
-    mesh, dp_mesh_dims, tp_mesh, cp_mesh = _meshes(hp, platform, args)
+    mesh, dp_mesh_dims, tp_mesh, cp_mesh, pp_mesh = _meshes(hp, platform, args)
     mp_policy = hp.MixedPrecisionPolicy(param_dtype=DTYPES[args.dtype],
                                         reduce_dtype=DTYPES[args.dtype] and "float32")
     ep_meshes = (None, None)
@@ -206,13 +255,17 @@ def rank_main(args: argparse.Namespace) -> None:
         from examples.lm.expert_parallel import expert_meshes
 
         ep_meshes = expert_meshes(hp, platform.device_type(), world, args.ep, args.tp,
-                                  args.mesh_shape[0] if args.mesh else 1)
+                                  int(args.mesh.lower().split("x")[0]) if args.mesh else 1)
     trainer = Trainer(args.size, mesh, mp_policy, not args.eager_init, args.lr,
                       args.weight_decay, args.clip, tp_mesh, cp_mesh, dp_mesh_dims,
-                      moe=args.moe, ep_meshes=ep_meshes)
+                      moe=args.moe, ep_meshes=ep_meshes, recompute=args.recompute,
+                      pipeline=None if pp_mesh is None else (pp_mesh, args.pp_schedule,
+                                                             args.microbatches))
     # a tensor- or context-parallel group's ranks take the same rows: those of their
-    # data-parallel rank
-    data_rank, data_world = rank // (args.tp * args.cp), world // (args.tp * args.cp)
+    # data-parallel rank (the same in every pipeline stage)
+    stage_world = world // args.pp
+    data_rank = (rank % stage_world) // (args.tp * args.cp)
+    data_world = stage_world // (args.tp * args.cp)
     corpus = ByteCorpus()
     history, validation = [], []
     if args.resume:
@@ -268,11 +321,14 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def _layout(args) -> str:
-    data = f"HSDP {args.mesh}" if args.mesh else f"FSDP {args.nproc // (args.tp * args.cp)}"
+    dp = args.nproc // (args.pp * args.tp * args.cp)
+    data = f"HSDP {args.mesh}" if args.mesh else f"FSDP {dp}"
     if args.moe:
         data += f", MoE, EP {args.ep}"
-    return data + (f" x CP {args.cp}" if args.cp > 1 else "") + \
-        (f" x TP {args.tp}" if args.tp > 1 else "")
+    pp = (f"PP {args.pp} ({args.pp_schedule}, {args.microbatches} micro-batches) x "
+          if args.pp > 1 else "")
+    return pp + data + (f" x CP {args.cp}" if args.cp > 1 else "") + \
+        (f" x TP {args.tp}" if args.tp > 1 else "") + (", recompute" if args.recompute else "")
 
 
 def _saved_args(args) -> dict:

@@ -21,6 +21,7 @@ import hyper_parallel as hp
 from tests.docs_examples_scenarios import lm_stage_names, of_stage
 
 STEPS = 5
+SAVE_AT = 2
 MICRO_BATCHES = 2
 MAX_NORM = 0.5
 
@@ -53,10 +54,14 @@ def _materialised(backend: str, param) -> bool:
     return not param.is_meta if backend == "torch" else not param.has_init
 
 
-def run(backend: str, dp: int, deferred: bool = False) -> dict:
+def run(backend: str, dp: int, deferred: bool = False, save_to: str | None = None,
+        resume_from: str | None = None) -> dict:
     """``deferred``: the whole model built without values, this rank's stage cut from it,
     split and sharded, then given its values (``hp.set_state_dict``, one parameter at a
-    time): the other stages' parameters are never materialised on this rank."""
+    time): the other stages' parameters are never materialised on this rank. ``save_to``:
+    a checkpoint after ``SAVE_AT`` steps (stored under torch's names). ``resume_from``:
+    such a checkpoint loaded into the stages (built with other values), which train the
+    steps after ``SAVE_AT`` only (``losses`` and ``norms`` are theirs)."""
     from examples.one_script import train as script
 
     framework = importlib.import_module(f"examples.one_script.model_{backend}")
@@ -66,7 +71,8 @@ def run(backend: str, dp: int, deferred: bool = False) -> dict:
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     vocab = script.SIZES["vocab"]
     whole = (_deferred_whole(backend, framework, script.SIZES) if deferred
-             else framework.build(script.initial_values(), **script.SIZES))
+             else framework.build(script.initial_values(seed=3 if resume_from else 0),
+                                  **script.SIZES))
     names = lm_stage_names()
     stages, parts = hp.pipelining.pipeline_module_split(whole, mesh["pp"], "1F1B",
                                                         platform.device_type(), names)
@@ -99,9 +105,20 @@ def run(backend: str, dp: int, deferred: bool = False) -> dict:
     def reference_loss(ids, targets):
         return hp.cross_entropy(reference(ids).reshape(-1, vocab), targets.reshape(-1))
 
+    if resume_from is not None:
+        hp.load_checkpoint(resume_from, module, opt, key_map=hp.torch_nn_names,
+                           pp_mesh=mesh["pp"])
     losses, ref_losses, norms = [], [], []
     rows = script.BATCH // dp
-    for tokens in script.batches(STEPS):
+    for step, tokens in enumerate(script.batches(STEPS)):
+        if step == SAVE_AT and save_to is not None:
+            hp.save_checkpoint(save_to, module, opt, key_map=hp.torch_nn_names,
+                               pp_mesh=mesh["pp"])
+        ref_losses.append(framework.train_step(
+            reference, ref_opt, reference_loss, platform.from_numpy(tokens[:, :-1]),
+            platform.from_numpy(tokens[:, 1:]), MAX_NORM, hp.clip_grad_norm_))
+        if resume_from is not None and step < SAVE_AT:
+            continue
         mine = tokens[dp_rank * rows:(dp_rank + 1) * rows]
         step_losses = []
         if stage.is_first:
@@ -118,9 +135,6 @@ def run(backend: str, dp: int, deferred: bool = False) -> dict:
                                              grads=stage.gradients(), pp_mesh=mesh["pp"])
             opt(grads)
         norms.append(float(platform.to_numpy(norm)))
-        ref_losses.append(framework.train_step(
-            reference, ref_opt, reference_loss, platform.from_numpy(tokens[:, :-1]),
-            platform.from_numpy(tokens[:, 1:]), MAX_NORM, hp.clip_grad_norm_))
     full = {k: np.asarray(v) for k, v in hp.gather_full_state_dict(module).items()}
     ref = of_stage({k: np.asarray(v) for k, v in hp.gather_full_state_dict(reference).items()},
                    names[pp_rank])

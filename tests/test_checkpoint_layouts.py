@@ -264,6 +264,37 @@ def test_the_lowest_rank_holding_a_region_writes_it():
             in str(error)
 
 
+def test_pipeline_stages_write_their_own_values():
+    """4 ranks, pp ranks 0, 0, 1, 1 (each stage sharded over two ranks): each stage's
+    values are written by its lowest rank holding each region, whatever the other stage
+    holds. A rank holding other values than its stage's other rank, and a value held at
+    both pp ranks, make every rank raise, naming them."""
+    from hyper_parallel.checkpoint.layout import Held, written_here
+
+    stages = {0: [("embed", (6, 4)), ("blocks.0.w", (4, 4))], 1: [("head", (5, 4))]}
+
+    def held(rank, extra=()):
+        names = stages[rank // 2] + list(extra)
+        return [Held(n, None, None, "float32", s, (s[0] // 2 * (rank % 2), 0),
+                     (s[0] - s[0] // 2 if rank % 2 else s[0] // 2, 4)) for n, s in names]
+
+    ranks = _ThreadRanks(4)
+    written = ranks.run(lambda rank: [h.name for h in written_here(ranks, held(rank),
+                                                                   rank // 2)])
+    assert written == [["embed", "blocks.0.w"], ["embed", "blocks.0.w"], ["head"], ["head"]]
+    errors = ranks.run(lambda rank: written_here(
+        ranks, held(rank, [("norm", (4,))] if rank == 3 else []), rank // 2))
+    for error in errors:
+        assert isinstance(error, CheckpointError), error
+        assert "rank 3 holds other parameters or shapes than rank 2 (2 values against 1, " \
+               "both at pp rank 1)" in str(error)
+    errors = ranks.run(lambda rank: written_here(
+        ranks, held(rank, [("embed", (6, 4))] if rank >= 2 else []), rank // 2))
+    for error in errors:
+        assert isinstance(error, CheckpointError), error
+        assert "'embed' is held at pp ranks 0 and 1" in str(error)
+
+
 def test_tensor_parallel_block_follows_dtensor_placements():
     """torch: this rank's block of the whole tensor under Shard and Replicate placements,
     uneven splits included, as DTensor lays it out; a placement that interleaves

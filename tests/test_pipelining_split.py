@@ -54,6 +54,10 @@ def test_parts_keep_the_whole_models_names_and_train_as_it(monkeypatch, backend)
     blocks = [{k.split(".")[1] for k in part_keys if k.startswith("blocks.")}
               for part_keys in keys]
     assert blocks == [{"0", "1"}, {"2", "3"}], blocks  # not renumbered
+    # a stage without layers keeps an empty list of them (torchtitan's), and runs
+    first, *_ = hp.pipelining.pipeline_module_split(
+        whole, mesh, "Interleaved1F1B", "cpu", [["embed"], ["blocks"], ["norm", "head"]])[1]
+    assert len(first.blocks) == 0 and first.head is None
     assert [n for n, _ in p.named_modules(whole)] == modules_before
 
     # the parts in turn compute the whole model's loss and gradients

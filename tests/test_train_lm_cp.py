@@ -9,7 +9,8 @@ tests/test_context_parallel.py trains the same model under fully_shard inside
 ``hp.context_parallel`` at cp2 on both frameworks, and tests/test_docs_examples.py runs the
 plan of docs/context-parallel.md.
 
-- the one-process references, torch and MindSpore (``--nproc 1``);
+- the one-process references, torch and MindSpore (``--nproc 1``, tests/conftest.py's
+  ``train_lm_references``);
 - cp2 on each framework (2 ranks), with a checkpoint after step K, cp2 x tp2 and HSDP
   2x1 x cp2 (4 ranks): losses and the last validation loss equal one process's to 1e-5
   relative;
@@ -39,9 +40,8 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(root):
-    return {backend: _train(root / f"{backend}_1", backend, "--nproc", "1", "--steps", str(STEPS))
-            for backend in BACKENDS}
+def references(train_lm_references):
+    return train_lm_references  # one process, STEPS steps (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ Design note
 Every run is the example's own command line (tests/test_train_lm.py's pattern: tiny size,
 hp-run's ``--timeout``), ``STEPS`` AdamW steps, one launch per layout:
 
-- the one-process references, torch and MindSpore (``--nproc 1``);
+- the one-process references, torch and MindSpore (``--nproc 1``, tests/conftest.py's
+  ``train_lm_references``, shared with tests/test_train_lm_cp.py and test_train_lm_pp.py);
 - MindSpore at tp2 (2 ranks, fully_shard over a 1-rank data-parallel mesh) and torch at
   dp2 x tp2 (torch's own tensor parallelism under hp.fully_shard), each with a checkpoint
   after step K;
@@ -43,7 +44,7 @@ from tests.tolerance import LOW_PRECISION_RTOL
 pytest.importorskip("torch")
 pytest.importorskip("mindspore")
 
-STEPS, K = 5, 3  # steps in all; the tp2 run checkpoints after K and resumes
+STEPS, K = 5, 3  # steps in all (the references' too); the tp2 run checkpoints after K and resumes
 PARITY = 1e-5    # relative, MindSpore's tensor-parallel losses against one process
 BACKENDS = ["mindspore", "torch"]
 
@@ -54,10 +55,8 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(root):
-    return {backend: _train(root / f"{backend}_1", backend, "--nproc", "1", "--steps", str(STEPS),
-                            "--export", str(root / f"{backend}_1_export"))
-            for backend in ("torch", "mindspore")}
+def references(train_lm_references):
+    return train_lm_references
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +181,8 @@ def test_mindspore_tp2_exports_whole_tensors(references, mindspore_tp2, root):
     exported: the whole tensors of the one-process run's export, the same names and
     shapes, values within 1e-4 (the two runs round apart, and AdamW's normalised steps
     carry that into the parameters: measured 6.4e-6 after 3 steps)."""
-    whole, split = _exported(root / "mindspore_1_export"), _exported(root / "ms_tp2_export")
+    whole = _exported(references["exports"]["mindspore"])
+    split = _exported(root / "ms_tp2_export")
     assert split.keys() == whole.keys() and whole
     for name, value in whole.items():
         assert split[name].shape == value.shape, name

@@ -63,7 +63,8 @@ class Attention(nn.Cell):
         q = self.q_proj(x).reshape(b, t, -1, self.head_dim).swapaxes(1, 2)
         k = self.k_proj(x).reshape(b, t, -1, self.head_dim).swapaxes(1, 2)
         v = self.v_proj(x).reshape(b, t, -1, self.head_dim).swapaxes(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # the whole sequence's positions: under tensor parallelism x is the gathered sequence
+        q, k = _rotate(q, cos[:t], sin[:t]), _rotate(k, cos[:t], sin[:t])
         repeat = q.shape[1] // k.shape[1]
         k, v = ops.repeat_interleave(k, repeat, 1), ops.repeat_interleave(v, repeat, 1)
         # over the whole sequence under hp.context_parallel (docs/context-parallel.md)
@@ -151,16 +152,22 @@ class Body(nn.Cell):
         self.embed_tokens = Embedding(VOCAB, s["hidden"])
         self.layers = nn.CellList([DecoderLayer(s, moe) for _ in range(s["layers"])])
         self.norm = RMSNorm(s["hidden"])
+        self.recompute_layers = False  # True: each layer's forward runs again in backward
         cos, sin = rope_tables(s["seq"], s["hidden"] // s["heads"])
         self.cos, self.sin = Tensor(cos), Tensor(sin)  # constants, not parameters
 
     def construct(self, ids):
-        x = self.embed_tokens(ids)
-        t = ids.shape[1]
-        cos, sin = self.cos[:t].astype(x.dtype), self.sin[:t].astype(x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+        """See model_torch.py's Body.forward."""
+        x = self.embed_tokens(ids) if self.embed_tokens is not None else ids
+        cos, sin = self.cos.astype(x.dtype), self.sin.astype(x.dtype)
+        for layer in self.layers or ():  # None in a part without layers
+            x = self._layer(layer, x, cos, sin)
+        return self.norm(x) if self.norm is not None else x
+
+    def _layer(self, layer, *args):
+        """A decoder layer (a fully_shard unit), recomputed in backward under
+        ``recompute_layers``."""
+        return ms.recompute(layer, *args) if self.recompute_layers else layer(*args)
 
 
 class LlamaLM(nn.Cell):
@@ -171,7 +178,8 @@ class LlamaLM(nn.Cell):
         self.lm_head = _linear(s["hidden"], VOCAB)
 
     def construct(self, ids):
-        return self.lm_head(self.model(ids))
+        h = self.model(ids)
+        return self.lm_head(h) if self.lm_head is not None else h
 
 
 def build(size: str, platform, moe: bool = False) -> LlamaLM:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from examples.lm.config import EPS, SIZES, VOCAB, initial, rope_tables
 from examples.lm.expert_parallel import EXPERTS, TOP_K
@@ -44,7 +45,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # the whole sequence's positions: under tensor parallelism x is the gathered sequence
+        q, k = _rotate(q, cos[:t], sin[:t]), _rotate(k, cos[:t], sin[:t])
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -129,6 +131,7 @@ class Body(nn.Module):
         self.embed_tokens = nn.Embedding(VOCAB, s["hidden"])
         self.layers = nn.ModuleList([DecoderLayer(s, moe) for _ in range(s["layers"])])
         self.norm = RMSNorm(s["hidden"])
+        self.recompute_layers = False  # True: each layer's forward runs again in backward
         self.seq, self.head_dim = s["seq"], s["hidden"] // s["heads"]
         self.register_buffer("cos", torch.empty(self.seq, self.head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(self.seq, self.head_dim), persistent=False)
@@ -145,12 +148,20 @@ class Body(nn.Module):
             self.sin.copy_(torch.from_numpy(sin))
 
     def forward(self, ids):
-        x = self.embed_tokens(ids)
-        t = ids.shape[1]
-        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+        """Token ids, or a pipeline stage's input hidden states where this part has no
+        embedding; parts a stage does not hold are None (or absent layers)."""
+        x = self.embed_tokens(ids) if self.embed_tokens is not None else ids
+        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+        for layer in self.layers or ():  # None in a part without layers
+            x = self._layer(layer, x, cos, sin)
+        return self.norm(x) if self.norm is not None else x
+
+    def _layer(self, layer, *args):
+        """A decoder layer (a fully_shard unit), recomputed in backward under
+        ``recompute_layers``."""
+        if self.recompute_layers:
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
 
 
 class LlamaLM(nn.Module):
@@ -161,7 +172,8 @@ class LlamaLM(nn.Module):
         self.lm_head = nn.Linear(s["hidden"], VOCAB, bias=False)
 
     def forward(self, ids):
-        return self.lm_head(self.model(ids))
+        h = self.model(ids)
+        return self.lm_head(h) if self.lm_head is not None else h
 
 
 def build(size: str, moe: bool = False) -> LlamaLM:

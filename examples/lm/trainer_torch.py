@@ -1,7 +1,9 @@
-"""The torch side of examples/train_lm.py: build (eagerly or on the meta device), split it
-over the tensor-parallel ranks (hyper_parallel's tensor parallelism, the same plan and
-names as on MindSpore), shard each decoder layer and the root, and run one AdamW step
-(inside hp.context_parallel where the sequence is split over context-parallel ranks)."""
+"""The torch side of examples/train_lm.py: build (eagerly or on the meta device), cut it into
+this rank's pipeline stages (examples/lm/pipeline.py), split it over the tensor-parallel
+ranks (hyper_parallel's tensor parallelism, the same plan and names as on MindSpore), shard
+each decoder layer and the root (each stage's part), and run one AdamW step (inside
+hp.context_parallel where the sequence is split over context-parallel ranks; by the
+pipeline schedule where there are stages)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import hyper_parallel as hp
 from examples.lm.config import VOCAB, set_initial_values
 from examples.lm.expert_parallel import balance, forget_counts, shard_experts
 from examples.lm.model_torch import LlamaLM, build
+from examples.lm.pipeline import Pipeline, decoder_layers, held_row, plan_for
 from examples.lm.progress import peak_resident_mb
 from examples.lm.tensor_parallel import lm_plan
 
@@ -21,12 +24,15 @@ from examples.lm.tensor_parallel import lm_plan
 class Trainer:
     def __init__(self, size: str, mesh, mp_policy, deferred: bool, lr: float,
                  weight_decay: float, clip: float, tp_mesh=None, cp_mesh=None,
-                 dp_mesh_dims=None, moe: bool = False, ep_meshes: tuple = (None, None)):
+                 dp_mesh_dims=None, moe: bool = False, ep_meshes: tuple = (None, None),
+                 pipeline: tuple | None = None, recompute: bool = False):
         """``mesh``: fully_shard's (None: all ranks), with its ``dp_mesh_dims``;
         ``tp_mesh``: the tensor-parallel ranks (None: no tensor parallelism), which needs
         the model built eagerly; ``cp_mesh``: the context-parallel ranks (None: none);
         ``moe``: experts in place of the MLPs, split over ``ep_meshes`` (expert_parallel.py's
-        ``expert_meshes``; an expert split needs the model built eagerly)."""
+        ``expert_meshes``; an expert split needs the model built eagerly); ``pipeline``:
+        (the pp mesh, the schedule's name, micro-batches per step), None for no stages;
+        ``recompute``: each decoder layer's forward runs again in backward."""
         torch.manual_seed(0)
         self.device = torch.device(hp.get_platform().device_type())
         if deferred:
@@ -34,26 +40,38 @@ class Trainer:
                 model = LlamaLM(size, moe)
         else:
             model = build(size, moe).to(self.device)
-        if tp_mesh is not None:
-            hp.parallelize_module(model, tp_mesh, lm_plan(hp, attention_inputs=3, moe=moe))
-        if ep_meshes[0] is not None:
-            shard_experts(hp, model, ep_meshes[0], mp_policy)
-        for layer in model.model.layers:
-            hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
-        hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
-        if deferred:
-            model.to_empty(device=self.device)  # allocates each rank's shards only
-            model.model.init_rope()
-            set_initial_values(model)
-        self.model, self.clip, self.tensor_parallel = model, clip, tp_mesh is not None
+        self.pipeline = pipeline and Pipeline(hp, model, *pipeline, self.device)
+        parts = self.pipeline.parts if self.pipeline else [model]
+        for part in parts:
+            part.model.recompute_layers = recompute
+            if tp_mesh is not None:
+                hp.parallelize_module(part, tp_mesh,
+                                      plan_for(hp, part, lm_plan(hp, attention_inputs=3, moe=moe)))
+            if ep_meshes[0] is not None:
+                shard_experts(hp, part, ep_meshes[0], mp_policy)
+            for layer in decoder_layers(part):
+                hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
+            hp.fully_shard(part, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
+            if deferred:
+                part.to_empty(device=self.device)  # allocates each rank's shards only
+                part.model.init_rope()
+                set_initial_values(part)
+        # under pipelining the model is this rank's parts (torchtitan's model_parts)
+        self.model = parts if self.pipeline else model
+        self.clip, self.tensor_parallel = clip, tp_mesh is not None
         self.moe, self.every = moe, ep_meshes[1]
         self.cp_mesh = cp_mesh
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.params = [p for part in parts for p in part.parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        if self.pipeline:
+            self.pipeline.start(self._cross_entropy)
 
     def _loss(self, ids, targets):
         """The loss over logits split on the vocabulary (a LayoutTensor, never gathered)
         under tensor parallelism, over whole logits otherwise."""
-        logits = self.model(ids)
+        return self._cross_entropy(self.model(ids), targets)
+
+    def _cross_entropy(self, logits, targets):
         logits = logits.astype(torch.float32) if self.tensor_parallel else logits.float()
         with hp.loss_parallel():
             return hp.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
@@ -74,17 +92,24 @@ class Trainer:
     def step(self, ids: np.ndarray, targets: np.ndarray) -> tuple:
         """One optimizer step on this rank's rows; (local loss, global gradient norm)."""
         ids, targets = self._tensors(ids, targets)
-        with self._split_sequence(ids, targets):
-            loss = self._loss(ids, targets)
-            loss.backward()
-        norm = hp.clip_grad_norm_(self.model.parameters(), self.clip)
+        if self.pipeline:
+            loss = self.pipeline.step(ids, targets)  # None but on the last stage
+            norm = hp.clip_grad_norm_(self.params, self.clip, pp_mesh=self.pipeline.mesh)
+        else:
+            with self._split_sequence(ids, targets):
+                loss = self._loss(ids, targets)
+                loss.backward()
+            loss = _value(loss)
+            norm = hp.clip_grad_norm_(self.params, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad()
         if self.moe:
             balance(hp, self.model, self.every)
-        return _value(loss), _value(norm)
+        return loss, _value(norm)
 
-    def evaluate(self, ids: np.ndarray, targets: np.ndarray) -> float:
+    def evaluate(self, ids: np.ndarray, targets: np.ndarray) -> float | None:
+        if self.pipeline:
+            return self.pipeline.eval(*self._tensors(ids, targets))
         with torch.no_grad():  # the whole sequence on each context-parallel rank
             loss = _value(self._loss(*self._tensors(ids, targets)))
         if self.moe:
@@ -92,9 +117,11 @@ class Trainer:
         return loss
 
     def mean_over_ranks(self, values: list) -> list:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        """Means over the ranks that hold ``values`` (under pipelining the last stage's;
+        the others pass Nones)."""
+        tensor = torch.tensor(held_row(values), dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(tensor)
-        return (tensor / torch.distributed.get_world_size()).tolist()
+        return (tensor[:-1] / tensor[-1]).tolist()
 
     def peak_memory_mb(self) -> float:
         """The accelerator's peak allocation on GPU; on CPU the process's peak resident set."""

@@ -160,32 +160,68 @@ def _held_managed(platform: Platform, name: str, fp: FSDPParam, key: str) -> Hel
                 offsets, region, fp.shard_dim, fp.stored_rows - fp.local_rows, key)
 
 
-def written_here(platform: Platform, held: list) -> list:
+def written_here(platform: Platform, held: list, pp_rank: int | None = None) -> list:
     """The values whose region this rank writes. Of the ranks holding the same region of a
     value (replicas over a replicate dim, a tensor-parallel Replicate placement, a mesh dim
     that is not data parallel, or every rank for a whole value) the lowest writes it; an
     empty region of a non-empty value is written by none. Every rank calls it: one
-    all-gather checks that every rank holds the same values, a second gathers where each
-    rank's regions start."""
+    all-gather checks that every rank holds the same values (with ``pp_rank``, this rank's
+    pipeline stage: the same as the ranks of its pp rank, and none another pp rank holds:
+    stages.py), a second gathers where each rank's regions start."""
     signature = "\n".join(f"{h.key} {h.shape}" for h in held).encode()
-    every = _gather(platform, np.array([len(held), zlib.crc32(signature)], np.uint32))
-    differ = [r for r, row in enumerate(every) if not np.array_equal(row, every[0])]
-    if differ:
-        raise CheckpointError(
-            f"rank {differ[0]} holds other parameters or shapes than rank 0 ({every[differ[0]][0]} "
-            f"values against {every[0][0]}); checkpoints cover models every rank holds whole "
-            f"or in parts (data and tensor parallelism), not pipeline stages")
+    names = "\n".join(h.key for h in held).encode()
+    row = np.array([pp_rank or 0, len(held), zlib.crc32(signature), len(names)], np.uint32)
+    every = _gather(platform, row)
+    listed = ([names] if len(every) == 1 else
+              _gather_bytes(platform, names, max(int(r[3]) for r in every)))
+    _check_stages(every, [b.decode().split("\n") if b else [] for b in listed],
+                  pp_rank is not None)
     if not held:
         return []
-    starts = np.zeros((len(held), 3), np.uint32)  # per value: written at all, first element
-    for i, h in enumerate(held):
+    starts = np.zeros((max(int(r[1]) for r in every), 3), np.uint32)
+    for i, h in enumerate(held):  # per value: written at all, first element
         strides = [math.prod(h.shape[d + 1:]) for d in range(len(h.shape))]
         first = sum(o * s for o, s in zip(h.offsets, strides))
         starts[i] = (math.prod(h.region_shape) > 0 or math.prod(h.shape) == 0,
                      first >> 32, first & 0xFFFFFFFF)
-    earlier = np.stack(_gather(platform, starts.reshape(-1)))[:platform.rank()]
-    taken = (earlier.reshape(-1, len(held), 3) == starts).all(-1).any(0)
+    gathered = _gather(platform, starts.reshape(-1))
+    earlier = [g.reshape(-1, 3)[:len(held)] for r, g in enumerate(gathered[:platform.rank()])
+               if every[r][0] == row[0]]  # the ranks of this pp rank hold these values
+    taken = (np.any([(e == starts[:len(held)]).all(-1) for e in earlier], 0) if earlier
+             else np.zeros(len(held), bool))
     return [h for i, h in enumerate(held) if starts[i, 0] and not taken[i]]
+
+
+def _check_stages(rows: list, names: list, pp: bool) -> None:
+    """``rows[r]``: rank ``r``'s (pp rank, number of values, checksum of its names and
+    shapes, length of its names); ``names[r]``: its stored names. The ranks of one pp rank
+    hold the same values; no name is held at two pp ranks (stages.py)."""
+    for rank, row in enumerate(rows):
+        peer = next(r for r, other in enumerate(rows) if other[0] == row[0])
+        if not np.array_equal(row, rows[peer]):
+            raise CheckpointError(
+                f"rank {rank} holds other parameters or shapes than rank {peer} "
+                f"({row[1]} values against {rows[peer][1]}"
+                f"{f', both at pp rank {row[0]}' if pp else ''}); checkpoints cover models "
+                f"every rank holds whole or in parts (data and tensor parallelism), and "
+                f"pipeline stages given pp_mesh=mesh['pp']")
+    holder: dict = {}
+    for rank, row in enumerate(rows):
+        for name in names[rank]:
+            other = holder.setdefault(name, int(row[0]))
+            if other != row[0]:
+                raise CheckpointError(f"{name!r} is held at pp ranks {other} and {row[0]}: "
+                                      f"each value belongs to one stage (split the model "
+                                      f"with hp.pipelining.pipeline_module_split)")
+
+
+def _gather_bytes(platform: Platform, data: bytes, longest: int) -> list:
+    """Every rank's ``data`` (at most ``longest`` bytes), by rank."""
+    size = -(-longest // 4) * 4
+    padded = np.zeros(size, np.uint8)
+    padded[:len(data)] = np.frombuffer(data, np.uint8)
+    return [piece.view(np.uint8).tobytes().rstrip(b"\0")
+            for piece in _gather(platform, padded.view(np.uint32))]
 
 
 def _gather(platform: Platform, values: np.ndarray) -> list:

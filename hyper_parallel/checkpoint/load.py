@@ -18,13 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hyper_parallel.checkpoint.arguments import check_bool, check_model, check_path
+from hyper_parallel.checkpoint.arguments import check_bool, check_path
 from hyper_parallel.checkpoint.files import SliceReader
 from hyper_parallel.checkpoint.index import INDEX_FILE, CheckpointError, overlaps, read_index
 from hyper_parallel.checkpoint.index_check import check_index, confined
-from hyper_parallel.checkpoint.layout import from_array, held_params
+from hyper_parallel.checkpoint.layout import from_array
 from hyper_parallel.checkpoint.optimizers import read_for_load
 from hyper_parallel.checkpoint.save import agree_on_failure, finish_pending_saves
+from hyper_parallel.checkpoint.stages import (
+    check_covered, held_groups, model_parts, pp_rank_of,
+)
 from hyper_parallel.platform import get_platform
 
 if TYPE_CHECKING:
@@ -33,19 +36,24 @@ if TYPE_CHECKING:
 
 
 def load_checkpoint(path: str, model: Any, optimizer: Any = None, key_map: Any = None,
-                    verify: bool = True) -> Any:
+                    verify: bool = True, pp_mesh: Any = None) -> Any:
     """Load the checkpoint at directory ``path`` into ``model`` (and ``optimizer``, which
     must update the same parameters); return its ``extra``. Every rank
     calls it. ``key_map``: the stored name of each model name (names.py). ``verify``: check
-    each tensor read against its checksum. On any error no rank changes anything."""
+    each tensor read against its checksum. On any error no rank changes anything. A
+    pipelined run passes this rank's model parts (a module or a list), their optimizer
+    (one, or a list with one per part) and ``pp_mesh``: each rank loads its own values,
+    and the ranks together every value of the checkpoint (stages.py)."""
     path = check_path("load_checkpoint", path)
     check_bool("load_checkpoint", "verify", verify)
     platform = get_platform()
-    check_model(platform, "load_checkpoint", model, optimizer)
+    pp_rank_of(pp_mesh)
+    parts = model_parts(platform, "load_checkpoint", model, optimizer)
     finish_pending_saves()
     failure, plan = None, None
     try:
-        plan = _read_everything(platform, path, model, optimizer, key_map, verify)
+        plan = _read_everything(platform, path, held_groups(platform, parts, key_map), verify,
+                                pp_mesh is not None)
     except (CheckpointError, TypeError) as error:
         failure = error
     except (KeyError, ValueError, IndexError) as error:  # an index of the wrong structure
@@ -57,43 +65,52 @@ def load_checkpoint(path: str, model: Any, optimizer: Any = None, key_map: Any =
     if failed:
         raise CheckpointError(f"loading {path} failed on {failed} other rank(s); nothing was "
                               f"loaded on any rank")
-    index, values, (states, own) = plan
+    index, values, states, stored, loaded = plan
+    if pp_mesh is not None:
+        check_covered(platform, path, stored, loaded)
     with platform.no_grad():
         for h, array in values:
             local = h.local(platform)
             platform.copy_into(local, from_array(platform, h, array, local))
-        for h, state in states:
-            like = h.local(platform)
-            platform.set_optimizer_state(optimizer, h.param, {
-                name: from_array(platform, h, value, like) if isinstance(value, np.ndarray)
-                else value for name, value in state.items()})
-        if own:
-            platform.set_optimizer_state(optimizer, None, own)
+        for opt, writes, own in states:
+            for h, state in writes:
+                like = h.local(platform)
+                platform.set_optimizer_state(opt, h.param, {
+                    name: from_array(platform, h, value, like)
+                    if isinstance(value, np.ndarray) else value
+                    for name, value in state.items()})
+            if own:
+                platform.set_optimizer_state(opt, None, own)
     return index.get("extra")
 
 
-def _read_everything(platform: Platform, path: str, model: Any, optimizer: Any,
-                     key_map: Any, verify: bool) -> tuple:
-    held = held_params(platform, model, key_map)
+def _read_everything(platform: Platform, path: str, groups: list, verify: bool,
+                     stage: bool) -> tuple:
+    """``(index, [(Held, region)], [(optimizer, writes, own)], the index's sorted model
+    names, this rank's)``; ``stage``: the model is a pipeline stage's parts, which hold
+    some of the checkpoint's names."""
+    held = [h for part, _ in groups for h in part]
     confined(path, INDEX_FILE, os.path.join(path, INDEX_FILE))
     index = read_index(path)
     check_index(path, os.path.join(path, INDEX_FILE), index)
     tensors = index["tensors"]
     names = {h.key for h in held}
     model_keys = {key for key in tensors if not key.startswith("optim.")}
-    if names != model_keys:
-        missing, unknown = sorted(names - model_keys), sorted(model_keys - names)
+    missing, unknown = sorted(names - model_keys), sorted(model_keys - names)
+    if missing or (unknown and not stage):
         raise CheckpointError(
             f"{os.path.join(path, INDEX_FILE)} holds a different model: "
             + "; ".join(part for part in (
                 f"missing {', '.join(missing[:5])}" if missing else "",
-                f"not in this model {', '.join(unknown[:5])}" if unknown else "") if part))
+                f"not in this model {', '.join(unknown[:5])}" if unknown else "") if part)
+            + ("" if missing else " (a pipeline stage's parts: pass pp_mesh=mesh['pp'])"))
     reader = SliceReader(path, verify)
     values = [(h, _read_region(reader, path, h.key, tensors[h.key], h)) for h in held]
-    states = ([], {}) if optimizer is None else read_for_load(
-        platform, path, index, held, optimizer,
-        lambda key, entry, h: _read_region(reader, path, key, entry, h))
-    return index, values, states
+    states = [(opt, *read_for_load(platform, path, index, part, opt,
+                                   lambda key, entry, h: _read_region(reader, path, key,
+                                                                      entry, h)))
+              for part, opt in groups if opt is not None]
+    return index, values, states, sorted(model_keys), names
 
 
 def _read_region(reader: SliceReader, path: str, key: str, entry: dict, h: Held) -> np.ndarray:

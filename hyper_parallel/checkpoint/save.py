@@ -44,15 +44,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hyper_parallel.checkpoint import files
-from hyper_parallel.checkpoint.arguments import check_bool, check_model, check_path
+from hyper_parallel.checkpoint.arguments import check_bool, check_path
 from hyper_parallel.checkpoint.index import (
     INDEX_FILE, CheckpointError, add_slice, merge, moment_key, new_partial, rank_file,
     write_json,
 )
 from hyper_parallel.checkpoint.ownership import check_target, is_ours, make_staging, \
     remove_ours, swap_in
-from hyper_parallel.checkpoint.layout import dtype_name, held_params, to_array, written_here
-from hyper_parallel.checkpoint.optimizers import optimizer_type, read_state
+from hyper_parallel.checkpoint.layout import dtype_name, to_array, written_here
+from hyper_parallel.checkpoint.stages import (
+    held_groups, model_parts, optimizer_states, pp_rank_of,
+)
 from hyper_parallel.platform import get_platform
 
 if TYPE_CHECKING:
@@ -65,7 +67,8 @@ _IN_FLIGHT: list = []
 
 
 def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = None,
-                    key_map: Any = None, async_save: bool = False) -> SaveHandle | None:
+                    key_map: Any = None, async_save: bool = False,
+                    pp_mesh: Any = None) -> SaveHandle | None:
     """Write ``model``'s parameters and buffers (and ``optimizer``'s state, and
     JSON-serialisable ``extra``) to directory ``path``, replacing what is there only
     once every rank has written its part. ``key_map``: the stored name of each model name
@@ -73,7 +76,8 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = N
     rank's part is copied to host memory, with a ``SaveHandle``; the files are written in
     the background and published by ``handle.wait()``, the next save or load, or
     ``destroy_distributed``. ``path`` must be new, an empty directory or a checkpoint of
-    ours (ownership.py)."""
+    ours (ownership.py). A pipelined run passes this rank's model parts (a module or a
+    list), their optimizer (one, or a list with one per part) and ``pp_mesh`` (stages.py)."""
     path = check_path("save_checkpoint", path)
     try:
         json.dumps(extra)
@@ -81,12 +85,14 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = N
         raise TypeError(f"save_checkpoint(extra=...) must be JSON-serialisable: {error}") from None
     check_bool("save_checkpoint", "async_save", async_save)
     platform = get_platform()
-    check_model(platform, "save_checkpoint", model, optimizer)
-    held = held_params(platform, model, key_map)
+    pp_rank = pp_rank_of(pp_mesh)
+    groups = held_groups(platform, model_parts(platform, "save_checkpoint", model, optimizer),
+                         key_map)
+    held = [h for part, _ in groups for h in part]
     # state an optimizer keeps that a checkpoint cannot store is an error before any write
-    state = None if optimizer is None else read_state(platform, optimizer, held)
+    kind, state = optimizer_states(platform, groups)
     finish_pending_saves()
-    mine = written_here(platform, held)
+    mine = written_here(platform, held, pp_rank)
     # every rank sees the same directory: each refuses a target that is not ours itself
     refused = _attempt(lambda: check_target(path))
     if agree_on_failure(platform, refused is not None):
@@ -99,7 +105,7 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, extra: Any = N
     snapshot = []
     if not failed:
         failure = _attempt(lambda: snapshot.append(
-            _snapshot(platform, rank, mine, optimizer, state)))
+            _snapshot(platform, rank, mine, kind, state)))
     if not async_save:
         if not failed and failure is None:
             failure = _attempt(lambda: _write(staging, rank, *snapshot[0]))
@@ -220,13 +226,13 @@ def agree_on_failure(platform: Platform, failed: bool) -> int:
     return int(round(float(platform.to_numpy(flag)[0])))
 
 
-def _snapshot(platform: Platform, rank: int, held: list, optimizer: Any,
+def _snapshot(platform: Platform, rank: int, held: list, kind: str | None,
               state: tuple | None) -> tuple:
     """This rank's regions of the ``held`` values it writes, copied to host memory as
     numpy, and its partial index: ``([(stored name, dtype name, array)], partial)``.
-    ``state``: ``read_state``'s."""
+    ``kind``, ``state``: the optimizer's class and ``read_state``'s (None without one)."""
     entries = []  # (stored name, Held, dtype name, this rank's region as numpy)
-    partial = new_partial(None if optimizer is None else optimizer_type(optimizer))
+    partial = new_partial(kind)
     per_param = {}
     if state is not None:
         per_param, partial["optimizer"]["own"] = state

@@ -6,7 +6,8 @@ platform.
 Stage ``i``'s model part is a copy of the whole model's tree along the paths to the
 modules named for stage ``i``; those modules (and all below them) are the whole model's
 own objects, shared, not copied; every other module is removed: from a list or dict
-container (``ModuleList``, ``CellList``, ...) without renumbering the entries kept, and
+container (``ModuleList``, ``CellList``, ...) without renumbering the entries kept (a
+container none of whose entries is kept stays, empty, as torchtitan leaves it), and
 elsewhere replaced by None. So a part's parameters keep the whole model's names (stage 1
 of a four-layer model holds ``layers.2.*`` and ``layers.3.*``, as the checkpoint of the
 whole model names them; torchtitan renumbers a kept ``ModuleList``), and the parts of one
@@ -147,4 +148,6 @@ def _part(module: Any, prefix: str, kept: set) -> Any:
             continue
         if full in kept or any(k.startswith(full + ".") for k in kept):
             children[name] = _part(child, full, kept)
+        elif p.children_of(child)[1]:  # a list or dict of layers none of which is kept
+            children[name] = p.module_shell(child, {})
     return p.module_shell(module, children)
