@@ -46,9 +46,9 @@ class Trainer:
             part.model.recompute_layers = recompute
             if tp_mesh is not None:
                 hp.parallelize_module(part, tp_mesh,
-                                      plan_for(hp, part, lm_plan(hp, attention_inputs=3)))
+                                      plan_for(hp, part, lm_plan(hp, attention_inputs=3, moe=moe)))
             if ep_meshes[0] is not None:
-                shard_experts(hp, part, ep_meshes[0], mp_policy, hp.get_platform().world_size())
+                shard_experts(hp, part, ep_meshes[0], mp_policy)
             for layer in decoder_layers(part):
                 hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
             hp.fully_shard(part, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
