@@ -32,7 +32,7 @@ def check_pipeline(pp: int, schedule: str, layers: int, rows: int, microbatches:
     given = [option for option, on in refused.items() if on]
     if pp > 1 and given:
         return (f"--pp does not compose with {', '.join(given)}: pipelined runs take --tp, "
-                f"--mesh and --recompute; leave out {', '.join(given)}")
+                f"--mesh, --recompute and checkpoints; leave out {', '.join(given)}")
     stages = pp * STAGES_PER_RANK[schedule]
     if pp > 1 and stages > layers + 2:
         return (f"--pp {pp} with --pp-schedule {schedule} makes {stages} stages, more than "
