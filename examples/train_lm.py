@@ -5,6 +5,7 @@
     python examples/train_lm.py --nproc 4 --mesh 2x2 --dtype bf16  # HSDP, bf16 parameters
     python examples/train_lm.py --nproc 4 --tp 2                  # FSDP over 2 x tensor parallel 2
     python examples/train_lm.py --nproc 2 --moe --ep 2            # experts split over 2 ranks
+    python examples/train_lm.py --nproc 8 --moe --ep 2 --tp 2 --mesh 2x2  # HSDP x EP x TP
     python examples/train_lm.py --nproc 4 --cp 2                  # FSDP 2 x context parallel 2
     python examples/train_lm.py --nproc 8 --pp 2 --tp 2           # pipeline 2 x FSDP 2 x TP 2
     python examples/train_lm.py --size 124m --nproc 8            # GPT-2-small sized
@@ -28,7 +29,8 @@ batches the uninterrupted run would have seen:
     python examples/train_lm.py --steps 100 --backend mindspore --resume runs/train_lm/step-00050
 
 ``--export DIR`` writes the trained weights in the Hugging Face layout with their
-config.json, for ``transformers.LlamaForCausalLM.from_pretrained(DIR)``.
+config.json, for ``transformers.LlamaForCausalLM.from_pretrained(DIR)``; with ``--moe``,
+the weights only, each expert under its own names (examples/lm/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(or --mesh's HSDP) over the nproc / N groups (default 1: none)")
     parser.add_argument("--moe", action="store_true",
                         help="a mixture of experts in place of each MLP (4 experts, top-2, "
-                             "router-bias balancing; built eagerly; no --export)")
+                             "router-bias balancing; built eagerly)")
     parser.add_argument("--ep", type=int, default=1, metavar="N",
-                        help="with --moe: the experts split over N ranks, FSDP over all ranks "
-                             "(default 1: none)")
+                        help="with --moe: the experts split over N of the sharding ranks "
+                             "(with --tp: of each tensor-parallel position's; with --mesh RxS: "
+                             "of the S) (default 1: none)")
     parser.add_argument("--cp", type=int, default=1, metavar="N",
                         help="context-parallel degree: each sequence split over N ranks, which "
                              "fully_shard shards over too (default 1: none)")
@@ -160,9 +163,6 @@ def _check_experts(parser, args) -> None:
     problem = check_degree(args.nproc, args.ep, args.tp, args.mesh, args.cp)
     if problem:
         parser.error(problem)
-    if args.moe and args.export:
-        parser.error("--export writes Hugging Face Llama's layout, which has no experts: "
-                     "leave it out with --moe")
     args.eager_init = args.eager_init or args.moe
 
 
@@ -252,7 +252,8 @@ def rank_main(args: argparse.Namespace) -> None:
     if args.moe:
         from examples.lm.expert_parallel import expert_meshes
 
-        ep_meshes = expert_meshes(hp, platform.device_type(), world, args.ep)
+        ep_meshes = expert_meshes(hp, platform.device_type(), world, args.ep, args.tp,
+                                  int(args.mesh.lower().split("x")[0]) if args.mesh else 1)
     trainer = Trainer(args.size, mesh, mp_policy, not args.eager_init, args.lr,
                       args.weight_decay, args.clip, tp_mesh, cp_mesh, dp_mesh_dims,
                       moe=args.moe, ep_meshes=ep_meshes, recompute=args.recompute,
@@ -307,7 +308,12 @@ def rank_main(args: argparse.Namespace) -> None:
         title = f"train_lm {args.size} on {_layout(args)}, {args.dtype}"
         say(f"loss curve: {png}" if plot_losses(history, validation, png, title)
             else "loss curve skipped: matplotlib is not installed (pip install matplotlib)")
-    if args.export:
+    if args.export and args.moe:
+        from examples.lm.expert_parallel import per_expert_names
+
+        hp.export_full(args.export, trainer.model, key_map=per_expert_names(hp))
+        say(f"exported, each expert under its own names (no config.json): {args.export}")
+    elif args.export:
         hp.export_full(args.export, trainer.model, config=hf_config(args.size))
         say(f"exported for from_pretrained: {args.export}")
     hp.destroy_distributed()

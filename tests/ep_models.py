@@ -22,7 +22,9 @@ models write it (torchtitan's MoE): plain framework modules, nothing of hyper_pa
 (an expert with no tokens), and the few tokens of a rank leave other experts empty there.
 The loss is the mean squared error against random targets plus ``AUX`` times the
 auxiliary loss. ``recompute``: the experts' forward runs again in backward (activation
-recompute: torch's ``checkpoint``, MindSpore's ``recompute``).
+recompute: torch's ``checkpoint``, MindSpore's ``recompute``). ``capacity``: the model
+drops rows itself as ``ExpertParallel(capacity_factor=...)`` does (``kept_rows``), the
+reference of the capacity test.
 """
 
 from __future__ import annotations
@@ -58,7 +60,18 @@ def batches(seed: int = 1) -> list:
 
 
 # ---------------------------------------------------------------- torch
-def torch_model(score: str = "softmax", recompute: bool = False):
+def kept_rows(counts, capacity: float | None) -> np.ndarray:
+    """1 for each row (sorted by expert) an expert takes under ``capacity`` (the first
+    ``ceil(capacity * rows / EXPERTS)`` of its run), 0 for a dropped one: the capacity
+    rule of docs/expert-parallel.md written out, for the reference model."""
+    counts = np.asarray(counts, np.int64)
+    rows = int(counts.sum())
+    within = np.arange(rows) - np.repeat(np.cumsum(counts) - counts, counts)
+    limit = rows if capacity is None else int(np.ceil(capacity * rows / EXPERTS))
+    return (within < limit).astype(np.float32)[:, None]
+
+
+def torch_model(score: str = "softmax", recompute: bool = False, capacity: float | None = None):
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -116,6 +129,8 @@ def torch_model(score: str = "softmax", recompute: bool = False):
                 out = checkpoint(self.experts, h[order // TOP_K], counts, use_reentrant=False)
             else:
                 out = self.experts(h[order // TOP_K], counts)
+            if capacity is not None:  # the reference's own drop (kept_rows)
+                out = out * torch.from_numpy(kept_rows(counts.numpy(), capacity))
             unsorted = out[torch.argsort(order)].reshape(-1, TOP_K, dim)
             y = (unsorted * weights.unsqueeze(-1)).sum(1) + self.shared(h)
             per_seq = F.one_hot(chosen, EXPERTS).reshape(seqs, seq * TOP_K, EXPERTS).sum(1)
@@ -147,7 +162,8 @@ def torch_loss(model, x, target):
 
 
 # ---------------------------------------------------------------- MindSpore
-def mindspore_model(score: str = "softmax", recompute: bool = False):
+def mindspore_model(score: str = "softmax", recompute: bool = False,
+                    capacity: float | None = None):
     import mindspore as ms
     from mindspore import mint, nn, ops
 
@@ -217,6 +233,8 @@ def mindspore_model(score: str = "softmax", recompute: bool = False):
                 out = ms.recompute(self.experts, h[token_of[order]], counts)
             else:
                 out = self.experts(h[token_of[order]], counts)
+            if capacity is not None:  # the reference's own drop (kept_rows)
+                out = out * ms.Tensor(kept_rows(counts.asnumpy(), capacity))
             unsorted = out[ops.argsort(order.astype(ms.int32))].reshape(-1, TOP_K, dim)
             y = (unsorted * weights.unsqueeze(-1)).sum(1) + self.shared(h)
             per_seq = ops.one_hot(chosen, EXPERTS, ms.Tensor(1.0), ms.Tensor(0.0)).reshape(

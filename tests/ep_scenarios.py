@@ -283,3 +283,36 @@ def starved(backend: str) -> dict:
         hp.fully_shard(model, mesh=dp)
         out[kind] = Run(backend, model, slice(rank, rank + 1)).train(batches()[:3])
     return out
+
+
+CAPACITY = 1.0  # each expert takes at most an even share of a rank's rows
+
+
+def capacity(backend: str) -> dict:
+    """ep2 with ``ExpertParallel(capacity_factor=CAPACITY)``, each rank its own sequences,
+    against the model dropping the same rows itself (tests/ep_models.py ``kept_rows``, the
+    rule of docs/expert-parallel.md) under plain FSDP over the same ranks, 3 steps: each
+    rank's losses, the whole parameters after each step, and the per-expert counts each
+    rank routed in its first step (so the test sees rows were dropped); the seconds it
+    took."""
+    start = time.perf_counter()
+    platform = hp.get_platform()
+    rank, world = platform.rank(), platform.world_size()
+    mesh = hp.init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
+    dp = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    build = torch_model if backend == "torch" else mindspore_model
+    rows = slice(rank * SEQS // world, (rank + 1) * SEQS // world)
+    out = {}
+    for kind in ("ep", "fsdp"):
+        model = build("softmax", False, None if kind == "ep" else CAPACITY)
+        if kind == "ep":
+            hp.parallelize_module(model.moe.experts, mesh["ep"],
+                                  hp.ExpertParallel(capacity_factor=CAPACITY))
+            seen = _counts_seen(model.moe.experts)
+            hp.fully_shard(model.moe.experts, mesh=mesh["efsdp"])
+            model.moe.experts.set_gradient_divide_factor(world)
+        hp.fully_shard(model, mesh=dp)
+        out[kind] = Run(backend, model, rows, bias_mesh=dp).train(batches()[:3])
+    out["counts"] = seen[0]
+    out["seconds"] = time.perf_counter() - start
+    return out

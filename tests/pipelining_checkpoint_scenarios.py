@@ -14,8 +14,8 @@ hp.torch_nn_names``), cut by ``hp.pipelining.pipeline_module_split`` and trained
 - the errors, each on every rank and nothing loaded: a load whose stages leave a value of
   the checkpoint to no rank, a stage saved or loaded without ``pp_mesh``.
 
-``resume_pp2`` (slow, its own launch): the other framework's pp 2 checkpoint resumed at
-pp 2. ``interleaved`` (slow): the pp 2 checkpoint loaded into ``ScheduleInterleaved1F1B``'s four
+``resume_pp2`` (slow, its own launch): the other framework's pp 2 checkpoint, or one
+process's (``save_whole``), resumed at pp 2. ``interleaved`` (slow): the pp 2 checkpoint loaded into ``ScheduleInterleaved1F1B``'s four
 stages (two per rank: a list of model parts and one optimizer per part), trained on.
 Per run: the last stage's losses of the steps after ``SAVE_AT``, against the reference's.
 """
@@ -172,6 +172,21 @@ def resume_pp2(directory: str) -> dict:
                   for t in batches]
     platform.barrier()
     return {"pp_rank": mesh.get_local_rank("pp"), "crossed": losses, "ref_losses": ref_losses}
+
+
+def save_whole(directory: str) -> None:
+    """In one process: the whole model trained ``SAVE_AT`` steps, saved as
+    ``directory``/pp2 (what ``resume_pp2`` loads)."""
+    script, framework = _modules()
+    platform = hp.get_platform()
+    model = framework.build(script.initial_values(), **script.SIZES)
+    opt = framework.optimizer(model, 1e-2)
+    loss_fn = _loss_fn(script.SIZES["vocab"])
+    for t in script.batches(STEPS)[:SAVE_AT]:
+        framework.train_step(model, opt, lambda i, t: loss_fn(model(i), t),
+                             platform.from_numpy(t[:, :-1]), platform.from_numpy(t[:, 1:]),
+                             1e9, hp.clip_grad_norm_)
+    hp.save_checkpoint(os.path.join(directory, "pp2"), model, opt, key_map=hp.torch_nn_names)
 
 
 def resume_whole(directory: str) -> list:

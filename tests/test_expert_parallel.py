@@ -67,6 +67,8 @@ def _ep2_args(backend: str) -> tuple:
 
 shared_launch.register(__name__, "expert_parallel_ep2", EP, "tests.ep_scenarios:run_all",
                        _ep2_args, timeout_s=300)
+shared_launch.register(__name__, "expert_parallel_capacity", EP, "tests.ep_scenarios:capacity",
+                       lambda backend: (backend,), timeout_s=240)
 if importlib.util.find_spec("transformers") is not None:  # the hf test extra
     shared_launch.register(__name__, "expert_parallel_hf_ep2", EP,
                            "tests.ep_hf_scenarios:run",
@@ -252,6 +254,32 @@ def test_hugging_face_export_in_per_expert_names_loads_with_from_pretrained():
                      f"rank {rank}: logits")
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_a_capacity_factor_drops_the_rows_its_rule_names(backend):
+    """ep2 with ``capacity_factor=1``: rows were dropped (an expert got more than an even
+    share of a rank's rows), and each rank's losses and the parameters equal those of the
+    model dropping the same rows itself (each expert's first ``ceil(cf * rows / E)`` rows
+    of a rank's call kept, the others' outputs zero) under plain FSDP."""
+    from tests.ep_scenarios import CAPACITY
+
+    for rank, result in enumerate(shared_launch.results("expert_parallel_capacity", backend)):
+        counts = np.asarray(result["counts"])
+        limit = int(np.ceil(CAPACITY * counts.sum() / EXPERTS))
+        assert (counts > limit).any(), (rank, counts, limit)  # the case is covered
+        _check_against_fsdp(rank, result["ep"], result["fsdp"])
+    _print_seconds("expert_parallel_capacity", backend)
+
+
+def _check_against_fsdp(rank: int, ep: dict, fsdp: dict) -> None:
+    """One rank's losses and parameters after each step equal plain FSDP's."""
+    assert_close(ep["losses"], fsdp["losses"], FP32_RTOL, f"rank {rank}: losses")
+    for step, expected in enumerate(fsdp["params"]):
+        for name, value in expected.items():
+            assert_close(ep["params"][step][name], value, FP32_RTOL,
+                         f"rank {rank}, step {step}: {name}")
+
+
 def _bad_input_model(backend: str):
     """``moe.experts`` (grouped, 4 experts), ``proj`` (a linear layer), and ``moe.listed``:
     a ModuleList / CellList of linear experts."""
@@ -279,6 +307,36 @@ BAD_INPUT = {
                                "its experts are 4 modules of their own, the Hugging Face form"),
     "mesh_not_1d": ("moe.experts", None, ValueError, "takes a 1-D mesh"),
 }
+
+
+@pytest.mark.parametrize("backend", ["torch", "mindspore"])
+def test_the_routed_form_sends_no_row_for_the_sentinel(monkeypatch, backend):
+    """transformers' sentinel index (``num_experts``: a slot without expert) sends no row
+    and adds nothing: with experts that return their rows, each token's output is the
+    weighted sum of its other slots' rows. In the test process: no collective."""
+    monkeypatch.setenv("HP_BACKEND", backend)
+    import hyper_parallel as hp
+    from hyper_parallel.expert_parallel.routed import from_grouped, to_grouped
+
+    p = hp.get_platform()
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((5, 3)).astype(np.float32)
+    index = np.array([[0, 2], [4, 1], [3, 4], [1, 1], [2, 0]])  # 4: the sentinel
+    weights = rng.random((5, 2)).astype(np.float32)
+    rows, counts, slots = to_grouped(p.from_numpy(hidden), p.from_numpy(index),
+                                     p.from_numpy(weights), EXPERTS)
+    assert list(p.to_numpy(counts)) == [2, 3, 2, 1]  # 8 rows: the 2 sentinel slots sent none
+    out = p.to_numpy(from_grouped(rows, slots))
+    expected = ((index < EXPERTS) * weights)[..., None] * hidden[:, None, :]
+    np.testing.assert_allclose(out, expected.sum(1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("factor", [0, -1.0, True, "2"])
+def test_a_capacity_factor_that_is_not_positive_is_a_named_error(factor):
+    import hyper_parallel as hp
+
+    with pytest.raises(ValueError, match="give a positive number"):
+        hp.ExpertParallel(capacity_factor=factor)
 
 
 @pytest.mark.timeout(300)
@@ -364,12 +422,7 @@ def test_a_rank_whose_experts_get_no_rows_trains_as_plain_fsdp(backend):
     no rank waits for another, and each rank's losses and the parameters equal plain FSDP's
     on the same routing."""
     for rank, result in enumerate(shared_launch.results("expert_parallel_starved", backend)):
-        ep, fsdp = result["ep"], result["fsdp"]
-        assert_close(ep["losses"], fsdp["losses"], FP32_RTOL, f"rank {rank}: losses")
-        for step, expected in enumerate(fsdp["params"]):
-            for name, value in expected.items():
-                assert_close(ep["params"][step][name], value, FP32_RTOL,
-                             f"rank {rank}, step {step}: {name}")
+        _check_against_fsdp(rank, result["ep"], result["fsdp"])
 
 
 @pytest.mark.timeout(120)

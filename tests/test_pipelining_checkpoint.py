@@ -113,6 +113,22 @@ def test_pp2_checkpoint_resumes_at_pp2_on_the_other_framework(saver, resumer):
     assert_close(_last(per_rank, "crossed"), per_rank[0]["ref_losses"][SAVE_AT:], ADAMW_RTOL)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_process_checkpoint_resumes_at_pp2(monkeypatch, backend, tmp_path):
+    """The whole model trained and saved in this process, resumed by a pp 2 run."""
+    from tests.pipelining_checkpoint_scenarios import SAVE_AT
+
+    monkeypatch.setenv("HP_BACKEND", backend)
+    from tests.pipelining_checkpoint_scenarios import save_whole
+
+    save_whole(str(tmp_path))
+    per_rank = run_ranks("tests.pipelining_checkpoint_scenarios:resume_pp2", 2, backend,
+                         str(tmp_path), timeout_s=600, env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+    assert_close(_last(per_rank, "crossed"), per_rank[0]["ref_losses"][SAVE_AT:], ADAMW_RTOL)
+
+
 # pp 2 x dp 2 x tp 2 (tests/pipelining_3d_scenarios.py): torch saves, MindSpore resumes it
 # and saves its own, torch resumes that; three 8-rank launches in this order
 THREE_D = "tests.pipelining_3d_scenarios:run"

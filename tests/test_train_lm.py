@@ -33,10 +33,12 @@ K = 3  # steps before the checkpoint, and after it
 COMMON = ["--size", "tiny", "--batch", "4", "--seq", "32", "--eval-batches", "1"]
 
 
-def _train(out, backend, *extra):
+def _train(out, backend, *extra, timeout_s: float = 240):
+    """``timeout_s``: hp-run's limit on the job (the subprocess's is a minute more)."""
     command = [sys.executable, str(REPO_ROOT / "examples" / "train_lm.py"), "--backend", backend,
-               "--out", str(out), "--timeout", "240", *COMMON, *extra]
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+               "--out", str(out), "--timeout", str(timeout_s), *COMMON, *extra]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=timeout_s + 60)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     with open(out / "metrics.json") as file:
         return json.load(file), result.stdout

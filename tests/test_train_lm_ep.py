@@ -17,9 +17,16 @@ frameworks against one process. Checked:
   ``2K``), resumed at ep2; saved in one process without expert parallelism, resumed at
   ep2 (the experts' blocks are regions of the whole ``(num_experts, ...)`` value in every
   checkpoint, and the router bias travels in its extra data);
+- ``--ep 2 --tp 2 --mesh 2x2`` on 8 ranks (2 replicas x 2 expert ranks x 2 tensor-parallel
+  ranks: the experts split over ``ep``, sharded over ``replicate`` x ``efsdp``; the
+  dense layers split over ``tp``, the mixture computed whole by each ``tp`` rank): its
+  losses equal the one-process run's to 1e-5 relative over the ``STEPS`` AdamW steps;
+- the ep2 run's export with ``--moe`` (each expert under its own names) holds its last
+  checkpoint's values: the per-expert weights stack back into the grouped parameters;
 - the command line's checks of ``--ep`` (no launch).
 """
 
+import numpy as np
 import pytest
 
 from examples.train_lm import parse_args
@@ -38,9 +45,13 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(root):
+    def export(backend, nproc):  # the ep2 run: its last step checkpointed and exported too
+        return [] if nproc == 1 else ["--ckpt-at-end", "--keep", "3",
+                                      "--export", str(root / f"{backend}_2_export")]
+
     return {(backend, nproc): _train(root / f"{backend}_{nproc}", backend, "--nproc", str(nproc),
                                      "--moe", "--ep", str(nproc), "--steps", str(STEPS),
-                                     "--ckpt-every", str(K))
+                                     "--ckpt-every", str(K), *export(backend, nproc))
             for backend in BACKENDS for nproc in (1, 2)}
 
 
@@ -93,11 +104,60 @@ def test_resumed_at_another_expert_degree_continues_the_run(runs, resumed, backe
     assert _rel(got[start:], whole[start:]) <= PARITY, (case, got, whole)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ep2_export_in_per_expert_names_round_trips(monkeypatch, runs, root, backend):
+    """The ep2 run's export (``--export`` with ``--moe``): each expert's linear weights,
+    transposed and stacked, are the grouped parameters of its last checkpoint, loaded here
+    into the torch model in one process; every other value is the checkpoint's."""
+    monkeypatch.setenv("HP_BACKEND", "torch")
+    import hyper_parallel as hp
+    from safetensors.numpy import load_file
+    from examples.lm.expert_parallel import EXPERTS
+    from examples.lm.model_torch import build
+
+    model = build("tiny", True)
+    hp.load_checkpoint(str(root / f"{backend}_2" / f"step-{STEPS:05d}"), model)
+    exported = load_file(str(root / f"{backend}_2_export" / "model.safetensors"))
+    assert "exported, each expert under its own names" in runs[(backend, 2)][1]
+    for name, param in model.named_parameters():
+        value = param.detach().numpy()
+        prefix, _, attr = name.rpartition(".")
+        if prefix.endswith("mlp.experts"):
+            value = value.transpose(0, 2, 1)
+            got = np.stack([exported.pop(f"{prefix}.{e}.{attr}.weight") for e in range(EXPERTS)])
+        else:
+            got = exported.pop(name)
+        np.testing.assert_array_equal(got, value, err_msg=name)
+    assert not exported, sorted(exported)
+
+
+@pytest.fixture(scope="module")
+def composed(root):
+    """Per backend: dp2 (HSDP 2x2's replicas x ep) x ep2 x tp2 on 8 ranks (MindSpore's 8
+    ranks take about 5 minutes on 2 cores)."""
+    return {backend: _train(root / f"{backend}_ep2_tp2_hsdp", backend, "--nproc", "8",
+                            "--moe", "--ep", "2", "--tp", "2", "--mesh", "2x2",
+                            "--steps", str(STEPS), timeout_s=540)
+            for backend in BACKENDS}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ep2_with_tp2_and_hsdp_losses_equal_one_process(runs, composed, backend):
+    one, got = _losses(runs[(backend, 1)]), _losses(composed[backend])
+    assert len(got) == STEPS and _rel(got, one) <= PARITY, (got, one)
+    assert "HSDP 2x2, MoE, EP 2 x TP 2" in composed[backend][1]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ep", "2"], "--ep N splits the experts of --moe: add --moe"),
     (["--moe", "--ep", "3", "--nproc", "3", "--batch", "6"], "--ep 3 must divide the 4 experts"),
-    (["--moe", "--ep", "2", "--nproc", "4", "--tp", "2"], "leave out --tp, --cp and --mesh"),
-    (["--moe", "--export", "out"], "leave it out with --moe"),
+    (["--moe", "--ep", "2", "--nproc", "4", "--cp", "2", "--seq", "32"], "leave out --cp"),
+    (["--moe", "--ep", "2", "--nproc", "4", "--tp", "2", "--mesh", "2x1", "--batch", "2"],
+     "--ep 2 must divide the 1 sharding ranks of --mesh 2x1"),
 ])
 def test_bad_expert_arguments_are_named(capsys, argv, message):
     with pytest.raises(SystemExit):

@@ -17,14 +17,17 @@ from examples.lm.expert_parallel import shard_experts
 from examples.lm.tensor_parallel import lm_plan
 
 
-def lay_out(hp, part, mesh, mp_policy, dp_mesh_dims, tp_mesh, ep_mesh, recompute: bool) -> None:
-    """``mesh``/``dp_mesh_dims``: fully_shard's; ``tp_mesh``, ``ep_mesh``: None for no
-    tensor or expert parallelism."""
+def lay_out(hp, part, mesh, mp_policy, dp_mesh_dims, tp_mesh, ep_meshes, moe: bool,
+            recompute: bool) -> None:
+    """``mesh``/``dp_mesh_dims``: fully_shard's; ``tp_mesh``: None for no tensor
+    parallelism; ``ep_meshes``: ``shard_experts``'s, None for no expert parallelism;
+    ``moe``: the model has experts."""
     part.model.recompute_layers = recompute
     if tp_mesh is not None:
-        hp.parallelize_module(part, tp_mesh, plan_for(hp, part, lm_plan(hp, attention_inputs=3)))
-    if ep_mesh is not None:
-        shard_experts(hp, part, ep_mesh, mp_policy, hp.get_platform().world_size())
+        plan = lm_plan(hp, attention_inputs=3, moe=moe)
+        hp.parallelize_module(part, tp_mesh, plan_for(hp, part, plan))
+    if ep_meshes is not None:
+        shard_experts(hp, part, ep_meshes, mp_policy)
     for layer in decoder_layers(part):
         hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
     hp.fully_shard(part, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)

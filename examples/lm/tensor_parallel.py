@@ -9,7 +9,10 @@ placements, on MindSpore hyper_parallel.tensor_parallel's):
 - in each decoder layer, the norms sequence-parallel; the attention's and the MLP's input
   gathered from the sequence shards; q/k/v and gate/up column-wise (each rank computes its
   heads and its part of the MLP's width), o and down row-wise, their partial sums
-  reduce-scattered back onto the sequence shards;
+  reduce-scattered back onto the sequence shards; a mixture of experts in place of the MLP
+  (``--moe``) is computed whole by every rank of the group on the gathered sequence, its
+  experts split over the expert-parallel ranks instead, and its output cut back onto the
+  sequence shards;
 - the final norm sequence-parallel, the head column-wise with its logits left split on the
   vocabulary, for the loss (``loss_parallel``), which never gathers them.
 
@@ -37,10 +40,13 @@ def check_degree(size: str, tp: int, seq: int) -> str | None:
     return None
 
 
-def lm_plan(hp, attention_inputs: int) -> dict:
+def lm_plan(hp, attention_inputs: int, moe: bool = False) -> dict:
     """``{submodule key: style}`` for ``hp.parallelize_module(model, tp_mesh, plan)``;
     ``attention_inputs``: how many positional inputs the attention takes (the hidden
-    states first; the rotary tables that follow are the same on every rank)."""
+    states first; the rotary tables that follow are the same on every rank); ``moe``: the
+    MLPs are mixtures of experts, which every rank of the group computes whole on the
+    gathered sequence (their experts split over the expert-parallel ranks instead), their
+    output cut back onto the sequence shards."""
     Shard, Replicate = hp.Shard, hp.Replicate
     constants = (None,) * (attention_inputs - 1)
     layer = {
@@ -50,12 +56,19 @@ def lm_plan(hp, attention_inputs: int) -> dict:
         "self_attn.[qkv]_proj": hp.ColwiseParallel(),
         "self_attn.o_proj": hp.RowwiseParallel(output_layouts=Shard(1)),
         "post_attention_layernorm": hp.SequenceParallel(),
-        "mlp": hp.PrepareModuleInput(input_layouts=(Shard(1),),
-                                     desired_input_layouts=(Replicate(),)),
-        "mlp.gate_proj": hp.ColwiseParallel(),
-        "mlp.up_proj": hp.ColwiseParallel(),
-        "mlp.down_proj": hp.RowwiseParallel(output_layouts=Shard(1)),
     }
+    if moe:
+        layer["mlp"] = hp.PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            use_local_input=True, output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    else:
+        layer.update({
+            "mlp": hp.PrepareModuleInput(input_layouts=(Shard(1),),
+                                         desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": hp.ColwiseParallel(),
+            "mlp.up_proj": hp.ColwiseParallel(),
+            "mlp.down_proj": hp.RowwiseParallel(output_layouts=Shard(1)),
+        })
     plan = {"model.embed_tokens": hp.RowwiseParallel(input_layouts=Replicate(),
                                                      output_layouts=Shard(1))}
     plan.update({f"model.layers.*.{key}": style for key, style in layer.items()})

@@ -19,8 +19,8 @@ from mindspore.nn.utils import no_init_parameters
 import hyper_parallel as hp
 from examples.lm.config import VOCAB, set_initial_values
 from examples.lm.expert_parallel import balance, forget_counts
-from examples.lm.model_mindspore import LlamaLM, build
 from examples.lm.layout import lay_out
+from examples.lm.model_mindspore import LlamaLM, build
 from examples.lm.pipeline import Pipeline, held_row
 from examples.lm.progress import peak_resident_mb
 
@@ -47,7 +47,8 @@ class Trainer:
                                              hp.get_platform().device_type())
         parts = self.pipeline.parts if self.pipeline else [model]
         for part in parts:
-            lay_out(hp, part, mesh, mp_policy, dp_mesh_dims, tp_mesh, ep_meshes[0], recompute)
+            lay_out(hp, part, mesh, mp_policy, dp_mesh_dims, tp_mesh, ep_meshes[0], moe,
+                    recompute)
             if deferred:  # fully_shard has materialised the shards
                 set_initial_values(part)
         # under pipelining the model is this rank's parts (torchtitan's model_parts)

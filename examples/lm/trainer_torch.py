@@ -15,8 +15,8 @@ import torch
 import hyper_parallel as hp
 from examples.lm.config import VOCAB, set_initial_values
 from examples.lm.expert_parallel import balance, forget_counts
-from examples.lm.model_torch import LlamaLM, build
 from examples.lm.layout import lay_out
+from examples.lm.model_torch import LlamaLM, build
 from examples.lm.pipeline import Pipeline, held_row
 from examples.lm.progress import peak_resident_mb
 
@@ -43,7 +43,8 @@ class Trainer:
         self.pipeline = pipeline and Pipeline(hp, model, *pipeline, self.device)
         parts = self.pipeline.parts if self.pipeline else [model]
         for part in parts:
-            lay_out(hp, part, mesh, mp_policy, dp_mesh_dims, tp_mesh, ep_meshes[0], recompute)
+            lay_out(hp, part, mesh, mp_policy, dp_mesh_dims, tp_mesh, ep_meshes[0], moe,
+                    recompute)
             if deferred:
                 part.to_empty(device=self.device)  # allocates each rank's shards only
                 part.model.init_rope()

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hyper_parallel.expert_parallel.capacity import cap, check_capacity_factor, uncap
 from hyper_parallel.expert_parallel.dispatch import combine, dispatch
 from hyper_parallel.expert_parallel.routed import (
     ROUTED, call_form, from_grouped, local_call, routed_names, to_grouped)
@@ -68,7 +69,13 @@ def _children(module: Any) -> list:
 
 class ExpertParallel(ParallelStyle):
     """Split a grouped experts module's experts over the mesh; dispatch each token to its
-    expert's rank and combine the results back (all-to-all both ways)."""
+    expert's rank and combine the results back (all-to-all both ways). ``capacity_factor``:
+    each expert takes at most ``ceil(capacity_factor * rows / num_experts)`` rows from one
+    rank per call, the rest dropped (capacity.py); None: no row dropped."""
+
+    def __init__(self, *, capacity_factor: float | None = None):
+        check_capacity_factor(capacity_factor)
+        self.capacity_factor = capacity_factor
 
     def check(self, module: Any, mesh: Any) -> None:
         params = expert_params(module)
@@ -121,8 +128,11 @@ class ExpertParallel(ParallelStyle):
             else:
                 (x, counts), slots = given, None
                 _check_counts(mod, counts, experts)
+            capped = None
+            if self.capacity_factor is not None:
+                x, counts, capped = cap(x, counts, self.capacity_factor)
             rows, local_counts, routed = dispatch(x, counts, mesh)
-            in_flight.append((routed, rows, slots))
+            in_flight.append((routed, rows, slots, capped))
             if form == ROUTED:
                 local = (rows,) + local_call(rows, local_counts, get_platform().dtype_of(given[2]))
             else:
@@ -130,17 +140,21 @@ class ExpertParallel(ParallelStyle):
             return local + given[len(local):], others
 
         def post(mod, args, kwargs, output):
-            routed, rows, slots = in_flight.pop()
+            routed, rows, slots, capped = in_flight.pop()
             if not sum(routed.output_splits):
                 output = _tied(mod, output, rows, params)  # [Note: no rows here]
             back = combine(output, routed, mesh)
+            if capped is not None:
+                back = uncap(back, capped)
             return back if slots is None else from_grouped(back, slots)
 
         get_platform().register_forward_hooks(module, pre, post)
         return module
 
     def __repr__(self) -> str:
-        return "ExpertParallel()"
+        if self.capacity_factor is None:
+            return "ExpertParallel()"
+        return f"ExpertParallel(capacity_factor={self.capacity_factor!r})"
 
 
 def _tied(module: Any, output: Any, rows: Any, params: list) -> Any:
