@@ -146,9 +146,7 @@ def _check_pipeline(parser, args, rows: int) -> None:
     if args.pp == 1 and args.microbatches:
         parser.error("--microbatches needs --pp: micro-batches are the pipeline schedule's")
     args.microbatches = args.microbatches or args.pp
-    refused = {"--cp": args.cp > 1, "--moe": args.moe, "--export": bool(args.export),
-               "--ckpt-every": bool(args.ckpt_every), "--ckpt-at-end": args.ckpt_at_end,
-               "--resume": bool(args.resume)}
+    refused = {"--cp": args.cp > 1, "--moe": args.moe, "--export": bool(args.export)}
     problem = check_pipeline(args.pp, args.pp_schedule, SIZES[args.size]["layers"], rows,
                              args.microbatches, refused)
     if problem:
@@ -269,7 +267,8 @@ def rank_main(args: argparse.Namespace) -> None:
     corpus = ByteCorpus()
     history, validation = [], []
     if args.resume:
-        extra = hp.load_checkpoint(args.resume, trainer.model, trainer.optimizer)
+        extra = hp.load_checkpoint(args.resume, trainer.model, trainer.optimizer,
+                                   pp_mesh=_pp_mesh(trainer))
         _check_resumable(args, extra)
         if args.moe:
             from examples.lm.expert_parallel import restore_router_biases
@@ -364,6 +363,12 @@ def _validate(args, trainer, corpus, rank, world, validation, step, say) -> None
     say(f"validation at step {step}: loss {loss:.4f}", flush=True)
 
 
+def _pp_mesh(trainer):
+    """The pipeline mesh a checkpoint of this rank's model parts takes (None: no stages):
+    each pp rank saves and loads its stages' parameters under the whole model's names."""
+    return trainer.pipeline.mesh if trainer.pipeline else None
+
+
 def _checkpoint(args, hp, trainer, history, validation, step, rank, say) -> None:
     path = os.path.join(args.out, f"step-{step:05d}")
     tick = time.perf_counter()
@@ -372,7 +377,8 @@ def _checkpoint(args, hp, trainer, history, validation, step, rank, say) -> None
         from examples.lm.expert_parallel import router_biases
 
         extra["router_biases"] = router_biases(hp, trainer.model)
-    hp.save_checkpoint(path, trainer.model, trainer.optimizer, extra=extra)
+    hp.save_checkpoint(path, trainer.model, trainer.optimizer, extra=extra,
+                       pp_mesh=_pp_mesh(trainer))
     say(f"checkpoint: {path} ({time.perf_counter() - tick:.1f} s)", flush=True)
     if rank == 0 and args.keep > 0:
         saved = sorted(p for p in Path(args.out).glob("step-*") if p.is_dir())

@@ -1,7 +1,7 @@
 """examples/train_lm.py under pipeline parallelism (``--pp``): the example model cut into
 stages by module names (hp.pipelining.pipeline_module_split) trains what it trains in one
 process, on both frameworks, alone, with activation recompute and with tensor parallelism
-and fully_shard (3-D).
+and fully_shard (3-D), and its checkpoints resume on the other framework, pipelined or not.
 
 Design note
 -----------
@@ -15,13 +15,16 @@ micro-batches. Runs:
   context-parallel runs);
 - in the default run, pp2 (2 ranks, 1F1B, 2 micro-batches) with ``--recompute`` (each
   decoder layer, a fully_shard unit, runs its forward again in backward; on MindSpore
-  inside the schedule's own recomputed forwards) on each framework: one launch covers the
-  pipeline and recompute inside a stage;
-- under ``-m slow``: pp2 x dp2 x tp2 (8 ranks) on each framework, pp2 under the
-  interleaved schedule (4 stages: the first holds only the embedding, the last only the
-  norm and the head) and GPipe over HSDP 2x1 (4 ranks).
+  inside the schedule's own recomputed forwards) on each framework, with a checkpoint
+  after step K: one launch covers the pipeline, recompute inside a stage and the save;
+- under ``-m slow``: pp2 x dp2 x tp2 (8 ranks) on each framework with a checkpoint after
+  step K, each resumed by the other framework's 3-D run; torch's pp2 checkpoint resumed
+  by MindSpore in one process; pp2 under the interleaved schedule (4 stages: the first
+  holds only the embedding, the last only the norm and the head) and GPipe over HSDP 2x1
+  (4 ranks).
 
-Losses and the last validation loss must equal one process's to 1e-5 relative (float32);
+Losses and the last validation loss must equal one process's to 1e-5 relative (float32),
+a resumed run's too (its first K steps are the saving run's history);
 torch's and MindSpore's pipelined runs must agree to what their one-process references
 agree to (twice their largest relative difference, as tests/test_train_lm_tp.py).
 Options that do not compose with ``--pp`` are refused by the argument parser, in process.
@@ -35,7 +38,7 @@ from tests.test_train_lm_tp import _check_parity
 pytest.importorskip("torch")
 pytest.importorskip("mindspore")
 
-STEPS = 5
+STEPS, K = 5, 3  # steps in all; the pp2 and 3-D runs checkpoint after K
 BACKENDS = ["torch", "mindspore"]
 
 
@@ -52,7 +55,7 @@ def references(train_lm_references):
 @pytest.fixture(scope="module")
 def pp2(root):
     return {backend: _train(root / f"{backend}_pp2", backend, "--nproc", "2", "--pp", "2",
-                            "--recompute", "--steps", str(STEPS))
+                            "--recompute", "--steps", str(STEPS), "--ckpt-every", str(K))
             for backend in BACKENDS}
 
 
@@ -67,27 +70,52 @@ def _check_agreement(runs, references, what: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_pp2_with_recompute_trains_as_one_process(references, pp2, backend):
+def test_pp2_with_recompute_trains_as_one_process(references, pp2, root, backend):
     run = pp2[backend]
     assert "PP 2 (1f1b, 2 micro-batches) x FSDP 1, recompute" in run[1]
     assert [r["step"] for r in run[0]["history"]] == list(range(1, STEPS + 1))
     _check_parity(run, references[backend], f"{backend} pp2 recompute")
+    assert (root / f"{backend}_pp2" / f"step-{K:05d}" / "index.json").exists()
 
 
 def test_pp2_torch_agrees_with_mindspore(references, pp2):
     _check_agreement(pp2, references, "pp2")
 
 
+def _check_resumed(saved, resumed, reference, what: str) -> None:
+    """``resumed`` carries ``saved``'s first K steps and trains on as one process does."""
+    assert f"resumed at step {K}" in resumed[1]
+    assert resumed[0]["history"][:K] == saved[0]["history"][:K], "the checkpoint lost the history"
+    assert [r["step"] for r in resumed[0]["history"]] == list(range(1, STEPS + 1))
+    _check_parity(resumed, reference, what)
+
+
+THREE_D = ["--nproc", "8", "--pp", "2", "--tp", "2", "--steps", str(STEPS)]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_pp2_dp2_tp2_trains_as_one_process_on_both(references, root):
-    runs = {backend: _train(root / f"{backend}_3d", backend, "--nproc", "8", "--pp", "2",
-                            "--tp", "2", "--steps", str(STEPS))
+@pytest.mark.timeout(2400)
+def test_pp2_dp2_tp2_trains_as_one_process_and_resumes_on_the_other_framework(references, root):
+    runs = {backend: _train(root / f"{backend}_3d", backend, *THREE_D, "--ckpt-every", str(K))
             for backend in BACKENDS}
     for backend, run in runs.items():
         assert "PP 2 (1f1b, 2 micro-batches) x FSDP 2 x TP 2" in run[1]
         _check_parity(run, references[backend], f"{backend} pp2 x dp2 x tp2")
     _check_agreement(runs, references, "pp2 x dp2 x tp2")
+    for saver, resumer in (("torch", "mindspore"), ("mindspore", "torch")):
+        resumed = _train(root / f"{resumer}_3d_from_{saver}", resumer, *THREE_D,
+                         "--resume", str(root / f"{saver}_3d" / f"step-{K:05d}"))
+        _check_resumed(runs[saver], resumed, references[resumer],
+                       f"{resumer} pp2 x dp2 x tp2 resumed from {saver}'s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_pp2_checkpoint_resumes_in_one_process_on_the_other_framework(references, pp2, root):
+    resumed = _train(root / "mindspore_1_from_pp2", "mindspore", "--nproc", "1",
+                     "--steps", str(STEPS), "--resume", str(root / "torch_pp2" / f"step-{K:05d}"))
+    _check_resumed(pp2["torch"], resumed, references["mindspore"],
+                   "MindSpore in one process resumed from torch's pp2")
 
 
 @pytest.mark.slow
@@ -108,7 +136,6 @@ def test_pp2_schedules_train_as_one_process(references, root, backend, argv, lay
 @pytest.mark.parametrize("argv, message", [
     (["--nproc", "4", "--pp", "2", "--cp", "2"], "--pp does not compose with --cp"),
     (["--nproc", "2", "--pp", "2", "--moe"], "--pp does not compose with --moe"),
-    (["--nproc", "2", "--pp", "2", "--ckpt-every", "2"], "--pp does not compose with --ckpt-every"),
     (["--nproc", "2", "--pp", "2", "--export", "x"], "--pp does not compose with --export"),
     (["--nproc", "2", "--pp", "3"], "--pp 3 x --tp 1 must divide --nproc 2"),
     (["--nproc", "4", "--pp", "4", "--pp-schedule", "interleaved"],

@@ -6,17 +6,15 @@ each decoder layer and the norm with the head into ``N`` stages (``2 N`` for the
 interleaved schedule, two per pp rank), named as this model names its modules, and
 ``hp.pipelining.pipeline_module_split`` keeps of the whole model only what this pp rank's
 stages are named for; a part keeps the whole model's parameter names. Each part is then
-laid out as a whole model is (the tensor-parallel plan's keys that name its modules, each
-decoder layer and the part ``fully_shard`` units over the data-parallel dims), and the
-schedule trains the parts on ``mesh["pp"]``: each step's rows are cut into
+laid out as a whole model is (examples/lm/layout.py: the tensor-parallel plan's keys that
+name its modules, each decoder layer and the part ``fully_shard`` units over the
+data-parallel dims), and the schedule trains the parts on ``mesh["pp"]``: each step's rows are cut into
 ``microbatches`` micro-batches, the last stage's loss is the mean of theirs, and the
 gradients are those of that mean (the schedule's ``scale_grads``), as one process's over
 the whole batch.
 """
 
 from __future__ import annotations
-
-import fnmatch
 
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
@@ -32,7 +30,7 @@ def check_pipeline(pp: int, schedule: str, layers: int, rows: int, microbatches:
     given = [option for option, on in refused.items() if on]
     if pp > 1 and given:
         return (f"--pp does not compose with {', '.join(given)}: pipelined runs take --tp, "
-                f"--mesh and --recompute; leave out {', '.join(given)}")
+                f"--mesh, --recompute and checkpoints; leave out {', '.join(given)}")
     stages = pp * STAGES_PER_RANK[schedule]
     if pp > 1 and stages > layers + 2:
         return (f"--pp {pp} with --pp-schedule {schedule} makes {stages} stages, more than "
@@ -47,18 +45,6 @@ def module_names_per_stage(hp, pp: int, schedule: str, layers: int) -> list:
     """Every stage's module names, in stage order."""
     return hp.pipelining.generate_llm_fqn_per_model_part(pp * STAGES_PER_RANK[schedule],
                                                          layers, **NAMES)
-
-
-def plan_for(hp, part, plan: dict) -> dict:
-    """The keys of ``plan`` that name modules ``part`` holds."""
-    names = [n for n, _ in hp.get_platform().named_modules(part) if n]
-    return {key: style for key, style in plan.items() if fnmatch.filter(names, key)}
-
-
-def decoder_layers(part) -> list:
-    """The decoder layers a model part holds (a part's list keeps the whole model's
-    indices: iterate it, never index it)."""
-    return list(part.model.layers or ())
 
 
 class Pipeline:

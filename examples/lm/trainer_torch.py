@@ -14,11 +14,11 @@ import torch
 
 import hyper_parallel as hp
 from examples.lm.config import VOCAB, set_initial_values
-from examples.lm.expert_parallel import balance, forget_counts, shard_experts
+from examples.lm.expert_parallel import balance, forget_counts
+from examples.lm.layout import lay_out
 from examples.lm.model_torch import LlamaLM, build
-from examples.lm.pipeline import Pipeline, decoder_layers, held_row, plan_for
+from examples.lm.pipeline import Pipeline, held_row
 from examples.lm.progress import peak_resident_mb
-from examples.lm.tensor_parallel import lm_plan
 
 
 class Trainer:
@@ -43,15 +43,8 @@ class Trainer:
         self.pipeline = pipeline and Pipeline(hp, model, *pipeline, self.device)
         parts = self.pipeline.parts if self.pipeline else [model]
         for part in parts:
-            part.model.recompute_layers = recompute
-            if tp_mesh is not None:
-                hp.parallelize_module(part, tp_mesh,
-                                      plan_for(hp, part, lm_plan(hp, attention_inputs=3, moe=moe)))
-            if ep_meshes[0] is not None:
-                shard_experts(hp, part, ep_meshes[0], mp_policy)
-            for layer in decoder_layers(part):
-                hp.fully_shard(layer, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
-            hp.fully_shard(part, mesh=mesh, mp_policy=mp_policy, dp_mesh_dims=dp_mesh_dims)
+            lay_out(hp, part, mesh, mp_policy, dp_mesh_dims, tp_mesh, ep_meshes[0], moe,
+                    recompute)
             if deferred:
                 part.to_empty(device=self.device)  # allocates each rank's shards only
                 part.model.init_rope()
