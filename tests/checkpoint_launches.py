@@ -20,7 +20,7 @@ import tempfile
 import pytest
 
 from tests import shared_launch
-from tests.multirank import RankFailure, run_ranks
+from tests.multirank import FAST_MINDSPORE, RankFailure, run_ranks
 
 SAFETY = "tests.checkpoint_safety_scenarios"
 BN = "tests.checkpoint_bn_scenarios"
@@ -43,7 +43,7 @@ def jobs(world_size: int, backend: str, *calls, timeout_s: float) -> list:
     return run_ranks("tests.shared_launch:run_jobs", world_size, backend,
                      [(name, target if ":" in target else f"tests.checkpoint_scenarios:{target}",
                        args, {}) for name, target, args in calls], timeout_s=timeout_s,
-                     env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+                     env=FAST_MINDSPORE)
 
 
 def _at(*names) -> tuple:

@@ -14,7 +14,8 @@ of the default run, ``-m slow``) runs only where a slow test of its module is se
 Each job is one call of its target, with its own ``env`` set in the ranks' environment
 while it runs.
 
-MindSpore ranks of a shared launch run ``launch_blocking()`` (tests/multirank.py), as
+MindSpore ranks of a shared launch run ``launch_blocking()`` and jit-decorated functions op
+by op (``FAST_MINDSPORE``, tests/multirank.py); ``launch_blocking()``, as
 docs/platforms.md recommends for CPU runs with about one core per rank: on 2 cores the
 2-rank launch takes ~50 s instead of ~140 s in the default asynchronous pipeline, which
 other launches keep covering (tests/multirank.py).
@@ -61,7 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tests.multirank import RankFailure, run_ranks
+from tests.multirank import FAST_MINDSPORE, RankFailure, run_ranks
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ def _run(backend: str, world_size: int, jobs: list) -> list:
         try:
             run_ranks("tests.shared_launch:run_jobs", world_size, backend, calls, progress,
                       timeout_s=sum(j.timeout_s for j in jobs),
-                      env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+                      env=FAST_MINDSPORE)
             failure = None
         except RankFailure as caught:
             failure = caught

@@ -16,7 +16,7 @@ import pytest
 
 from tests import shared_launch
 from tests.forward_pattern_scenarios import PATTERNS, TORCH_ONLY
-from tests.multirank import run_ranks
+from tests.multirank import FAST_MINDSPORE, run_ranks
 from tests.tolerance import FP32_RTOL, LOW_PRECISION_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
@@ -30,7 +30,7 @@ LOW_PRECISION = {"torch": "bfloat16", "mindspore": "float16"}  # the scenarios' 
 @shared_launch.once
 def _results(backend: str) -> list:
     return run_ranks("tests.forward_pattern_scenarios:run_all", 2, backend, list(PATTERNS),
-                     timeout_s=400, env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+                     timeout_s=400, env=FAST_MINDSPORE)
 
 
 @pytest.mark.timeout(600)

@@ -30,7 +30,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from tests.multirank import REPO_ROOT, run_ranks
+from tests.multirank import FAST_MINDSPORE, REPO_ROOT, run_ranks
 from tests.tolerance import ADAMW_RTOL, assert_close
 
 SCRIPT = str(REPO_ROOT / "examples" / "one_script" / "train.py")
@@ -59,7 +59,7 @@ def outcome(backend: str) -> dict:
     out = tempfile.mkdtemp(prefix=f"hp-one-script-{backend}-")
     run_ranks("tests.test_one_script:run_script", WORLD, backend,
               ["--model", backend, "--out", out], timeout_s=900,
-              env={"HP_TEST_NO_DIST": "1", "HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+              env={"HP_TEST_NO_DIST": "1", **FAST_MINDSPORE})
     found = {}
     for layout in ("single",) + LAYOUTS:
         ranks = [json.load(open(os.path.join(out, f"{layout}.rank{r}.json")))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests import shared_launch
-from tests.multirank import run_ranks
+from tests.multirank import FAST_MINDSPORE, run_ranks
 from tests.tolerance import ADAMW_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
@@ -109,7 +109,7 @@ def test_pp2_checkpoint_resumes_at_pp2_on_the_other_framework(saver, resumer):
     shared_launch.results("pipelining_checkpoint", saver)
     per_rank = run_ranks("tests.pipelining_checkpoint_scenarios:resume_pp2", 2, resumer,
                          _directory(saver), timeout_s=600,
-                         env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+                         env=FAST_MINDSPORE)
     assert_close(_last(per_rank, "crossed"), per_rank[0]["ref_losses"][SAVE_AT:], ADAMW_RTOL)
 
 
@@ -125,7 +125,7 @@ def test_one_process_checkpoint_resumes_at_pp2(monkeypatch, backend, tmp_path):
 
     save_whole(str(tmp_path))
     per_rank = run_ranks("tests.pipelining_checkpoint_scenarios:resume_pp2", 2, backend,
-                         str(tmp_path), timeout_s=600, env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+                         str(tmp_path), timeout_s=600, env=FAST_MINDSPORE)
     assert_close(_last(per_rank, "crossed"), per_rank[0]["ref_losses"][SAVE_AT:], ADAMW_RTOL)
 
 
@@ -137,7 +137,7 @@ THREE_D = "tests.pipelining_3d_scenarios:run"
 def _three_d(backend: str, *calls) -> list:
     return run_ranks("tests.shared_launch:run_jobs", 8, backend,
                      [(name, THREE_D, args, {}) for name, args in calls], timeout_s=900,
-                     env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+                     env=FAST_MINDSPORE)
 
 
 def _three_d_dir(backend: str) -> str:

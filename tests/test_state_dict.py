@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests import shared_launch
-from tests.multirank import run_ranks
+from tests.multirank import FAST_MINDSPORE, run_ranks
 from tests.tolerance import FP32_RTOL, assert_close
 
 BACKENDS = ["torch", "mindspore"]
@@ -29,7 +29,7 @@ def _chain(backend: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="hp-state-dict-") as directory:
         return {world: run_ranks("tests.state_dict_scenarios:run_phase", world, backend,
                                  "save" if world == 4 else "load", directory, timeout_s=400,
-                                 env={"HP_TEST_MS_LAUNCH_BLOCKING": "1"})
+                                 env=FAST_MINDSPORE)
                 for world in (4, 2, 1)}
 
 

@@ -80,6 +80,10 @@ class _TorchSide:
                 param.copy_(torch.from_numpy(_model_values()[name]))
         return net
 
+    def layer_list(self, layers: list):
+        """The framework's list container of ``layers`` (what a model's stack of blocks is)."""
+        return self.torch.nn.ModuleList(layers)
+
     def batchnorm(self):
         """A BatchNorm over 3 features, in training mode, with a non-persistent buffer
         ``scratch`` beside its statistics."""
@@ -199,6 +203,9 @@ class _MindSporeSide:
         for name, param in net.parameters_and_names():
             param.set_data(ms.Tensor(values[name]))
         return net
+
+    def layer_list(self, layers: list):
+        return self.ms.nn.CellList(layers)
 
     def batchnorm(self):
         """A BatchNorm over 3 features, in training mode."""
