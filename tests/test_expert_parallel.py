@@ -8,8 +8,8 @@ dense parts sharded over both ranks, each rank its own sequences; and the same m
 one process on the whole batch. Over 5 AdamW steps with ``hp.clip_grad_norm_``:
 
 - the losses (the mean of the ranks' means) and the gradient norms (each expert counted
-  once) equal the reference's within FP32_RTOL, and so do the whole parameters after
-  every step (``get_full_state_dict``: all experts); the expert bias moves as the
+  once) equal the reference's within FP32_RTOL, and the whole parameters after every
+  step (``get_full_state_dict``: all experts) within ADAMW_RTOL; the expert bias moves as the
   reference's (the counts summed over the ranks);
 - the routing leaves experts without rows on some rank (checked, so the case is covered);
 - the all-to-all bytes of a step are those the routing implies (counted by the platform);
@@ -46,7 +46,7 @@ import pytest
 from tests import shared_launch
 from tests.multirank import RankFailure
 from tests.ep_models import DIM, EMPTY, EXPERTS
-from tests.tolerance import FP32_RTOL, LOW_PRECISION_RTOL, assert_close
+from tests.tolerance import ADAMW_RTOL, FP32_RTOL, LOW_PRECISION_RTOL, assert_close
 
 SLOW_RUNS = ("softmax", "sigmoid", "softmax-recompute", "softmax-hsdp", "softmax-tp")
 EP = 2
@@ -90,6 +90,8 @@ shared_launch.register(__name__, "expert_parallel_ep2_accumulate", EP, "tests.ep
 
 
 def _check_parity(per_rank: list, score: str, rtol: float = FP32_RTOL) -> None:
+    """Losses, norms and expert bias to ``rtol``; parameters, which AdamW moves by about
+    lr * sign(grad), to ADAMW_RTOL at least (tests/tolerance.py)."""
     runs = [result[score] for result in per_rank]
     reference = runs[0]["reference"]
     losses = np.mean([run["ep"]["losses"] for run in runs], axis=0)
@@ -105,7 +107,8 @@ def _check_parity(per_rank: list, score: str, rtol: float = FP32_RTOL) -> None:
             assert got.keys() == expected.keys()
             for name, value in expected.items():
                 assert got[name].shape == value.shape, name  # every expert, whole
-                assert_close(got[name], value, rtol, f"rank {rank}, step {step}: {name}")
+                assert_close(got[name], value, max(rtol, ADAMW_RTOL),
+                             f"rank {rank}, step {step}: {name}")
     counts = [run["counts"] for run in runs]
     assert all(c[EMPTY] == 0 for c in counts), counts
     if "-" not in score:  # one forward and backward per step
@@ -272,11 +275,12 @@ def test_a_capacity_factor_drops_the_rows_its_rule_names(backend):
 
 
 def _check_against_fsdp(rank: int, ep: dict, fsdp: dict) -> None:
-    """One rank's losses and parameters after each step equal plain FSDP's."""
+    """One rank's losses and parameters after each step equal plain FSDP's (the parameters
+    of an AdamW run to ADAMW_RTOL: the expert gradients are summed in another order)."""
     assert_close(ep["losses"], fsdp["losses"], FP32_RTOL, f"rank {rank}: losses")
     for step, expected in enumerate(fsdp["params"]):
         for name, value in expected.items():
-            assert_close(ep["params"][step][name], value, FP32_RTOL,
+            assert_close(ep["params"][step][name], value, ADAMW_RTOL,
                          f"rank {rank}, step {step}: {name}")
 
 
