@@ -12,7 +12,7 @@ Saving: the ranks of one pp rank hold the same values (its data- and tensor-para
 ranks, as any run's ranks do), and no stored name is held at two pp ranks. Every rank's
 pp rank and stored names are gathered (layout.py, ``written_here``) before anything is
 written, and a rank that breaks either rule makes every rank raise, naming it. Without ``pp_mesh``
-every rank holds the same values, as before.
+every rank must hold the same values.
 
 Loading: a rank reads only its own names, each of which the checkpoint must hold; and the
 ranks together must load every name the checkpoint holds, else a stage's parameters would
