@@ -42,4 +42,4 @@ def plan_for(hp, part, plan: dict) -> dict:
 def decoder_layers(part) -> list:
     """The decoder layers a model part holds (a part's list keeps the whole model's
     indices: iterate it, never index it)."""
-    return list(part.model.layers or ())
+    return list(part.model.layers)

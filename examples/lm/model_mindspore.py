@@ -160,7 +160,7 @@ class Body(nn.Cell):
         """See model_torch.py's Body.forward."""
         x = self.embed_tokens(ids) if self.embed_tokens is not None else ids
         cos, sin = self.cos.astype(x.dtype), self.sin.astype(x.dtype)
-        for layer in self.layers or ():  # None in a part without layers
+        for layer in self.layers:  # a part without layers holds an empty list
             x = self._layer(layer, x, cos, sin)
         return self.norm(x) if self.norm is not None else x
 

@@ -152,7 +152,7 @@ class Body(nn.Module):
         embedding; parts a stage does not hold are None (or absent layers)."""
         x = self.embed_tokens(ids) if self.embed_tokens is not None else ids
         cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
-        for layer in self.layers or ():  # None in a part without layers
+        for layer in self.layers:  # a part without layers holds an empty list
             x = self._layer(layer, x, cos, sin)
         return self.norm(x) if self.norm is not None else x
 
