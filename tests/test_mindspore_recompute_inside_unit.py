@@ -1,15 +1,18 @@
-"""A MindSpore sub-cell marked with ``cell.recompute()`` inside a ``fully_shard`` unit: its
-weights get a zero gradient, without an error (a known bug of the MindSpore platform).
+"""MindSpore's ``cell.recompute()`` on a ``fully_shard`` unit or on a cell inside one: the
+weights it covers get a zero gradient, without an error (a known bug of the MindSpore
+platform).
 
 Why: the unit's hooks attach the gathered full parameters, which are not Parameters, before
 its construct runs, and their gradients reach the shards through the unshard node of the
-gather. A recomputed sub-cell runs its construct again in backward and differentiates it
-against its own Parameters only, so the gradient of the full tensors it read goes nowhere.
-Recomputing the whole unit works (its hooks run inside the recomputation and gather again;
-tests/test_parity.py's recompute scenarios, ``make example --recompute``). The functional
-``mindspore.recompute(sub_cell, ...)`` inside a unit ends the process (SIGSEGV) on the same
-model. The test states the correct behaviour and is a strict xfail: it fails the day the
-bug is fixed, so the docs' note (docs/api.md, "Activation checkpointing") goes with it.
+gather. A cell marked with ``recompute()`` runs its construct again in backward and
+differentiates it against its own Parameters only, so the gradient of the full tensors it
+read goes nowhere; that holds for a marked unit as well (a sub-cell made a unit of its own
+gets zero too). What works is the functional form on a whole unit,
+``mindspore.recompute(unit, ...)``, whose recomputation runs the unit's hooks again
+(tests/test_parity.py's recompute scenarios, ``make example --recompute``); the functional
+form on a sub-cell inside a unit ends the process (SIGSEGV). The test states the correct
+behaviour and is a strict xfail: it fails the day the bug is fixed, so the docs' note
+(docs/api.md, "Activation checkpointing") goes with it.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import pytest
 from tests.multirank import run_ranks
 
 
-def gradients_with_a_recomputed_sub_cell() -> dict:
+def gradients_with_a_recomputed_cell(marked: str) -> dict:
     """Rank side, one process: ``{"plain": ..., "sharded": ...}``, each the absolute sum
-    of every parameter's gradient of a two-layer model whose layers' MLP is recomputed."""
+    of every parameter's gradient of a two-layer model; ``marked``: ``"sub_cell"`` (each
+    layer's MLP) or ``"unit"`` (each layer) is marked with ``recompute()``."""
     import mindspore as ms
     from mindspore import mint, nn
 
@@ -41,7 +45,7 @@ def gradients_with_a_recomputed_sub_cell() -> dict:
             super().__init__()
             self.scale = ms.Parameter(ms.Tensor(np.full((4,), 2.0, np.float32)), name="scale")
             self.mlp = MLP()
-            self.mlp.recompute()
+            (self.mlp if marked == "sub_cell" else self).recompute()
 
         def construct(self, x):
             return x + self.mlp(x * self.scale)
@@ -70,12 +74,14 @@ def gradients_with_a_recomputed_sub_cell() -> dict:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.xfail(strict=True, reason="MindSpore platform bug: a sub-cell recomputed inside "
-                   "a fully_shard unit gets a zero gradient (module docstring)")
-def test_a_sub_cell_recomputed_inside_a_unit_gets_its_gradient():
+@pytest.mark.xfail(strict=True, reason="MindSpore platform bug: cell.recompute() on or inside "
+                   "a fully_shard unit gives a zero gradient (module docstring)")
+@pytest.mark.parametrize("marked", ["sub_cell", "unit"])
+def test_a_cell_marked_for_recompute_in_a_unit_gets_its_gradient(marked):
     pytest.importorskip("mindspore")
     (result,) = run_ranks("tests.test_mindspore_recompute_inside_unit:"
-                          "gradients_with_a_recomputed_sub_cell", 1, "mindspore", timeout_s=180)
+                          "gradients_with_a_recomputed_cell", 1, "mindspore", marked,
+                          timeout_s=180)
     assert all(v > 0 for v in result["plain"].values()), result["plain"]
     assert result["sharded"].keys() == result["plain"].keys()
     for name, expected in result["plain"].items():
