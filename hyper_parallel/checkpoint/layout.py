@@ -172,7 +172,9 @@ def written_here(platform: Platform, held: list, pp_rank: int | None = None) -> 
     names = "\n".join(h.key for h in held).encode()
     row = np.array([pp_rank or 0, len(held), zlib.crc32(signature), len(names)], np.uint32)
     every = _gather(platform, row)
-    listed = ([names] if len(every) == 1 else
+    # the names themselves only where stages may split them: without pp_mesh every rank
+    # holds the same values, which the checksums already compare
+    listed = ([] if pp_rank is None else [names] if len(every) == 1 else
               _gather_bytes(platform, names, max(int(r[3]) for r in every)))
     _check_stages(every, [b.decode().split("\n") if b else [] for b in listed],
                   pp_rank is not None)
@@ -194,8 +196,9 @@ def written_here(platform: Platform, held: list, pp_rank: int | None = None) -> 
 
 def _check_stages(rows: list, names: list, pp: bool) -> None:
     """``rows[r]``: rank ``r``'s (pp rank, number of values, checksum of its names and
-    shapes, length of its names); ``names[r]``: its stored names. The ranks of one pp rank
-    hold the same values; no name is held at two pp ranks (stages.py)."""
+    shapes, length of its names); ``names[r]``: its stored names (none gathered without
+    pp_mesh). The ranks of one pp rank hold the same values; no name is held at two pp
+    ranks (stages.py)."""
     for rank, row in enumerate(rows):
         peer = next(r for r, other in enumerate(rows) if other[0] == row[0])
         if not np.array_equal(row, rows[peer]):
@@ -206,11 +209,12 @@ def _check_stages(rows: list, names: list, pp: bool) -> None:
                 f"every rank holds whole or in parts (data and tensor parallelism), and "
                 f"pipeline stages given pp_mesh=mesh['pp']")
     holder: dict = {}
-    for rank, row in enumerate(rows):
-        for name in names[rank]:
-            other = holder.setdefault(name, int(row[0]))
-            if other != row[0]:
-                raise CheckpointError(f"{name!r} is held at pp ranks {other} and {row[0]}: "
+    for rank, held_names in enumerate(names):
+        stage = int(rows[rank][0])
+        for name in held_names:
+            other = holder.setdefault(name, stage)
+            if other != stage:
+                raise CheckpointError(f"{name!r} is held at pp ranks {other} and {stage}: "
                                       f"each value belongs to one stage (split the model "
                                       f"with hp.pipelining.pipeline_module_split)")
 
