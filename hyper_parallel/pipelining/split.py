@@ -22,6 +22,7 @@ entries kept keep their names: ``layers[0]`` of stage 1 does not exist).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from hyper_parallel.pipelining.schedules import (
@@ -149,5 +150,25 @@ def _part(module: Any, prefix: str, kept: set) -> Any:
         if full in kept or any(k.startswith(full + ".") for k in kept):
             children[name] = _part(child, full, kept)
         elif p.children_of(child)[1]:  # a list or dict of layers none of which is kept
-            children[name] = p.module_shell(child, {})
-    return p.module_shell(module, children)
+            children[name] = module_shell(p, child, {})
+    return module_shell(p, module, children)
+
+
+def module_shell(p: Any, module: Any, children: dict) -> Any:
+    """A copy of ``module`` that shares its parameters, buffers and attributes but has its
+    own registries (hooks and units added to the copy stay on it), whose children are
+    ``children`` (``{name: module}``, a subset of its own): a child left out is dropped from
+    a list or dict container without renumbering the others, and is None elsewhere."""
+    shell = copy.copy(module)
+    shell.__dict__ = {k: copy.copy(v) if isinstance(v, (dict, list, set)) else v
+                      for k, v in vars(module).items()}
+    registry, container = p.children_of(shell)
+    for name in list(registry):
+        if name in children:
+            registry[name] = children[name]
+        elif container:
+            del registry[name]
+        else:
+            registry[name] = None
+    p.children_changed(shell)
+    return shell

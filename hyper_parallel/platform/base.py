@@ -26,7 +26,6 @@ Reading a narrowed or reshaped tensor is always allowed; writing through one nev
 from __future__ import annotations
 
 import abc
-import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -238,30 +237,11 @@ class Platform(Collectives, TensorPrimitives):
         how the module is called."""
         return module.forward
 
-    def module_shell(self, module: Any, children: dict) -> Any:
-        """A copy of ``module`` that shares its parameters, buffers and attributes but has
-        its own registries (hooks and units added to the copy stay on it), whose children
-        are ``children`` (``{name: module}``, a subset of its own): a child left out is
-        dropped from a list or dict container without renumbering the others, and is None
-        elsewhere (pipeline_module_split: the whole model's names stay)."""
-        shell = copy.copy(module)
-        shell.__dict__ = {k: copy.copy(v) if isinstance(v, (dict, list, set)) else v
-                          for k, v in vars(module).items()}
-        registry, container = self.children_of(shell)
-        for name in list(registry):
-            if name in children:
-                registry[name] = children[name]
-            elif container:
-                del registry[name]
-            else:
-                registry[name] = None
-        self.children_changed(shell)
-        return shell
-
     @abc.abstractmethod
     def children_of(self, module: Any) -> tuple:
         """``(the dict that registers module's children by name, whether module is a
-        list or dict container whose entries are its children)``."""
+        list or dict container whose entries are its children)``: pipelining/split.py
+        edits a copy's dict to cut a stage from a whole model."""
 
     def children_changed(self, module: Any) -> None:
         """``module``'s children were replaced in ``children_of``'s dict: refresh what the

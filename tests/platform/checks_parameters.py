@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hyper_parallel.pipelining.split import module_shell
 from hyper_parallel.platform.base import Platform
 from tests.platform.conformance import (
     Skip, _arange, _check, _f32, _same, _storage_bytes, _values, collective_check, local_check)
@@ -30,26 +31,27 @@ def check_named_modules(ctx):
 
 @local_check
 def check_children_and_module_shell(ctx):
-    """What pipeline_module_split stands on: a module's registry of children, a shell of it
-    with some children (the original untouched, names kept), the method a call runs."""
+    """What pipeline_module_split stands on: a module's registry of children, which a shell
+    of it edits (pipelining/split.py: the original untouched, names kept), and the method a
+    call runs."""
     p, side = ctx.p, ctx.side
     model = side.model()
     registry, container = p.children_of(model)
     _check(sorted(registry) == ["fc1", "inner"] and not container,
            f"children_of(model) gave {sorted(registry)}, container {container}; expected "
            f"fc1 and inner, not a container")
-    shell = p.module_shell(model, {"fc1": model.fc1})
+    shell = module_shell(p, model, {"fc1": model.fc1})
     _check(shell is not model and shell.fc1 is model.fc1 and shell.inner is None,
-           "module_shell must share the kept child and set a dropped attribute child to None")
+           "a shell must share the kept child and set a dropped attribute child to None")
     _check(model.inner is not None and [n for n, _ in p.named_modules(shell)] == ["", "fc1"],
-           f"module_shell changed the original or its names: "
+           f"a shell changed the original or its names: "
            f"{[n for n, _ in p.named_modules(shell)]}")
     layers = [side.model().fc1 for _ in range(3)]
     stack = side.layer_list(layers)
     registry, container = p.children_of(stack)
     _check(list(registry) == ["0", "1", "2"] and container,
            f"children_of(list) gave {list(registry)}, container {container}")
-    part = p.module_shell(stack, {"0": layers[0], "2": layers[2]})
+    part = module_shell(p, stack, {"0": layers[0], "2": layers[2]})
     p.children_changed(part)  # again: refreshing twice changes nothing
     _check([n for n, _ in p.named_modules(part)] == ["", "0", "2"],
            f"a list's shell must keep its entries' names: {[n for n, _ in p.named_modules(part)]}")
